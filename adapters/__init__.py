@@ -1,0 +1,1 @@
+"""Thin adapters for RL frameworks (verl, SkyRL, TRL): translation only, imported lazily."""

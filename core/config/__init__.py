@@ -1,0 +1,9 @@
+"""One config schema: a validated dataclass per engine (and the client), re-exported here.
+
+Each dataclass checks itself in ``__post_init__`` and raises ``ValueError`` naming the bad
+field, so a mistake fails before any engine is built. Hydra recipes register these same
+classes as structured configs; YAML only overrides their defaults.
+"""
+from .common import DTYPES, resolve_dtype
+
+__all__ = ["DTYPES", "resolve_dtype"]

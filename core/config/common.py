@@ -1,0 +1,31 @@
+"""Validation helpers shared by the engine configs."""
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def resolve_dtype(name: str | torch.dtype, allowed: tuple[str, ...] = tuple(DTYPES)) -> torch.dtype:
+    """Map a dtype name (``"bfloat16"``, ``"bf16"``, ``torch.float32`` ...) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        name = {v: k for k, v in DTYPES.items()}.get(name, str(name))
+    key = _ALIASES.get(str(name), str(name))
+    if key not in DTYPES or key not in allowed:
+        raise ValueError(f"dtype {name!r} is not supported here; choose one of {list(allowed)}")
+    return DTYPES[key]
+
+
+def check_model_spec(model: object, owner: str) -> None:
+    """A model is an HF id, a local path, or a ``tiny:``/``random:`` spec of polynya.models."""
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"{owner}.model must be a non-empty string (HF id, local path, or 'tiny:qwen3'), got {model!r}")
+
+
+def check_positive(value: object, name: str, *, allow_zero: bool = False, integer: bool = False) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or value < 0 or (value == 0 and not allow_zero):
+        kind = "an integer" if integer else "a number"
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {kind} {bound}, got {value!r}")

@@ -1,0 +1,210 @@
+"""Plain data exchanged between polynya's rooms: rollout batches, token statistics, sampling.
+
+Every engine takes and returns these small dataclasses (never framework objects). They are
+validated on construction so that a bad batch fails at the API boundary with a message that
+names the problem, before any engine state is touched.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+TokenSeq = Union[Sequence[int], torch.Tensor, np.ndarray]
+
+
+def as_token_array(seq: TokenSeq, what: str) -> np.ndarray:
+    """Return ``seq`` as a 1-D int64 numpy array, or raise ``ValueError`` naming ``what``."""
+    if isinstance(seq, torch.Tensor):
+        if seq.is_floating_point() or seq.is_complex() or seq.dtype == torch.bool:
+            raise ValueError(f"{what}: token ids must be integers, got a {seq.dtype} tensor")
+        arr = seq.detach().cpu().numpy()
+    else:
+        try:
+            arr = np.asarray(seq)
+        except Exception as exc:  # ragged nested lists and the like
+            raise ValueError(f"{what}: cannot read token ids ({exc})") from None
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: expected a flat sequence of token ids, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"{what}: token ids must be >= 0, found {int(arr.min())}")
+    return arr
+
+
+def _as_float_tensor(x, what: str) -> torch.Tensor:
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
+        raise ValueError(f"{what}: expected a float tensor, got {t.dtype}")
+    return t.float()
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of (prompt, response) samples at token level.
+
+    Args:
+        prompt_ids: one entry per sample: list of ints or 1-D integer tensor, non-empty.
+        response_ids: one entry per sample (may be empty); the tokens whose log-probs are wanted.
+        group_ids: optional ``[B]`` ints; samples with the same id are kept in one packing unit
+            (row, micro-batch, DP shard). Sharing itself is detected from token content.
+        advantages: optional ``[B]`` (per sample) or ``[B, Rmax]`` (per token), finite.
+        old_logprobs, ref_logprobs: optional ``[B, Rmax]`` float tensors.
+
+    ``Rmax`` is the longest response. Rows keep the caller's order everywhere.
+    """
+
+    prompt_ids: Sequence[TokenSeq]
+    response_ids: Sequence[TokenSeq]
+    group_ids: Sequence[int] | None = None
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    prompts: list[np.ndarray] = field(init=False, repr=False)
+    responses: list[np.ndarray] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt_ids, (str, bytes)) or isinstance(self.response_ids, (str, bytes)):
+            raise ValueError("prompt_ids / response_ids must be token ids, not text")
+        n = len(self.prompt_ids)
+        if n == 0:
+            raise ValueError("RolloutBatch is empty: need at least one sample")
+        if len(self.response_ids) != n:
+            raise ValueError(
+                f"prompt_ids has {n} samples but response_ids has {len(self.response_ids)}"
+            )
+        self.prompts = [as_token_array(p, f"prompt_ids[{i}]") for i, p in enumerate(self.prompt_ids)]
+        self.responses = [
+            as_token_array(r, f"response_ids[{i}]") for i, r in enumerate(self.response_ids)
+        ]
+        for i, p in enumerate(self.prompts):
+            if p.size == 0:
+                raise ValueError(f"prompt_ids[{i}] is empty: every sample needs a prompt")
+        if self.group_ids is not None:
+            g = as_token_array(self.group_ids, "group_ids")
+            if g.size != n:
+                raise ValueError(f"group_ids has {g.size} entries for {n} samples")
+            self.group_ids = g.tolist()
+        rmax = self.max_response_len
+        if self.advantages is not None:
+            a = _as_float_tensor(self.advantages, "advantages")
+            if a.shape not in ((n,), (n, rmax)):
+                raise ValueError(f"advantages must be [B]={n} or [B, Rmax]=[{n}, {rmax}], got {tuple(a.shape)}")
+            if not torch.isfinite(a).all():
+                raise ValueError("advantages contain NaN or inf")
+            self.advantages = a
+        for name in ("old_logprobs", "ref_logprobs"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            t = _as_float_tensor(v, name)
+            if tuple(t.shape) != (n, rmax):
+                raise ValueError(f"{name} must be [B, Rmax]=[{n}, {rmax}], got {tuple(t.shape)}")
+            setattr(self, name, t)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def max_response_len(self) -> int:
+        return max((r.size for r in self.responses), default=0)
+
+    def response_mask(self) -> torch.Tensor:
+        """``[B, Rmax]`` bool: True where a response token exists."""
+        lens = torch.tensor([r.size for r in self.responses])
+        return torch.arange(self.max_response_len)[None, :] < lens[:, None]
+
+    def num_tokens(self) -> int:
+        """Tokens of the naive layout (every sample's prompt + response)."""
+        return sum(p.size + r.size for p, r in zip(self.prompts, self.responses))
+
+    def select(self, rows: Sequence[int]) -> "RolloutBatch":
+        """A new batch with the given rows (in that order); per-token fields are re-trimmed."""
+        rows = list(rows)
+        sub_r = [self.responses[i] for i in rows]
+        rmax = max((r.size for r in sub_r), default=0)
+
+        def pick(t):
+            if t is None:
+                return None
+            t = t[rows]
+            return t[:, :rmax] if t.dim() == 2 else t
+
+        return RolloutBatch(
+            prompt_ids=[self.prompts[i] for i in rows],
+            response_ids=sub_r,
+            group_ids=None if self.group_ids is None else [self.group_ids[i] for i in rows],
+            advantages=pick(self.advantages),
+            old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+        )
+
+
+@dataclass
+class TokenStats:
+    """Per-response-token statistics, rows in the batch's original order.
+
+    logprobs: ``[B, Rmax]`` float32 (0 where ``mask`` is False);
+    entropy: ``[B, Rmax]`` float32 or None; mask: ``[B, Rmax]`` bool.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    mask: torch.Tensor
+
+
+@dataclass
+class SamplingParams:
+    """How to sample a completion (vLLM-compatible names).
+
+    ``temperature=0`` means greedy. ``top_k=-1`` and ``top_p=1`` disable those filters;
+    ``min_p=0`` disables min-p. ``stop_token_ids=None`` means the model's EOS.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 256
+    stop_token_ids: Sequence[int] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1), got {self.min_p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+            if any(t < 0 for t in self.stop_token_ids):
+                raise ValueError("SamplingParams.stop_token_ids must be >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+
+
+@dataclass
+class Sample:
+    """One completion: generated ``token_ids``, their ``logprobs`` under the sampling
+    distribution actually used (after temperature / top-k / top-p / min-p), and why it ended
+    (``"stop"`` on a stop token, ``"length"`` at ``max_tokens`` or the model's window)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
