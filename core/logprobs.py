@@ -1,0 +1,143 @@
+"""The one log-prob / entropy function every polynya engine uses.
+
+``compute_logprobs(model, batch)`` returns, for each response token, its log-probability (and
+optionally the entropy of the predictive distribution) under ``model`` at a given temperature.
+With ``zorro=True`` the batch's shared prefixes are computed once (``polynya.zorro``); with
+``zorro=False`` every sample is its own right-padded row (the plain reference). Both paths then
+share the same head: the hidden states that predict response tokens are gathered and pushed
+through the LM head in chunks of tokens, each chunk recomputed in the backward pass, so the full
+``[tokens, vocab]`` logits never exist at once.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .types import RolloutBatch, TokenStats
+from .zorro import pack_rows
+from .zorro.attention import FLEX_BLOCK, use_zorro_attention, zorro_mask
+
+LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits per chunk of the LM head
+
+
+def _chunk_stats(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor,
+                 temperature: float, softcap: float | None, want_entropy: bool):
+    logits = head(hidden).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, target[:, None]).squeeze(-1) - lse
+    if not want_entropy:
+        return logp, None
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, ent
+
+
+def token_stats(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
+                temperature: float = 1.0, entropy: bool = False, softcap: float | None = None,
+                chunk_size: int | None = None):
+    """Log-prob of ``target`` and entropy under ``head(hidden) / temperature``, chunk by chunk.
+
+    Args:
+        head: the LM head (called as a module, so ZeRO-3 gathers its weight as usual).
+        hidden: ``[N, H]``; target: ``[N]`` token ids.
+    Returns:
+        ``([N] float32, [N] float32 | None)``. Differentiable; backward recomputes one chunk's
+        logits at a time.
+    """
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    chunk = chunk_size or max(16, LOGITS_CHUNK_BYTES // (4 * vocab))
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    lps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        args = (head, hidden[s:s + chunk], target[s:s + chunk], temperature, softcap, entropy)
+        lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _check(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> int:
+    if not isinstance(batch, RolloutBatch):
+        raise ValueError(f"compute_logprobs expects a polynya.RolloutBatch, got {type(batch).__name__}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    vocab = model.get_input_embeddings().num_embeddings
+    for name, seqs in (("prompt_ids", batch.prompts), ("response_ids", batch.responses)):
+        for i, s in enumerate(seqs):
+            if s.size and int(s.max()) >= vocab:
+                raise ValueError(f"{name}[{i}] has token id {int(s.max())} >= vocab size {vocab}")
+    return vocab
+
+
+def _naive_inputs(batch: RolloutBatch, pad_id: int):
+    """One right-padded row per sample; causal attention never lets real tokens see padding."""
+    seqs = [torch.from_numpy(np.concatenate([p, r]))
+            for p, r in zip(batch.prompts, batch.responses)]
+    length = max(s.numel() for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), length), dtype=torch.long)
+    pred, tgt, orow, ocol = [], [], [], []
+    for i, (s, p, r) in enumerate(zip(seqs, batch.prompts, batch.responses)):
+        ids[i, :s.numel()] = s
+        attn[i, :s.numel()] = 1
+        if r.size:
+            pred.append(i * length + p.size - 1 + torch.arange(r.size))
+            tgt.append(torch.from_numpy(r))
+            orow.append(torch.full((r.size,), i))
+            ocol.append(torch.arange(r.size))
+    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
+    return ids, attn, cat(pred), cat(tgt), cat(orow), cat(ocol)
+
+
+def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool = True,
+                     entropy: bool = False, temperature: float = 1.0,
+                     max_tokens_per_row: int | None = None, chunk_size: int | None = None) -> TokenStats:
+    """Per-token log-probs (and entropy) of each sample's response under ``model``.
+
+    Args:
+        model: an HF causal LM (under DeepSpeed pass ``engine.module``).
+        batch: the samples; rows come back in this order.
+        zorro: compute shared prefixes once (exact); False runs one row per sample.
+        entropy: also return the entropy of each predictive distribution.
+        temperature: logits are divided by it (per call).
+        max_tokens_per_row: ZoRRo packing budget per row (None: one row); groups never split.
+        chunk_size: tokens per LM-head chunk (default: ~1 GiB of fp32 logits).
+    Returns:
+        ``TokenStats`` with ``logprobs`` / ``entropy`` ``[B, Rmax]`` float32 and ``mask``
+        ``[B, Rmax]``; differentiable w.r.t. the model's parameters.
+    """
+    _check(model, batch, temperature)
+    device = _device(model)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    base = model.base_model
+    if zorro:
+        use_zorro_attention(model)
+        rows = pack_rows(batch, max_tokens_per_row=max_tokens_per_row,
+                         pad_multiple=FLEX_BLOCK if device.type == "cuda" else 1, pad_id=pad_id).to(device)
+        mask = zorro_mask(rows.tin, rows.tout)
+        hidden = base(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask,
+                      use_cache=False).last_hidden_state
+        pred, tgt, orow, ocol = rows.pred_index, rows.pred_target, rows.out_row, rows.out_col
+    else:
+        ids, attn, pred, tgt, orow, ocol = (t.to(device) for t in _naive_inputs(batch, pad_id))
+        hidden = base(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pred)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    lp, ent = token_stats(model.get_output_embeddings(), hidden, tgt, temperature=temperature,
+                          entropy=entropy, softcap=softcap, chunk_size=chunk_size)
+    shape = (len(batch), batch.max_response_len)
+    out_lp = lp.new_zeros(shape).index_put((orow, ocol), lp)
+    out_ent = ent.new_zeros(shape).index_put((orow, ocol), ent) if entropy else None
+    return TokenStats(out_lp, out_ent, batch.response_mask().to(device))

@@ -1,0 +1,93 @@
+"""ZoRRo attention, hooked into any HF decoder through transformers' ``AttentionInterface``.
+
+``use_zorro_attention(model)`` switches the model to the ``"polynya"`` implementation. It behaves
+exactly like ``"sdpa"`` (same mask creation, same kernel) for every ordinary call — generation,
+padded batches — and only differs when the model is handed a ZoRRo mask:
+
+- on CPU a dense ``[R, 1, L, L]`` bool mask (passed straight to SDPA: FlexAttention has no CPU
+  backward);
+- on GPU a FlexAttention ``BlockMask`` built from the same rule, so fully visible blocks (a
+  response reading its prompt) run unmasked and invisible ones are skipped.
+
+The visibility rule (see ``tree.py``): key ``j`` is visible from query ``i`` iff
+``tin[j] <= tin[i] and tout[i] <= tout[j] and j <= i``.
+No model class is patched; the mask travels as the model's ordinary ``attention_mask``, so it
+is also there when gradient checkpointing recomputes a layer in the backward pass.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "polynya"
+FLEX_BLOCK = 128
+
+
+def _is_block_mask(mask) -> bool:
+    return type(mask).__name__ == "BlockMask"
+
+
+_compiled_flex = None
+
+
+def _flex(query, key, value, block_mask, scale):
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(query, key, value, block_mask=block_mask, scale=scale,
+                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask, dropout: float = 0.0,
+                              scaling: float | None = None, **kwargs):
+    """query ``[b, Hq, L, D]``, key/value ``[b, Hkv, L, D]`` -> (``[b, L, Hq, D]``, None)."""
+    if not _is_block_mask(attention_mask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("ZoRRo does not support sliding-window attention layers; "
+                         "call compute_logprobs(..., zorro=False) for this model")
+    out = _flex(query, key, value, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, polynya_attention_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def use_zorro_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` (and its sub-configs) to the ``"polynya"`` attention; idempotent."""
+    if getattr(model.config, "_attn_implementation", None) == NAME:
+        return
+    try:
+        model.set_attn_implementation(NAME)
+    except (AttributeError, ValueError, ImportError):
+        model.config._attn_implementation = NAME
+
+
+def zorro_mask(tin: torch.Tensor, tout: torch.Tensor):
+    """The attention mask for packed rows: dense bool ``[R, 1, L, L]`` on CPU, BlockMask on CUDA.
+
+    Args: tin, tout ``[R, L]`` int32 preorder intervals of each token's node.
+    """
+    rows, length = tin.shape
+    if tin.device.type != "cuda":
+        q_tin, k_tin = tin[:, :, None], tin[:, None, :]
+        q_tout, k_tout = tout[:, :, None], tout[:, None, :]
+        causal = torch.ones(length, length, dtype=torch.bool, device=tin.device).tril()
+        return ((k_tin <= q_tin) & (q_tout <= k_tout) & causal)[:, None]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((tin[b, kv_idx] <= tin[b, q_idx]) & (tout[b, q_idx] <= tout[b, kv_idx])
+                & (kv_idx <= q_idx))
+
+    if length % FLEX_BLOCK:
+        raise ValueError(f"packed rows must be padded to a multiple of {FLEX_BLOCK} on GPU")
+    return create_block_mask(mask_mod, rows, None, length, length, device=tin.device,
+                             BLOCK_SIZE=FLEX_BLOCK)

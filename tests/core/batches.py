@@ -1,0 +1,30 @@
+"""Random rollout batches with the shapes ZoRRo must get right (shared helper for tests)."""
+from __future__ import annotations
+
+import random
+
+from polynya import RolloutBatch
+
+
+def random_batch(rng: random.Random, vocab: int, *, groups: int = 4, max_group: int = 8,
+                 max_prompt: int = 24, max_response: int = 12, system_prompt: bool = True,
+                 shuffle: bool = True, with_group_ids: bool = False) -> RolloutBatch:
+    """Groups of 1..max_group samples sharing a prompt; ragged lengths; some prompts share a
+    system-prompt prefix (partial sharing); one response duplicated; rows shuffled."""
+    system = [rng.randrange(2, vocab) for _ in range(rng.randint(3, 8))]
+    prompts, responses, gids = [], [], []
+    for g in range(groups):
+        question = [rng.randrange(2, vocab) for _ in range(rng.randint(1, max_prompt))]
+        prompt = (system + question) if system_prompt and g % 2 == 0 else question
+        for _ in range(rng.randint(1, max_group)):
+            prompts.append(prompt)
+            responses.append([rng.randrange(2, vocab) for _ in range(rng.randint(1, max_response))])
+            gids.append(g)
+    prompts.append(prompts[0])  # an identical (prompt, response) pair: shared completely
+    responses.append(list(responses[0]))
+    gids.append(gids[0])
+    order = list(range(len(prompts)))
+    if shuffle:
+        rng.shuffle(order)
+    return RolloutBatch([prompts[i] for i in order], [responses[i] for i in order],
+                        group_ids=[gids[i] for i in order] if with_group_ids else None)

@@ -1,0 +1,36 @@
+import pytest
+import torch
+
+from polynya.models import TINY_VOCAB, load_model, load_tokenizer, model_config, tiny_tokenizer
+
+
+@pytest.mark.parametrize("spec", ["tiny:qwen3", "tiny:llama", "tiny:qwen3-moe"])
+def test_tiny_models_are_seeded_and_match_the_tokenizer(spec):
+    a, b = load_model(spec, seed=3), load_model(spec, seed=3)
+    c = load_model(spec, seed=4)
+    assert a.config.vocab_size == TINY_VOCAB == len(tiny_tokenizer())
+    pa, pb, pc = (torch.cat([p.flatten() for p in m.parameters()]) for m in (a, b, c))
+    assert torch.equal(pa, pb) and not torch.equal(pa, pc)
+    out = a(torch.tensor([[3, 4, 5]])).logits
+    assert out.shape == (1, 3, TINY_VOCAB) and torch.isfinite(out).all()
+
+
+def test_tokenizer_round_trip_and_specials():
+    tok = load_tokenizer("tiny:qwen3")
+    text = "Natalia sold 48 clips #### 72 SELECT name FROM t; \\boxed{7} é"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_token_id == model_config("tiny:qwen3").eos_token_id
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>assistant\n")
+
+
+def test_random_shape_config_is_real_size():
+    cfg = model_config("random:qwen3-0.6b")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (1024, 28, 151936)
+
+
+@pytest.mark.parametrize("spec", ["tiny:gpt7", "random:huge", "no-such-model"])
+def test_unknown_specs_are_rejected(spec):
+    with pytest.raises(ValueError):
+        load_model(spec)

@@ -1,0 +1,93 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from polynya import RolloutBatch
+from polynya.zorro import build_forest, pack_rows, split_batch
+from polynya.zorro.attention import zorro_mask
+
+from .batches import random_batch
+
+
+def _visible_naive(seq_a, seq_b, j, i):
+    """Ground truth: token j of sample b is an exact copy of a token that sample a's token i sees."""
+    return j <= i and list(seq_b[: j + 1]) == list(seq_a[: j + 1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_forest_stores_every_sequence_exactly(seed):
+    rng = random.Random(seed)
+    seqs = [np.array([rng.randrange(4) for _ in range(rng.randint(1, 9))]) for _ in range(30)]
+    f = build_forest(seqs)
+    for s, pos in zip(seqs, f.sample_pos):
+        assert np.array_equal(f.tokens[pos], s)
+        assert np.array_equal(f.depth[pos], np.arange(s.size))
+    # deduplication is maximal: the forest has exactly one token per distinct prefix
+    prefixes = {tuple(s[: k + 1]) for s in seqs for k in range(s.size)}
+    assert f.num_tokens == len(prefixes)
+
+
+def test_shared_system_prompt_and_identical_prompts_are_stored_once():
+    sys_ = [1, 2, 3, 4]
+    b = RolloutBatch([sys_ + [5], sys_ + [5], sys_ + [6, 7], [9]], [[10], [11], [10], [12]])
+    f = build_forest([np.concatenate([p, r]) for p, r in zip(b.prompts, b.responses)])
+    assert f.num_tokens == 4 + 1 + 2 + 2 + 1 + 2  # sys, q1, r1, r2, q2 (2) + r3, [9] + r4
+    assert len(set(f.sample_root.tolist())) == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_mask_matches_prefix_visibility(seed):
+    rng = random.Random(seed)
+    batch = random_batch(rng, vocab=6, groups=3, max_group=3, max_prompt=4, max_response=3)
+    rows = pack_rows(batch, max_tokens_per_row=20, pad_multiple=8)
+    mask = zorro_mask(rows.tin, rows.tout)[:, 0]
+    f = build_forest([np.concatenate([p, r]) for p, r in zip(batch.prompts, batch.responses)])
+    seqs = [np.concatenate([p, r]) for p, r in zip(batch.prompts, batch.responses)]
+    flat_len = rows.input_ids.shape[1]
+    # map forest token -> flat row index through the packed ids/positions of each sample
+    for a, sa in enumerate(seqs):
+        pa = rows.pred_index[rows.out_row == a]  # flat positions predicting sample a's response
+        for i_tok, flat_i in zip(range(batch.prompts[a].size - 1, sa.size - 1), pa.tolist()):
+            r, qi = divmod(flat_i, flat_len)
+            assert rows.position_ids[r, qi] == i_tok
+            seen = mask[r, qi].nonzero().flatten().tolist()
+            # what it sees must be exactly the sample's own prefix tokens 0..i_tok
+            assert sorted(rows.position_ids[r, seen].tolist()) == list(range(i_tok + 1))
+            assert rows.input_ids[r, seen].tolist() == [int(t) for t in sa[: i_tok + 1]]
+    assert mask.any(-1).all(), "every query, padding included, must see at least itself"
+
+
+def test_rows_respect_budget_and_never_split_groups():
+    rng = random.Random(0)
+    batch = random_batch(rng, vocab=50, groups=6, with_group_ids=True, system_prompt=False)
+    rows = pack_rows(batch, max_tokens_per_row=40)
+    flat_len = rows.input_ids.shape[1]
+    row_of_sample = {}
+    for i, idx in zip(rows.out_row.tolist(), rows.pred_index.tolist()):
+        row_of_sample.setdefault(i, set()).add(idx // flat_len)
+    for g in set(batch.group_ids):
+        members = [i for i, gid in enumerate(batch.group_ids) if gid == g]
+        assert len(set().union(*(row_of_sample[i] for i in members))) == 1
+
+
+def test_split_batch_keeps_groups_whole_and_balances():
+    rng = random.Random(1)
+    batch = random_batch(rng, vocab=50, groups=7, with_group_ids=True, system_prompt=False)
+    for parts in (split_batch(batch, 60), split_batch(batch, num_parts=3)):
+        assert sorted(i for p in parts for i in p) == list(range(len(batch)))
+        for p in parts:
+            gids = {batch.group_ids[i] for i in p}
+            assert all(batch.group_ids[i] not in gids for q in parts if q is not p for i in q)
+    assert len(split_batch(batch, num_parts=3)) == 3
+    with pytest.raises(ValueError, match="cannot split"):
+        split_batch(batch, num_parts=100)
+    with pytest.raises(ValueError):
+        split_batch(batch, 0)
+
+
+def test_group_ids_merge_units_with_different_prompts():
+    b = RolloutBatch([[1, 2], [3, 4], [5]], [[1], [1], [1]], group_ids=[0, 0, 1])
+    parts = split_batch(b, 1)
+    assert sorted(map(sorted, parts)) == [[0, 1], [2]]
