@@ -1,0 +1,56 @@
+"""Small helpers shared by the benchmark scripts (not collected by pytest)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+H200_HBM_BYTES_PER_S = 4.4e12   # measured device-to-device copy here
+H200_BF16_FLOPS = 790e12        # measured 8192^3 bf16 GEMM here
+
+
+def cuda_median_ms(fn, *, warmup: int = 3, iters: int = 10) -> list[float]:
+    """Run ``fn`` warmup + iters times; return each timed run in ms (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def environment() -> dict:
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "torch": torch.__version__,
+    }
+
+
+def save(results: dict, out_dir: str, name: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    return path
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    head = "| " + " | ".join(title for _, title in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(str(r[key]) for key, _ in columns) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
