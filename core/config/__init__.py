@@ -7,3 +7,6 @@ classes as structured configs; YAML only overrides their defaults.
 from .common import DTYPES, resolve_dtype
 
 __all__ = ["DTYPES", "resolve_dtype"]
+from .sampler import SamplerConfig  # noqa: E402
+
+__all__ += ["SamplerConfig"]

@@ -37,7 +37,7 @@ def _flex(query, key, value, block_mask, scale):
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex(query, key, value, block_mask=block_mask, scale=scale,
                           enable_gqa=query.shape[1] != key.shape[1])
 
