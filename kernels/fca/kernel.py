@@ -1,0 +1,249 @@
+"""Triton kernels for FCA decode and the plain paged decode baseline (@triton.jit only).
+
+Launchers, checks and heuristics live in ``op.py``. Conventions shared by all kernels:
+caches are ``[num_blocks, PAGE, Hkv, D]`` with a unit last stride; a token ``t`` of a request
+lives at ``cache[bt[row, t // PAGE], t % PAGE]``; scores are kept in log2 units (``qk_scale``
+already holds ``log2(e)``); a partial result is ``(o / l, m + log2 l)`` in fp32, and the merge
+combines a request's partials by log-sum-exp.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fca_classes_kernel(bt_ptr, sl_ptr, cnt_ptr, rep_ptr, rank_ptr, B, MB,
+                        PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Planner, one program per (request b, column tile): for each column j of the tile,
+    the class of b = requests whose rows equal b's on full blocks in columns 0..j."""
+    b = tl.program_id(0)
+    jt = tl.program_id(1)
+    offs_j = jt * BLOCK_J + tl.arange(0, BLOCK_J)
+    jm = offs_j < MB
+    sl_b = tl.load(sl_ptr + b)
+    j_end = tl.minimum((jt + 1) * BLOCK_J, MB)
+    cnt = tl.zeros([BLOCK_J], tl.int32)
+    rank = tl.zeros([BLOCK_J], tl.int32)
+    rep = tl.full([BLOCK_J], B, tl.int32)
+    for b0 in range(0, B, BLOCK_B):
+        bb = b0 + tl.arange(0, BLOCK_B)
+        bm = bb < B
+        sl_bb = tl.load(sl_ptr + bb, mask=bm, other=0)
+        first_miss = tl.full([BLOCK_B], 2147483647, tl.int32)
+        for j0 in range(0, j_end, BLOCK_J):
+            cj = j0 + tl.arange(0, BLOCK_J)
+            cm = cj < j_end
+            row_b = tl.load(bt_ptr + b * MB + cj, mask=cm, other=-1)
+            tile = tl.load(bt_ptr + bb[:, None] * MB + cj[None, :],
+                           mask=bm[:, None] & cm[None, :], other=-1)
+            ok = (tile == row_b[None, :]) & ((cj[None, :] + 1) * PAGE <= sl_bb[:, None])
+            ok = ok & ((cj[None, :] + 1) * PAGE <= sl_b)
+            miss = (~ok) & cm[None, :]
+            first_miss = tl.minimum(first_miss, tl.min(tl.where(miss, cj[None, :], 2147483647), 1))
+        alive = (first_miss[:, None] > offs_j[None, :]) & bm[:, None]
+        cnt += tl.sum(alive.to(tl.int32), 0)
+        rank += tl.sum((alive & (bb[:, None] < b)).to(tl.int32), 0)
+        rep = tl.minimum(rep, tl.min(tl.where(alive, bb[:, None], B), 0))
+    tl.store(cnt_ptr + b * MB + offs_j, cnt, mask=jm)
+    tl.store(rank_ptr + b * MB + offs_j, rank, mask=jm)
+    tl.store(rep_ptr + b * MB + offs_j, rep, mask=jm)
+
+
+@triton.jit
+def _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, bt_row_ptr, head,
+            tok0, tok1, qk_scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+            PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online softmax of q [BLOCK_M, D] over tokens [tok0, tok1) of one block-table row."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    for start in range(tok0, tok1, BLOCK_N):
+        t = start + offs_n
+        tm = t < tok1
+        bid = tl.load(bt_row_ptr + t // PAGE, mask=tm, other=0).to(tl.int64)
+        within = t % PAGE
+        k_off = bid * s_kb + within * s_kt + head * s_kh
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(tm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = bid * s_vb + within * s_vt + head * s_vh
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_partial(ws_o, ws_lse, req, slot, qh, rowok, acc, m_i, l_i, S, HQ,
+                   HEAD_D: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_D)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    base = (req.to(tl.int64) * S + slot) * HQ + qh
+    tl.store(ws_lse + base, lse, mask=rowok)
+    tl.store(ws_o + base[:, None] * HEAD_D + offs_d[None, :], acc / l_safe[:, None],
+             mask=rowok[:, None])
+
+
+@triton.jit
+def _fca_attend_kernel(
+        q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+        bt_ptr, s_bt, sl_ptr,
+        n_shared_ptr, sh_row, sh_c0, sh_c1, sh_slot, sh_nmem, sh_mem,
+        n_private_ptr, pv_row, pv_c0, pv_c1, pv_slot,
+        ws_o, ws_lse, counter_ptr, qk_scale, S, HQ, HKV, G,
+        QPK: tl.constexpr, NSUB: tl.constexpr, MSUB: tl.constexpr,
+        BLOCK_M_SH: tl.constexpr, BLOCK_M_PV: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+        DO_SHARED: tl.constexpr, DO_PRIVATE: tl.constexpr, DYNAMIC: tl.constexpr):
+    """Persistent FCA pass over the plan's work units, each writing one partial per member.
+
+    Shared unit (item, member sub-tile, kv head): the tile's members x QPK query heads form the
+    M dimension of one dot against the node's blocks, read once. Private unit (item, kv head):
+    one request's QPK query heads (M padded to BLOCK_M_PV) against its own blocks.
+    """
+    offs_d = tl.arange(0, HEAD_D)
+    n_sh = 0
+    n_pv = 0
+    if DO_SHARED:
+        n_sh = tl.load(n_shared_ptr) * (NSUB * HKV)
+    if DO_PRIVATE:
+        n_pv = tl.load(n_private_ptr) * HKV
+    n_tot = n_sh + n_pv
+    if DYNAMIC:
+        w = tl.atomic_add(counter_ptr, 1)
+    else:
+        w = tl.program_id(0)
+    while w < n_tot:
+        if w < n_sh:
+            item = w // (NSUB * HKV)
+            rem = w % (NSUB * HKV)
+            sub = rem // HKV
+            head = rem % HKV
+            nmem = tl.load(sh_nmem + item)
+            if sub * MSUB < nmem:
+                offs_m = tl.arange(0, BLOCK_M_SH)
+                mi = offs_m // QPK
+                mrow = sub * MSUB + mi
+                rowok = (mi < MSUB) & (mrow < nmem)
+                req = tl.load(sh_mem + item * G + mrow, mask=rowok, other=0)
+                qh = head * QPK + offs_m % QPK
+                q = tl.load(q_ptr + req[:, None].to(tl.int64) * s_qb + qh[:, None] * s_qh
+                            + offs_d[None, :], mask=rowok[:, None], other=0.0)
+                row = tl.load(sh_row + item)
+                tok0 = tl.load(sh_c0 + item) * PAGE
+                tok1 = tl.minimum(tl.load(sh_c1 + item) * PAGE, tl.load(sl_ptr + row))
+                acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                                        bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
+                                        qk_scale, BLOCK_M_SH, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+                _store_partial(ws_o, ws_lse, req, tl.load(sh_slot + item), qh, rowok,
+                               acc, m_i, l_i, S, HQ, HEAD_D)
+        else:
+            u = w - n_sh
+            item = u // HKV
+            head = u % HKV
+            offs_m = tl.arange(0, BLOCK_M_PV)
+            rowok = offs_m < QPK
+            row = tl.load(pv_row + item)
+            qh = head * QPK + tl.where(rowok, offs_m, 0)
+            q = tl.load(q_ptr + row.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
+                        mask=rowok[:, None], other=0.0)
+            tok0 = tl.load(pv_c0 + item) * PAGE
+            tok1 = tl.minimum(tl.load(pv_c1 + item) * PAGE, tl.load(sl_ptr + row))
+            acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                                    bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
+                                    qk_scale, BLOCK_M_PV, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+            req = tl.zeros([BLOCK_M_PV], tl.int32) + row
+            _store_partial(ws_o, ws_lse, req, tl.load(pv_slot + item), qh, rowok,
+                           acc, m_i, l_i, S, HQ, HEAD_D)
+        if DYNAMIC:
+            w = tl.atomic_add(counter_ptr, 1)
+        else:
+            w += tl.num_programs(0)
+
+
+@triton.jit
+def _paged_decode_kernel(
+        q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+        bt_ptr, s_bt, sl_ptr, out_ptr, s_ob, s_oh, lse_ptr, ws_o, ws_lse,
+        cols_per_split, qk_scale, HQ,
+        QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+        SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Plain paged decode, no sharing: program (request, kv head, split) reads its own blocks;
+    with SPLIT it writes a partial per split (merged by ``_merge_partials_kernel``)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    rowok = offs_m < QPK
+    qh = head * QPK + tl.where(rowok, offs_m, 0)
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
+                mask=rowok[:, None], other=0.0)
+    seq = tl.load(sl_ptr + b)
+    tok0 = sp * cols_per_split * PAGE
+    tok1 = tl.minimum(tok0 + cols_per_split * PAGE, seq)
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                            bt_ptr + b.to(tl.int64) * s_bt, head, tok0, tok1, qk_scale,
+                            BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+    if SPLIT:
+        req = tl.zeros([BLOCK_M], tl.int32) + b
+        _store_partial(ws_o, ws_lse, req, sp, qh, rowok, acc, m_i, l_i,
+                       tl.num_programs(2), HQ, HEAD_D)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + qh[:, None] * s_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rowok[:, None])
+        if WRITE_LSE:
+            tl.store(lse_ptr + b * HQ + qh, (m_i + tl.log2(l_i)) * 0.6931471805599453,
+                     mask=rowok)
+
+
+@triton.jit
+def _merge_partials_kernel(ws_o, ws_lse, n_slots_ptr, out_ptr, s_ob, s_oh, lse_ptr,
+                           counter_ptr, S, HQ,
+                           QPK: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_D: tl.constexpr,
+                           NSLOT_CONST: tl.constexpr, WRITE_LSE: tl.constexpr,
+                           RESET: tl.constexpr):
+    """out[b, heads of kv head h] = exact log-sum-exp merge of the request's partials."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    if RESET:
+        if (b == 0) & (head == 0):
+            tl.store(counter_ptr, 0)
+            tl.store(counter_ptr + 1, 0)
+    if NSLOT_CONST > 0:
+        n = NSLOT_CONST
+    else:
+        n = tl.load(n_slots_ptr + b)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_D)
+    hm = offs_h < QPK
+    qh = head * QPK + tl.where(hm, offs_h, 0)
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_D], tl.float32)
+    for s in range(0, n):
+        base = (b.to(tl.int64) * S + s) * HQ + qh
+        lse_s = tl.load(ws_lse + base, mask=hm, other=float("-inf"))
+        o_s = tl.load(ws_o + base[:, None] * HEAD_D + offs_d[None, :], mask=hm[:, None],
+                      other=0.0)
+        m_new = tl.maximum(m_run, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)
+        w_s = tl.exp2(lse_s - m_safe)
+        l_run = l_run * alpha + w_s
+        acc = acc * alpha[:, None] + w_s[:, None] * o_s
+        m_run = m_new
+    out = acc / l_run[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * s_ob + qh[:, None] * s_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hm[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr + b * HQ + qh, (m_run + tl.log2(l_run)) * 0.6931471805599453, mask=hm)

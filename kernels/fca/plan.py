@@ -1,0 +1,248 @@
+"""Forest planning for FCA decode: find shared KV prefixes on the device, once per step.
+
+Requests that share a prefix share physical block ids in their block-table rows (that is how
+the sampler's prefix cache lays them out; a partially filled last block is never shared).
+``plan_forest`` turns ``block_tables`` / ``seq_lens`` into a :class:`ForestPlan`: fixed-capacity
+work lists that ``fca_decode`` runs in every layer of the step::
+
+    plan = plan_forest(block_tables, seq_lens, block_size)   # once per decode step
+    for layer in layers:
+        out = fca_decode(q, k_cache[layer], v_cache[layer], plan)
+
+How the forest is found (no host synchronisation, static shapes, CUDA-graph capturable):
+
+* column ``j`` of request ``b`` is a *cell*; two requests are in the same class at column ``j``
+  when their rows hold the same ids in columns ``0..j`` and those blocks are full. Classes only
+  split as ``j`` grows, so per cell we keep ``cnt`` (class size), ``rep`` (smallest member) and
+  ``rank`` (members with a smaller index): a node of the forest is a maximal run of columns with
+  the same ``cnt`` — any depth (system prompt -> prompt -> sample) falls out of this;
+* cost model: a node is *shared* when it has ``>= 2`` members, spans ``>= min_shared_tokens``
+  and lies at most ``max_levels`` shared nodes deep; everything else goes to the plain path;
+* each request's columns are cut into *items* (label changes and ``chunk_tokens`` boundaries,
+  for split-K parallelism); a shared item reads its blocks once for a tile of up to
+  ``max_group`` members; a private item serves one request. Every item writes one partial
+  (o, lse) into the request's next *slot*; the merge combines a request's slots exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForestPlan:
+    """Work lists for one decode step (all tensors on the block tables' device, int32).
+
+    Shared items (capacity ``cap``; the first ``n_shared[0]`` are live): ``sh_row`` (block-table
+    row to read ids from), ``sh_c0`` / ``sh_c1`` (column range), ``sh_slot`` (partial slot of
+    every member), ``sh_nmem`` and ``sh_mem [cap + 1, max_group]`` (member request ids).
+    Private items: ``pv_row`` / ``pv_c0`` / ``pv_c1`` / ``pv_slot``, ``n_private[0]`` live.
+    ``n_slots [B]`` partials per request (``<= max_slots``); ``counters [2]`` is scratch for the
+    kernels' dynamic scheduler (reset by the merge). ``block_id_range [2]`` is the smallest and
+    largest id any request reads (for the bounds check against a cache).
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+    max_group: int
+    max_slots: int
+    cap: int
+    n_slots: torch.Tensor
+    n_shared: torch.Tensor
+    sh_row: torch.Tensor
+    sh_c0: torch.Tensor
+    sh_c1: torch.Tensor
+    sh_slot: torch.Tensor
+    sh_nmem: torch.Tensor
+    sh_mem: torch.Tensor
+    n_private: torch.Tensor
+    pv_row: torch.Tensor
+    pv_c0: torch.Tensor
+    pv_c1: torch.Tensor
+    pv_slot: torch.Tensor
+    counters: torch.Tensor
+    block_id_range: torch.Tensor
+    checked_num_blocks: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_tables.shape[0]
+
+    def stats(self) -> dict[str, int]:
+        """Host-side summary (synchronises; for logs and tests, not the hot path)."""
+        nsh = int(self.n_shared.item())
+        return {
+            "shared_items": nsh,
+            "private_items": int(self.n_private.item()),
+            "shared_member_rows": int(self.sh_nmem[:nsh].sum().item()),
+            "max_slots_used": int(self.n_slots.max().item()),
+        }
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                 validate: bool | None = None) -> None:
+    """ValueError on bad block tables / lengths. Value checks cost one host sync; they are
+    skipped when ``validate`` is False, or when None and a CUDA graph is being captured."""
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
+        raise ValueError("block_tables must be a 2-D tensor [B, max_blocks]")
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1:
+        raise ValueError("seq_lens must be a 1-D tensor [B]")
+    if block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables must be int32 (or int64), got {block_tables.dtype}")
+    if seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32 (or int64), got {seq_lens.dtype}")
+    if seq_lens.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} rows, block_tables "
+                         f"{block_tables.shape[0]}")
+    if block_tables.shape[0] == 0 or block_tables.shape[1] == 0:
+        raise ValueError("block_tables must be non-empty")
+    if seq_lens.device != block_tables.device:
+        raise ValueError(f"seq_lens on {seq_lens.device}, block_tables on {block_tables.device}")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if validate is False or (validate is None and _is_capturing(block_tables.device)):
+        return
+    cap = block_tables.shape[1] * block_size
+    if bool(((seq_lens <= 0) | (seq_lens > cap)).any()):
+        bad = seq_lens[(seq_lens <= 0) | (seq_lens > cap)][0].item()
+        raise ValueError(f"every seq_len must be in [1, max_blocks * block_size = {cap}]; "
+                         f"got {bad} (seq_len 0 is not a decode request)")
+
+
+def _classes_torch(bt: torch.Tensor, full: torch.Tensor):
+    """cnt / rep / rank per cell by pairwise prefix comparison ([B, B, max_blocks] bool)."""
+    B = bt.shape[0]
+    eq = (bt[:, None, :] == bt[None, :, :]) & full[:, None, :] & full[None, :, :]
+    eqp = eq.to(torch.uint8).cummin(dim=2).values.bool()  # prefix-equal through column j
+    idx = torch.arange(B, device=bt.device)
+    cnt = eqp.sum(dim=1, dtype=torch.int32)
+    rank = (eqp & (idx[None, :, None] < idx[:, None, None])).sum(dim=1, dtype=torch.int32)
+    rep = torch.where(eqp, idx[None, :, None].to(torch.int32), B).amin(dim=1).to(torch.int32)
+    return cnt, rep, rank
+
+
+def _classes(bt: torch.Tensor, seq_lens: torch.Tensor, full: torch.Tensor, block_size: int):
+    if bt.is_cuda:
+        from .op import classes_triton
+        return classes_triton(bt, seq_lens, block_size)
+    return _classes_torch(bt, full)
+
+
+def _next_true(mask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """For each column j: the smallest j' > j with mask[:, j'], else ``limit`` (per row)."""
+    B, MB = mask.shape
+    j = torch.arange(MB, device=mask.device, dtype=torch.int32)
+    pos = torch.where(mask, j[None, :], MB)
+    shifted = torch.cat([pos[:, 1:], torch.full_like(pos[:, :1], MB)], dim=1)
+    nxt = shifted.flip(1).cummin(dim=1).values.flip(1)
+    return torch.minimum(nxt, limit[:, None].to(torch.int32))
+
+
+def plan_forest(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    *,
+    min_shared_tokens: int = 64,
+    max_levels: int = 4,
+    chunk_tokens: int = 1024,
+    max_group: int = 16,
+    validate: bool | None = None,
+) -> ForestPlan:
+    """Discover the forest of shared prefixes and build FCA's work lists, on the tables' device.
+
+    Args:
+        block_tables: ``[B, max_blocks]`` int32 physical block ids (entries past a request's
+            last block are ignored; -1 is fine).
+        seq_lens: ``[B]`` int32 tokens in the KV cache per request (the new token included).
+        block_size: tokens per KV block (page).
+        min_shared_tokens: cost model: shorter shared nodes go to the plain path.
+        max_levels: cost model: at most this many shared nodes on a request's path.
+        chunk_tokens: split-K granularity (items never cross a multiple of this).
+        max_group: members per shared tile (larger groups get several tiles).
+        validate: value checks with one host sync (None: unless capturing a CUDA graph).
+
+    Returns:
+        A :class:`ForestPlan`, valid for every layer of this step.
+    """
+    check_tables(block_tables, seq_lens, block_size, validate)
+    if max_levels < 1 or max_group < 1 or chunk_tokens < 1 or min_shared_tokens < 0:
+        raise ValueError("max_levels, max_group, chunk_tokens must be >= 1")
+    dev = block_tables.device
+    bt = block_tables.to(torch.int32).contiguous()
+    sl = seq_lens.to(torch.int32).contiguous()
+    B, MB = bt.shape
+    C = max(1, chunk_tokens // block_size)
+    max_slots = -(-MB // C) + 2 * max_levels + 1
+    cap = B * min(MB, max_slots)
+    i32 = torch.int32
+
+    j = torch.arange(MB, device=dev, dtype=i32)[None, :]
+    ncols = (sl + block_size - 1) // block_size
+    valid = j < ncols[:, None]
+    full = (j + 1) * block_size <= sl[:, None]
+    cnt, rep, rank = _classes(bt, sl, full, block_size)
+    b_idx = torch.arange(B, device=dev, dtype=i32)[:, None].expand(B, MB)
+    rep = torch.where(cnt > 0, rep, b_idx)
+
+    # Nodes: maximal runs of equal class size (classes only split, so equal size = same set).
+    cand = cnt >= 2
+    prev_cnt = torch.cat([torch.full_like(cnt[:, :1], -1), cnt[:, :-1]], dim=1)
+    change = cnt != prev_cnt
+    run_start = torch.where(change, j, -1).cummax(dim=1).values
+    run_end = _next_true(change, torch.full_like(ncols, MB))
+    worthy = cand & ((run_end - run_start) * block_size >= min_shared_tokens)
+    level = torch.cumsum((worthy & change).to(i32), dim=1) - 1
+    shared = worthy & (level < max_levels)
+
+    # Items: start at label changes and chunk boundaries; one partial slot per start.
+    prev_shared = torch.cat([torch.zeros_like(shared[:, :1]), shared[:, :-1]], dim=1)
+    start = valid & ((j % C == 0) | (shared != prev_shared) | (shared & change))
+    slot = (torch.cumsum(start.to(i32), dim=1) - 1).to(i32)
+    n_slots = start.sum(dim=1, dtype=i32)
+    end = _next_true(start, ncols)
+
+    G = max_group
+    flat = lambda t: t.reshape(-1)  # noqa: E731
+    jj = j.expand(B, MB)
+    # Shared items: one per (class start cell, tile of G members), numbered by the class's
+    # first member's cell; every member cell scatters itself into its tile.
+    lead = start & shared & (rank == 0)
+    ntiles = torch.where(lead, (cnt + G - 1) // G, 0)
+    base = torch.cumsum(flat(ntiles), 0) - flat(ntiles)
+    n_shared = flat(ntiles).sum(dtype=i32).reshape(1)
+    mcell = start & shared
+    item = torch.where(flat(mcell), base[flat(rep).long() * MB + flat(jj).long()]
+                       + flat(rank // G).long(), cap)
+    sh_mem = torch.full(((cap + 1) * G,), -1, device=dev, dtype=i32)
+    sh_mem[item * G + flat(torch.where(mcell, rank % G, 0)).long()] = flat(b_idx).to(i32)
+    sh_mem = sh_mem.view(cap + 1, G)
+    tl_cell = flat(mcell & (rank % G == 0))
+    tl_item = torch.where(tl_cell, item, cap)
+    sh_fields = torch.zeros(5, cap + 1, device=dev, dtype=i32)
+    vals = torch.stack([flat(b_idx), flat(jj), flat(end), flat(slot),
+                        flat(torch.clamp(cnt - (rank // G) * G, max=G))]).to(i32)
+    sh_fields[:, tl_item] = vals
+    # Private items: one per remaining start cell.
+    pcell = flat(start & ~shared)
+    pidx = torch.where(pcell, torch.cumsum(pcell.to(i32), 0) - 1, cap).long()
+    n_private = pcell.sum(dtype=i32).reshape(1)
+    pv_fields = torch.zeros(4, cap + 1, device=dev, dtype=i32)
+    pv_fields[:, pidx] = torch.stack([flat(b_idx), flat(jj), flat(end), flat(slot)]).to(i32)
+
+    id_range = torch.stack([torch.where(valid, bt, 0).amin(), torch.where(valid, bt, 0).amax()])
+    return ForestPlan(
+        block_tables=bt, seq_lens=sl, block_size=block_size, max_group=G,
+        max_slots=max_slots, cap=cap, n_slots=n_slots,
+        n_shared=n_shared, sh_row=sh_fields[0], sh_c0=sh_fields[1], sh_c1=sh_fields[2],
+        sh_slot=sh_fields[3], sh_nmem=sh_fields[4], sh_mem=sh_mem,
+        n_private=n_private, pv_row=pv_fields[0], pv_c0=pv_fields[1], pv_c1=pv_fields[2],
+        pv_slot=pv_fields[3], counters=torch.zeros(2, device=dev, dtype=i32),
+        block_id_range=id_range,
+    )
