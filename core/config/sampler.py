@@ -1,0 +1,81 @@
+"""``SamplerConfig``: how to build a sampling engine (``polynya.engines.SamplingEngine``).
+
+One dataclass for every backend; fields a backend does not use are ignored by it. Validated in
+``__post_init__`` so a typo fails before a model is loaded::
+
+    cfg = SamplerConfig("tiny:qwen3", dtype="float32", block_size=16, num_blocks=256)
+    engine = SamplingEngine(cfg)
+
+KV-cache size: ``num_blocks`` when given, else ``kv_cache_memory_gb`` split over the model's
+layers (a block holds ``block_size`` tokens of keys and values for every layer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .common import check_model_spec, check_positive, resolve_dtype
+
+BACKENDS = ("native", "vllm")
+
+
+@dataclass
+class SamplerConfig:
+    """Sampling-engine settings.
+
+    Args:
+        model: HF id, local path, ``tiny:<family>`` or ``random:<shape>`` (``polynya.models``).
+        dtype: parameter and KV-cache dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        backend: ``"native"`` (embedded, runs anywhere) or ``"vllm"`` (``polynya[vllm]``).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ... ; ``None`` picks CUDA when available.
+        block_size: tokens per KV-cache block (page).
+        num_blocks: KV-cache blocks; ``None`` sizes the cache from ``kv_cache_memory_gb``.
+        kv_cache_memory_gb: KV-cache budget in GiB when ``num_blocks`` is ``None``.
+        max_num_seqs: most sequences decoded together in one step (max batch size).
+        max_num_batched_tokens: most prompt tokens computed in one prefill step.
+        max_model_len: longest sequence (prompt + completion); ``None`` = the model's window.
+        fca: decode with forest cascade attention (shared prefixes read once per group).
+        seed: engine seed (model init for random specs; default sampling seeds).
+    """
+
+    model: str
+    dtype: str = "bfloat16"
+    backend: str = "native"
+    device: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 4.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 32768
+    max_model_len: int | None = None
+    fca: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_model_spec(self.model, "SamplerConfig")
+        resolve_dtype(self.dtype)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"SamplerConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device is not None and (not isinstance(self.device, str)
+                                        or not self.device.split(":")[0] in ("cpu", "cuda")):
+            raise ValueError(f"SamplerConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_positive(self.block_size, "SamplerConfig.block_size", integer=True)
+        if self.num_blocks is not None:
+            check_positive(self.num_blocks, "SamplerConfig.num_blocks", integer=True)
+        check_positive(self.kv_cache_memory_gb, "SamplerConfig.kv_cache_memory_gb")
+        check_positive(self.max_num_seqs, "SamplerConfig.max_num_seqs", integer=True)
+        check_positive(self.max_num_batched_tokens, "SamplerConfig.max_num_batched_tokens", integer=True)
+        if self.max_model_len is not None:
+            check_positive(self.max_model_len, "SamplerConfig.max_model_len", integer=True)
+        if not isinstance(self.fca, bool):
+            raise ValueError(f"SamplerConfig.fca must be a bool, got {self.fca!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"SamplerConfig.seed must be an int, got {self.seed!r}")
+
+    @property
+    def torch_device(self) -> str:
+        """The device the engine runs on (resolves ``device=None``)."""
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,89 @@
+"""``SamplingEngine``: token-in/token-out generation for RL rollouts, on a chosen backend.
+
+    from polynya import SamplingParams
+    from polynya.config import SamplerConfig
+    from polynya.engines import SamplingEngine
+
+    engine = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32"))
+    out = engine.generate([[5, 6, 7]], SamplingParams(n=4, temperature=0.8, logprobs=True))
+    out[0][3].token_ids, out[0][3].logprobs, out[0][3].finish_reason
+
+Backends: ``"native"`` (embedded paged-KV engine with prefix sharing and FCA decode; CPU or one
+GPU) and ``"vllm"`` (needs ``pip install polynya[vllm]``). The facade only dispatches; every
+backend offers ``generate``, ``load_weights``, ``sleep``, ``wake`` and ``stats``.
+
+Bad requests (empty prompt, id >= vocab, ``max_tokens < 1``, prompt not shorter than the
+model window) raise ``ValueError`` naming the request index before anything is scheduled, so
+no other request — in this call or a concurrent one — is affected.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from polynya.config.sampler import SamplerConfig
+from polynya.types import Sample, SamplingParams, TokenSeq
+
+__all__ = ["SamplingEngine"]
+
+
+def _build_backend(config: SamplerConfig):
+    if config.backend == "native":
+        from .native import NativeEngine
+
+        return NativeEngine(config)
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("SamplerConfig(backend='vllm') needs vLLM: pip install polynya[vllm]")
+    from .vllm import VLLMEngine
+
+    return VLLMEngine(config)
+
+
+class SamplingEngine:
+    """Generation engine; see the module docstring."""
+
+    def __init__(self, config: SamplerConfig) -> None:
+        if not isinstance(config, SamplerConfig):
+            raise ValueError(f"SamplingEngine needs a SamplerConfig, got {type(config).__name__}")
+        self.config = config
+        self.backend = _build_backend(config)
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="polynya-sampler")
+
+    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[list[Sample]]:
+        """Sample completions.
+
+        Args:
+            prompts: token-id lists (or 1-D int tensors), one per request.
+            params: one ``SamplingParams`` for all, or one per prompt.
+        Returns:
+            per prompt, its ``params.n`` samples (``Sample(token_ids, logprobs, finish_reason)``).
+        """
+        return self.backend.generate(prompts, params)
+
+    async def generate_async(self, prompts: Sequence[TokenSeq],
+                             params: SamplingParams | Sequence[SamplingParams]) -> list[list[Sample]]:
+        """``generate`` on a worker thread; the event loop stays free, and concurrent calls are
+        batched together by the engine."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.backend.generate, prompts, params)
+
+    def load_weights(self, weights, version: int | None = None) -> int:
+        """New weights in place (``{name: tensor}``, ``[(name, tensor)]`` or flat buckets
+        ``[(names, flat)]``); the prefix cache is dropped. Returns the weight version."""
+        return self.backend.load_weights(weights, version=version)
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1) and also the weights' device memory (level 2)."""
+        self.backend.sleep(level)
+
+    def wake(self) -> None:
+        self.backend.wake()
+
+    def stats(self) -> dict[str, int]:
+        return self.backend.stats()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,129 @@
+"""Paged attention for HF models, plugged in through transformers' ``AttentionInterface``.
+
+``register()`` adds ``"polynya_paged"`` to ``AttentionInterface``; a model loaded with
+``attn_implementation="polynya_paged"`` then calls :func:`paged_attention` in every layer with
+its projected, rotated ``query/key/value``. The model runner passes the step's
+:class:`StepContext` through the model's ``**kwargs`` (key ``polynya_ctx``); nothing in the
+model class is patched.
+
+The model sees one packed row ``[1, T]`` per step (all sequences' new tokens back to back, with
+their true ``position_ids``). Per layer the function
+
+1. writes the new keys/values into the paged cache at ``ctx.slot_mapping``;
+2. prefill: for each sequence, causal SDPA of its new queries over its whole context (cached
+   prefix pages + the new tokens, read back through its block table);
+   decode: one query per sequence through ``polynya.kernels.fca`` — ``fca_decode`` with the
+   forest plan built once per step (``ctx.plan``), or ``paged_decode`` when FCA is off.
+
+Because step 1 runs for all sequences before step 2, a sequence may read pages that another
+sequence of the same prefill writes (two identical prompts in one batch share their pages).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from polynya.kernels.fca import fca_decode, paged_decode
+
+NAME = "polynya_paged"
+CTX_KWARG = "polynya_ctx"
+
+
+@dataclass
+class StepContext:
+    """Everything a layer needs to attend over the paged cache for one step.
+
+    Args:
+        kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
+        slot_mapping: ``[T]`` int64 flat cache slot (``block * block_size + offset``) per new token.
+        is_prefill: prefill step (many tokens per sequence) or decode step (one per sequence).
+        q_ranges: prefill: per sequence ``(start, end)`` of its new tokens in the packed row.
+        cached_lens: prefill: per sequence, tokens already in the cache before this step.
+        prefill_tables: prefill: per sequence ``[n_blocks]`` int64 block ids (device).
+        block_tables: decode: ``[B, max_blocks]`` int32. seq_lens: decode: ``[B]`` int32 KV length.
+        plan: decode with FCA: the ``ForestPlan`` of this step (shared by every layer).
+    """
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor
+    is_prefill: bool
+    q_ranges: list[tuple[int, int]] = field(default_factory=list)
+    cached_lens: list[int] = field(default_factory=list)
+    prefill_tables: list[torch.Tensor] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    plan: Any = None
+
+
+def register() -> None:
+    """Make ``attn_implementation="polynya_paged"`` available (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, paged_attention)
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``AttentionInterface`` function.
+
+    Args:
+        query: ``[1, Hq, T, D]``; key, value: ``[1, Hkv, T, D]`` (after RoPE).
+        kwargs: must hold ``polynya_ctx`` (:class:`StepContext`).
+    Returns:
+        ``([1, T, Hq, D], None)``.
+    """
+    ctx: StepContext | None = kwargs.get(CTX_KWARG)
+    if ctx is None:
+        raise RuntimeError(f"attention {NAME!r} needs a StepContext in kwargs[{CTX_KWARG!r}]; "
+                           "run the model through polynya's ModelRunner")
+    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+    if ctx.is_prefill:
+        out = _prefill(q, k, v, k_cache, v_cache, ctx, scaling)
+    else:
+        out = _decode(q, k_cache, v_cache, ctx, scaling)
+    return out.unsqueeze(0), None
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, ctx: StepContext, scale: float | None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its full context; ``[T, Hq, D]``."""
+    out = torch.empty_like(q)
+    for (start, end), cached, table in zip(ctx.q_ranges, ctx.cached_lens, ctx.prefill_tables):
+        qi = q[start:end].transpose(0, 1)[None]  # [1, Hq, L, D]
+        if cached == 0:  # nothing cached: the new keys are the whole context
+            ki, vi = k[start:end], v[start:end]
+            mask, causal = None, True
+        else:
+            total = cached + end - start
+            ki = k_cache[table].flatten(0, 1)[:total]
+            vi = v_cache[table].flatten(0, 1)[:total]
+            rows = torch.arange(cached, total, device=q.device)[:, None]
+            mask, causal = torch.arange(total, device=q.device)[None, :] <= rows, False
+        oi = F.scaled_dot_product_attention(qi, ki.transpose(0, 1)[None].to(q.dtype),
+                                            vi.transpose(0, 1)[None].to(q.dtype), attn_mask=mask,
+                                            is_causal=causal, scale=scale, enable_gqa=True)
+        out[start:end] = oi[0].transpose(0, 1)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+            scale: float | None) -> torch.Tensor:
+    """One query per sequence over its pages; ``[B, Hq, D]``."""
+    # block tables come from the block manager (valid by construction): skip the host-syncing
+    # value checks so neither path stalls the GPU once per layer
+    if ctx.plan is not None:
+        return fca_decode(q, k_cache, v_cache, ctx.plan, scale=scale, validate=False)
+    return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, scale=scale,
+                        validate=False)
+

@@ -1,0 +1,192 @@
+"""Paged KV-cache bookkeeping: block allocation, prefix caching, forks and copy-on-write.
+
+The cache is ``num_blocks`` pages of ``block_size`` tokens. Each sequence holds a block table
+(physical page ids, in order). Rules:
+
+- **Prefix caching.** A *full* block is keyed by a chained content hash
+  ``hash((hash_of_previous_block, its token ids))``; a new sequence whose leading full blocks
+  match reuses those pages (ref count + 1) and skips their prefill. Freed pages keep their
+  content and key until reused (LRU), so a later request or a recomputed preempted sequence can
+  still hit them. Hits are verified against the stored token ids, so a hash collision is a miss.
+- **Forks.** ``fork`` gives a child the parent's whole table (ref counts + 1): ``n`` samples of
+  one prompt share its prefill.
+- **Copy-on-write.** A partially filled last page is never written while shared: before a
+  decode step writes into a page with ref count > 1, the sequence gets a fresh page and the
+  caller copies the old page's KV into it (``append_slot`` returns the ``(src, dst)`` pair).
+  So requests that decode together share only full pages — what FCA's forest planner needs.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Allocates KV pages to sequences; see the module docstring for the sharing rules."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.hit_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self.blocks) - len(self.free)
+
+    # ---------------------------------------------------------------- prefix cache
+    @staticmethod
+    def chain_hash(prev: int | None, tokens: list[int] | tuple[int, ...]) -> int:
+        return hash((prev, tuple(tokens)))
+
+    def _lookup(self, h: int, tokens: list[int]) -> int | None:
+        bid = self.hash_to_block.get(h)
+        if bid is None or self.blocks[bid].token_ids != tuple(tokens):
+            return None
+        return bid
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Page ids of the cached leading full blocks. The block holding the last token is never
+        taken from the cache: that token must be computed to produce the next-token logits."""
+        found, prev = [], None
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = seq.block_tokens(i, self.block_size)
+            prev = self.chain_hash(prev, tokens)
+            bid = self._lookup(prev, tokens)
+            if bid is None:
+                break
+            found.append(bid)
+        return found
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every content key (after a weight update the cached KV is stale)."""
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.hash_to_block.clear()
+
+    # ---------------------------------------------------------------- allocation
+    def _take_free(self) -> int:
+        bid, _ = self.free.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return bid
+
+    def _ref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self.free[bid]
+        block.ref_count += 1
+
+    def _unref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        assert block.ref_count > 0, f"block {bid} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[bid] = None  # most recently freed: reused last
+
+    def _register(self, bid: int, prev: int | None, tokens: list[int]) -> int:
+        h = self.chain_hash(prev, tokens)
+        block = self.blocks[bid]
+        block.hash, block.token_ids = h, tuple(tokens)
+        self.hash_to_block[h] = bid
+        return h
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Fresh pages a prefill of ``seq`` would take (cached ones excluded)."""
+        cached = self._cached_prefix(seq)
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return seq.num_blocks(self.block_size) - len(cached) + revived
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_needed(seq) <= self.num_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` a table for all its tokens; sets ``seq.num_cached_tokens``."""
+        assert not seq.block_table, "sequence already holds blocks"
+        bs = self.block_size
+        cached = self._cached_prefix(seq)
+        for bid in cached:
+            self._ref(bid)
+        self.hit_blocks += len(cached)
+        table, prev = list(cached), None
+        if cached:
+            prev = self.blocks[cached[-1]].hash
+        for i in range(len(cached), seq.num_blocks(bs)):
+            bid = self._take_free()
+            tokens = seq.block_tokens(i, bs)
+            if len(tokens) == bs:  # full: its KV is computed by this prefill, key it now
+                prev = self._register(bid, prev, tokens)
+            table.append(bid)
+        seq.block_table = table
+        seq.num_cached_tokens = len(cached) * bs
+
+    def deallocate(self, seq: Sequence) -> None:
+        for bid in reversed(seq.block_table):
+            self._unref(bid)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every page of ``parent`` (the partial last one until written)."""
+        for bid in parent.block_table:
+            self._ref(bid)
+        child.block_table = list(parent.block_table)
+
+    # ---------------------------------------------------------------- decode
+    def needs_block(self, seq: Sequence) -> bool:
+        """Whether writing the KV of ``seq``'s last token takes a fresh page (new or CoW)."""
+        pos = len(seq) - 1
+        if pos % self.block_size == 0 and pos // self.block_size == len(seq.block_table):
+            return True
+        return self.blocks[seq.block_table[pos // self.block_size]].ref_count > 1
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make the page for the last token writable; returns a ``(src, dst)`` page copy to do
+        before the step when the page was shared (copy-on-write), else ``None``."""
+        pos = len(seq) - 1
+        idx = pos // self.block_size
+        if idx == len(seq.block_table):
+            seq.block_table.append(self._take_free())
+            return None
+        old = seq.block_table[idx]
+        if self.blocks[old].ref_count == 1:
+            return None
+        new = self._take_free()
+        self._unref(old)
+        seq.block_table[idx] = new
+        return old, new
+
+    def commit(self, seq: Sequence, num_kv_tokens: int) -> None:
+        """After a step computed KV up to ``num_kv_tokens``: key the page it filled, if any."""
+        bs = self.block_size
+        if num_kv_tokens % bs or num_kv_tokens == 0:
+            return
+        idx = num_kv_tokens // bs - 1
+        bid = seq.block_table[idx]
+        if self.blocks[bid].hash is not None:
+            return
+        prev = self.blocks[seq.block_table[idx - 1]].hash if idx > 0 else None
+        if idx > 0 and prev is None:
+            return  # the chain was cut (prefix cache reset): this page cannot be keyed
+        self._register(bid, prev, seq.block_tokens(idx, bs))

@@ -1,0 +1,231 @@
+"""The native engine: requests in, samples out — scheduler → model runner → sampler, per step.
+
+``generate`` validates every request first (a bad one raises ``ValueError`` naming its index
+before anything is scheduled, so nothing else is touched), queues one sequence per prompt, and
+steps the engine until its requests are done. Several threads may call ``generate`` at once
+(the async API does): steps are serialised by a lock and each step advances every queued
+request, so concurrent calls batch together.
+
+After a prompt's prefill its ``n - 1`` forks are created: they share the prompt's pages and
+sample their first token from the same logits, so ``n`` samples cost one prefill.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+
+from polynya.config.sampler import SamplerConfig
+from polynya.types import Sample, SamplingParams, TokenSeq, as_token_array
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, WeightPieces
+from .sampler import SamplingTensors, sample
+from .scheduler import Batch, Scheduler
+from .sequence import Sequence
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    finished: list[Sequence] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.params.n
+
+    def samples(self) -> list[Sample]:
+        out = sorted(self.finished, key=lambda s: s.sample_index)
+        return [Sample(token_ids=s.completion, logprobs=list(s.logprobs) if self.params.logprobs else None,
+                       finish_reason=s.finish_reason) for s in out]
+
+
+def _mix(seed: int, index: int) -> int:
+    """Seed of sample ``index`` of a request seeded with ``seed`` (deterministic, 63 bits)."""
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+class NativeEngine:
+    """Embedded sampling engine (CPU or one GPU); see the package docstring for the API."""
+
+    def __init__(self, config: SamplerConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        limits = [self.runner.num_blocks * config.block_size]
+        limits += [x for x in (self.runner.window, config.max_model_len) if x]
+        self.max_model_len = min(limits)
+        self.default_stop_ids = self.runner.eos_token_ids()
+        self.weight_version = 0
+        self.asleep = False
+        self._master = torch.Generator().manual_seed(config.seed)
+        self._lock = threading.RLock()
+        self._requests: dict[int, _Request] = {}
+        self._next_request = 0
+        self._counts = dict(prefill_tokens=0, decode_tokens=0, cache_hit_tokens=0,
+                            prefill_steps=0, decode_steps=0, requests=0)
+
+    # ---------------------------------------------------------------- requests
+    def validate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams]
+                 ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Check every request; raise ``ValueError`` naming the first bad one (nothing queued)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
+            raise ValueError("prompts must be a list of token-id lists")
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        toks = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            arr = as_token_array(prompt, f"prompts[{i}]")
+            if arr.size == 0:
+                raise ValueError(f"prompts[{i}] is empty")
+            if arr.max() >= self.runner.vocab_size:
+                raise ValueError(f"prompts[{i}] has token id {int(arr.max())} >= vocab size "
+                                 f"{self.runner.vocab_size}")
+            if arr.size >= self.max_model_len:
+                raise ValueError(f"prompts[{i}] has {arr.size} tokens; the model window here is "
+                                 f"{self.max_model_len} (prompt + at least one new token)")
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+                raise ValueError(f"params[{i}].max_tokens must be >= 1, got {p.max_tokens!r}")
+            if not isinstance(p.n, int) or not 1 <= p.n <= self.config.max_num_seqs:
+                raise ValueError(f"params[{i}].n must be in [1, max_num_seqs={self.config.max_num_seqs}], "
+                                 f"got {p.n!r}")
+            toks.append(arr.tolist())
+        return toks, plist
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        if params.seed is not None:
+            seed = _mix(params.seed, index)
+        else:
+            seed = int(torch.randint(0, 1 << 62, (), generator=self._master))
+        return torch.Generator().manual_seed(seed)
+
+    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """Queue a validated request; returns its id (for ``pop_request``)."""
+        with self._lock:
+            rid = self._next_request
+            self._next_request += 1
+            stop = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
+            seq = Sequence(token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
+                           stop_ids=stop, generator=self._generator(params, 0), request_id=rid,
+                           pending_forks=params.n - 1)
+            self._requests[rid] = _Request(params)
+            self.scheduler.add(seq)
+            self._counts["requests"] += 1
+            return rid
+
+    def generate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams]
+                 ) -> list[list[Sample]]:
+        """``n`` samples per prompt, in prompt order; see ``SamplingEngine.generate``."""
+        toks, plist = self.validate(prompts, params)
+        with self._lock:
+            if self.asleep:
+                raise RuntimeError("the sampling engine is asleep; call wake() first")
+            rids = [self.add_request(t, p) for t, p in zip(toks, plist)]
+        while True:
+            with self._lock:
+                if all(self._requests[r].done for r in rids):
+                    return [self._requests.pop(r).samples() for r in rids]
+                self.step()
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> None:
+        """Schedule, forward, sample and book-keep one engine step."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return
+        if batch.copies:
+            self.runner.copy_blocks(batch.copies)
+        logits = self.runner.run(batch.seqs, batch.is_prefill)
+        self._count(batch)  # before the new tokens are appended
+        rows, parents = self._expand_forks(batch)
+        if len(rows) != len(batch.seqs):
+            logits = logits[torch.tensor(parents, device=logits.device)]
+        st = SamplingTensors.build([s.params for s in rows], [s.generator for s in rows],
+                                   logits.shape[-1], logits.device)
+        tokens, logprobs = sample(logits, st)
+        self._postprocess(rows, tokens.tolist(), logprobs.tolist())
+
+    def _expand_forks(self, batch: Batch) -> tuple[list[Sequence], list[int]]:
+        """After a prefill, fork every prompt with ``n > 1``: rows to sample and their logit row."""
+        rows, parents = [], []
+        for i, seq in enumerate(batch.seqs):
+            rows.append(seq)
+            parents.append(i)
+            for j in range(1, seq.pending_forks + 1):
+                child = seq.fork(j, self._generator(seq.params, j))
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+                rows.append(child)
+                parents.append(i)
+            seq.pending_forks = 0
+        return rows, parents
+
+    def _postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+        for seq, tok, lp in zip(rows, tokens, logprobs):
+            self.block_manager.commit(seq, len(seq))
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            reason = None
+            if tok in seq.stop_ids:
+                reason = "stop"
+            elif len(seq) - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._requests[seq.request_id].finished.append(seq)
+
+    def _count(self, batch: Batch) -> None:
+        c = self._counts
+        if batch.is_prefill:
+            c["prefill_steps"] += 1
+            c["prefill_tokens"] += sum(len(s) - s.num_cached_tokens for s in batch.seqs)
+            c["cache_hit_tokens"] += sum(s.num_cached_tokens for s in batch.seqs)
+        else:
+            c["decode_steps"] += 1
+            c["decode_tokens"] += len(batch.seqs)
+
+    # ---------------------------------------------------------------- weights, memory, stats
+    def load_weights(self, weights: WeightPieces, version: int | None = None) -> int:
+        """Copy new weights in place (all pieces checked first); drops the prefix cache.
+        Returns the new weight version (``version`` or the previous one + 1)."""
+        with self._lock:
+            self.runner.load_weights(weights)
+            self.block_manager.reset_prefix_cache()
+            self.weight_version = self.weight_version + 1 if version is None else int(version)
+            return self.weight_version
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1), and move the weights off the GPU too (level 2)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        with self._lock:
+            if self.scheduler.has_work():
+                raise RuntimeError("cannot sleep with requests in flight")
+            self.runner.free_kv()
+            self.block_manager.reset_prefix_cache()
+            if level == 2:
+                self.runner.offload_weights()
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Restore what ``sleep`` released (empty KV cache, weights on the device)."""
+        with self._lock:
+            self.runner.onload_weights()
+            if self.runner.kv is None:
+                self.runner.allocate_kv()
+            self.asleep = False
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: ``prefill_tokens`` (computed, cache hits excluded),
+        ``decode_tokens``, ``cache_hit_tokens`` / ``cache_hit_blocks``, ``blocks_in_use`` of
+        ``num_blocks``, ``preemptions``, step counts, ``weight_version``."""
+        with self._lock:
+            return dict(self._counts, cache_hit_blocks=self.block_manager.hit_blocks,
+                        blocks_in_use=self.block_manager.num_used, num_blocks=self.block_manager.num_blocks,
+                        preemptions=self.scheduler.num_preemptions, weight_version=self.weight_version)

@@ -1,0 +1,199 @@
+"""Runs the HF model over the paged KV cache: packs a step's inputs, plans, forwards, copies pages.
+
+The model is loaded with ``attn_implementation="polynya_paged"`` (see ``attention.py``); each
+step it gets one packed row of new tokens with their true positions and a ``StepContext`` in
+its ``**kwargs``. The cache is one tensor ``[layers, 2, num_blocks, block_size, Hkv, D]``.
+
+Decode with FCA builds the forest plan (``polynya.kernels.fca.plan_forest``) once per step from
+the block tables; every layer reuses it.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from polynya.config.common import resolve_dtype
+from polynya.config.sampler import SamplerConfig
+from polynya.kernels.fca import plan_forest
+from polynya.models import load_model
+
+from . import attention
+from .sequence import Sequence
+
+WeightPieces = Mapping[str, torch.Tensor] | Iterable[tuple[Any, torch.Tensor]]
+
+
+class ModelRunner:
+    """Owns the model and the KV cache of a native sampling engine."""
+
+    def __init__(self, config: SamplerConfig) -> None:
+        attention.register()
+        self.config = config
+        self.device = torch.device(config.torch_device)
+        self.dtype = resolve_dtype(config.dtype)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device, seed=config.seed,
+                                attn_implementation=attention.NAME)
+        hf = self.model.config
+        if any(t != "full_attention" for t in (getattr(hf, "layer_types", None) or ())):
+            raise ValueError(f"{config.model}: sliding-window / hybrid attention layers are not "
+                             "supported by the native sampler")
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = hf.num_key_value_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.vocab_size = hf.vocab_size
+        self.window = getattr(hf, "max_position_embeddings", None)
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
+        self.use_fca = config.fca
+        self.weights_offloaded = False
+        self.kv: torch.Tensor | None = None
+        self.allocate_kv()
+
+    # ---------------------------------------------------------------- cache
+    def _block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _blocks_for_budget(self, gib: float) -> int:
+        n = int(gib * 2**30) // self._block_bytes()
+        if n < 1:
+            raise ValueError(f"kv_cache_memory_gb={gib} holds no block of {self._block_bytes()} bytes")
+        return n
+
+    def allocate_kv(self) -> None:
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def free_kv(self) -> None:
+        self.kv = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: page ``src`` → page ``dst`` in every layer, keys and values."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's EOS ids (config and generation config); empty when it has none."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (self.model.config, gen):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        return frozenset(ids)
+
+    # ---------------------------------------------------------------- one step
+    def _to_device(self, arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.from_numpy(arr).to(dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prefill_inputs(self, seqs: list[Sequence]):
+        ids, pos, slots, ranges, cached, tables, last = [], [], [], [], [], [], []
+        start = 0
+        for seq in seqs:
+            c, n = seq.num_cached_tokens, len(seq)
+            ids.extend(seq.token_ids[c:])
+            pos.append(np.arange(c, n))
+            slots.append(self._slots(seq, c, n))
+            ranges.append((start, start + n - c))
+            cached.append(c)
+            tables.append(torch.tensor(seq.block_table, device=self.device) if c else None)
+            start += n - c
+            last.append(start - 1)
+        ctx = attention.StepContext(self._caches(), self._to_device(np.concatenate(slots), torch.int64),
+                                    is_prefill=True, q_ranges=ranges, cached_lens=cached,
+                                    prefill_tables=tables)
+        return (np.asarray(ids, dtype=np.int64), np.concatenate(pos), ctx,
+                self._to_device(np.asarray(last, dtype=np.int64), torch.int64))
+
+    def _decode_inputs(self, seqs: list[Sequence]):
+        n = len(seqs)
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        ids = np.fromiter((s.last_token for s in seqs), dtype=np.int64, count=n)
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((n, width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        pos = lens - 1
+        slots = tables[np.arange(n), pos // self.block_size].astype(np.int64) * self.block_size
+        slots += pos % self.block_size
+        block_tables = self._to_device(tables, torch.int32)
+        seq_lens = self._to_device(lens.astype(np.int32), torch.int32)
+        plan = None
+        if self.use_fca:  # once per step; every layer reuses it
+            plan = plan_forest(block_tables, seq_lens, self.block_size, validate=False)
+        ctx = attention.StepContext(self._caches(), self._to_device(slots, torch.int64), is_prefill=False,
+                                    block_tables=block_tables, seq_lens=seq_lens, plan=plan)
+        return ids, pos, ctx, 0
+
+    def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.kv is None:
+            raise RuntimeError("the KV cache is released (engine asleep); call wake() first")
+        return [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.num_layers)]
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """Forward one step. Returns ``[len(seqs), V]`` next-token logits (model dtype)."""
+        ids, pos, ctx, keep = (self._prefill_inputs if is_prefill else self._decode_inputs)(seqs)
+        out = self.model(input_ids=self._to_device(ids, torch.int64)[None],
+                         position_ids=self._to_device(pos, torch.int64)[None],
+                         use_cache=False, logits_to_keep=keep, **{attention.CTX_KWARG: ctx})
+        return out.logits[0]
+
+    # ---------------------------------------------------------------- weights
+    def load_weights(self, weights: WeightPieces) -> None:
+        """Copy new weights in place. Accepts ``{name: tensor}``, ``[(name, tensor)]`` or
+        flat buckets ``[(names, flat_1d_tensor)]`` (parameters concatenated in ``names`` order).
+        Everything is checked before anything is copied: a bad piece changes nothing."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        for key, tensor in items:
+            if isinstance(key, str):
+                pairs.append(self._check(params, key, tensor))
+                continue
+            names = list(key)
+            unknown = [n for n in names if n not in params]
+            if unknown:
+                raise ValueError(f"load_weights: unknown parameters {unknown[:3]}")
+            sizes = [params[n].numel() for n in names]
+            if tensor.dim() != 1 or tensor.numel() != sum(sizes):
+                raise ValueError(f"flat bucket of {tensor.numel()} elements does not hold "
+                                 f"{sum(sizes)} elements of {len(names)} named parameters")
+            for name, piece in zip(names, tensor.split(sizes)):
+                pairs.append(self._check(params, name, piece.view(params[name].shape)))
+        with torch.no_grad():
+            for param, tensor in pairs:
+                param.copy_(tensor)
+
+    @staticmethod
+    def _check(params: dict, name: str, tensor: torch.Tensor):
+        if name not in params:
+            raise ValueError(f"load_weights: unknown parameter {name!r}")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(params[name].shape)}")
+        return params[name], tensor
+
+    def offload_weights(self) -> None:
+        if self.device.type == "cuda" and not self.weights_offloaded:
+            self.model.to("cpu")
+            self.weights_offloaded = True
+            torch.cuda.empty_cache()
+
+    def onload_weights(self) -> None:
+        if self.weights_offloaded:
+            self.model.to(self.device)
+            self.weights_offloaded = False

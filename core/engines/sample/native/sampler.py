@@ -1,0 +1,112 @@
+"""Batched next-token sampling on the device: temperature, top-k, top-p, min-p, greedy.
+
+One call samples one token for every row of a ``[B, V]`` logits tensor, each row with its own
+settings. The filters apply in the order temperature → top-k → top-p (on the top-k-renormalised
+distribution) → min-p (relative to the most likely token). Sampling is by inverse CDF: each row
+brings one uniform number drawn from its own ``torch.Generator`` (CPU), so a seeded request
+gives the same tokens whatever else is in the batch, on CPU and GPU alike.
+
+Returned log-probs are those of the sampled tokens under the distribution actually sampled
+from (after temperature and filters). Greedy rows (``temperature == 0``) sample the argmax;
+their log-prob is taken under the unmodified model distribution (temperature 1, no filters),
+since the point mass greedy decoding "samples" from would always give 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from polynya.types import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row settings as device tensors (built once per step). ``temperature`` is 1 for
+    greedy rows; ``greedy`` marks them. ``top_k`` is ``V`` where off."""
+
+    temperature: torch.Tensor  # [B] float32
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    uniform: torch.Tensor  # [B] float32 in [0, 1)
+    needs_sort: bool  # any row uses top-k or top-p
+    needs_min_p: bool
+    all_greedy: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator],
+              vocab_size: int, device: torch.device | str) -> "SamplingTensors":
+        """Gather row settings; draws one uniform per non-greedy row from its generator."""
+        greedy = [p.temperature == 0 for p in params]
+        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        top_k = [vocab_size if (g or p.top_k < 0) else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
+        uni = [0.0 if g else float(torch.rand((), generator=gen)) for g, gen in zip(greedy, generators)]
+        host = torch.tensor([temps, top_p, min_p, uni], dtype=torch.float32)
+        host_k = torch.tensor(top_k, dtype=torch.int64)
+        if str(device).startswith("cuda"):
+            host, host_k = host.pin_memory(), host_k.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        return cls(temperature=dev[0], top_p=dev[1], min_p=dev[2], uniform=dev[3],
+                   greedy=torch.tensor(greedy).to(device, non_blocking=True),
+                   top_k=host_k.to(device, non_blocking=True),
+                   needs_sort=any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
+                   needs_min_p=any(m > 0 for m in min_p), all_greedy=all(greedy))
+
+
+def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Apply temperature and filters.
+
+    Args:
+        logits: ``[B, V]`` float32.
+    Returns:
+        ``(filtered, order)``: ``[B, V]`` logits with removed tokens at ``-inf``; when a sort was
+        needed they are in descending order and ``order [B, V]`` maps positions to token ids,
+        else they are in vocabulary order and ``order`` is None.
+    """
+    x = logits / st.temperature[:, None]
+    order = None
+    if st.needs_sort:
+        x, order = x.sort(dim=-1, descending=True)
+        ranks = torch.arange(x.shape[-1], device=x.device)
+        x = x.masked_fill(ranks[None, :] >= st.top_k[:, None], float("-inf"))
+        probs = x.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        x = x.masked_fill(mass_before >= st.top_p[:, None], float("-inf"))  # rank 0 always kept
+    if st.needs_min_p:
+        probs = x.softmax(dim=-1)
+        top = probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < st.min_p[:, None] * top, float("-inf"))
+    return x, order
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row.
+
+    Args:
+        logits: ``[B, V]`` (any float dtype; computed in float32).
+    Returns:
+        ``(tokens [B] int64, logprobs [B] float32)`` on the logits' device.
+    """
+    logits = logits.float()
+    greedy_tok = logits.argmax(dim=-1)
+    raw_lp = logits.log_softmax(dim=-1)
+    if st.all_greedy:
+        return greedy_tok, raw_lp.gather(-1, greedy_tok[:, None])[:, 0]
+    x, order = filter_logits(logits, st)
+    logp = x.log_softmax(dim=-1)
+    probs = logp.exp()
+    cdf = probs.cumsum(dim=-1)
+    target = (st.uniform * cdf[:, -1])[:, None]
+    pos = torch.searchsorted(cdf, target, right=True).clamp_(max=x.shape[-1] - 1)
+    # float rounding at the very top of the CDF can land on a removed token: take the mode then
+    mode = x.argmax(dim=-1, keepdim=True)
+    pos = torch.where(probs.gather(-1, pos) > 0, pos, mode)
+    lp = logp.gather(-1, pos)[:, 0]
+    tok = (order.gather(-1, pos) if order is not None else pos)[:, 0]
+    tok = torch.where(st.greedy, greedy_tok, tok)
+    lp = torch.where(st.greedy, raw_lp.gather(-1, greedy_tok[:, None])[:, 0], lp)
+    return tok, lp

@@ -1,0 +1,112 @@
+"""Continuous batching: pick each step's sequences, preempting by recompute when pages run out.
+
+Every step is either a *prefill* (waiting sequences whose prompt — or, after preemption, prompt
+plus completion so far — is computed, minus what the prefix cache holds) or a *decode* (every
+running sequence advances one token). Waiting sequences go first whenever they fit, so new
+requests join the running batch as soon as there is room (continuous batching).
+
+When a decode step needs a page (a new page at a block boundary, or a copy-on-write of a shared
+partial page) and none is free, the most recently admitted running sequence is preempted: its
+pages are released and it goes back to the front of the waiting queue, keeping its tokens,
+log-probs and generator, to be recomputed later (its full pages are often still cached). No
+sequence is ever dropped; a lone sequence always fits because ``max_model_len`` is capped by
+the cache size.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    """One step's work. ``copies`` are ``(src, dst)`` page copies to run before the forward."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; see the module docstring."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch = self._schedule_prefill()
+        return batch if batch.seqs else self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch:
+        seqs: list[Sequence] = []
+        rows = len(self.running)
+        tokens = 0
+        while self.waiting:
+            seq = self.waiting[0]
+            new_rows = 1 + seq.pending_forks  # its forks join the running batch after prefill
+            alone = not seqs and not self.running
+            if rows + new_rows > self.max_num_seqs and not alone:
+                break
+            if seqs and tokens + len(seq) > self.max_num_batched_tokens:
+                break
+            if not self.bm.can_allocate(seq):
+                break
+            self.bm.allocate(seq)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            seqs.append(seq)
+            self.running.append(seq)
+            rows += new_rows
+            tokens += len(seq) - seq.num_cached_tokens
+        return Batch(seqs, is_prefill=True)
+
+    def _schedule_decode(self) -> Batch:
+        scheduled: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        while self.running:
+            seq = self.running.popleft()
+            while self.bm.needs_block(seq) and self.bm.num_free == 0:
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                copy = self.bm.append_slot(seq)
+                if copy is not None:
+                    copies.append(copy)
+                scheduled.append(seq)
+        self.running.extend(scheduled)
+        assert scheduled or self.waiting, "nothing to run: the cache cannot hold a single sequence"
+        return Batch(scheduled, is_prefill=False, copies=copies)
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.bm.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def add_running(self, seq: Sequence) -> None:
+        """A fork made after its parent's prefill joins the running batch."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.bm.deallocate(seq)

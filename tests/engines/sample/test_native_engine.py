@@ -1,0 +1,233 @@
+"""Native sampling engine end to end on tiny random models (fp32, CPU).
+
+Oracles: HF ``model.generate`` (greedy), a teacher-forced HF forward (log-probs), and the
+engine's own stats (one prefill per prompt, cache hits, preemptions).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from polynya import SamplingParams
+from polynya.config import SamplerConfig
+from polynya.engines import SamplingEngine
+from polynya.models import load_model
+
+
+def make_engine(model: str = "tiny:qwen3", **kw) -> SamplingEngine:
+    kw = {"dtype": "float32", "device": "cpu", "block_size": 4, "num_blocks": 256, **kw}
+    return SamplingEngine(SamplerConfig(model, **kw))
+
+
+def ragged_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = np.random.default_rng(seed)
+    return [g.integers(4, 512, size=n).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new: int, eos: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    toks = out[0, len(prompt):].tolist()
+    return toks[:toks.index(eos) + 1] if eos in toks else toks
+
+
+def teacher_forced_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return logits
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return make_engine()
+
+
+@pytest.fixture(scope="module")
+def hf_qwen():
+    return load_model("tiny:qwen3", dtype="float32")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_greedy_equals_hf_generate_with_preemption(family):
+    engine = make_engine(f"tiny:{family}", num_blocks=24, max_num_seqs=6)
+    hf = load_model(f"tiny:{family}", dtype="float32")
+    prompts = ragged_prompts(1, [3, 17, 9, 30, 5, 22, 13])
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    stats = engine.stats()
+    assert stats["preemptions"] > 0, "the cache was meant to be too small for the whole batch"
+    assert stats["blocks_in_use"] == 0
+    for prompt, samples in zip(prompts, out):
+        ref = hf_greedy(hf, prompt, 16, eos=0)
+        assert samples[0].token_ids == ref
+        assert samples[0].finish_reason == ("stop" if ref[-1] == 0 and len(ref) <= 16 and 0 in ref else "length")
+
+
+def test_logprobs_equal_teacher_forced_forward(qwen, hf_qwen):
+    prompts = ragged_prompts(2, [7, 19])
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=5, logprobs=True, stop_token_ids=()),
+              SamplingParams(temperature=0.7, top_k=40, max_tokens=12, seed=6, logprobs=True,
+                             stop_token_ids=())]
+    out = qwen.generate(prompts, params)
+    for prompt, p, samples in zip(prompts, params, out):
+        s = samples[0]
+        assert len(s.token_ids) == 12 and s.finish_reason == "length"
+        logits = teacher_forced_logprobs(hf_qwen, prompt, s.token_ids) / p.temperature
+        if p.top_k > 0:
+            kth = logits.topk(p.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        ref = logits.log_softmax(-1).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(s.logprobs), ref, rtol=0, atol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible(qwen):
+    prompts = ragged_prompts(3, [5, 11, 8])
+    p = SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, stop_token_ids=())
+    first = qwen.generate(prompts, p)
+    # same request inside a different batch (other prompts around it) gives the same samples
+    again = qwen.generate([prompts[2], prompts[1]] + ragged_prompts(4, [6]), p)
+    assert [s.token_ids for s in first[1]] == [s.token_ids for s in again[1]]
+    assert [s.token_ids for s in first[2]] == [s.token_ids for s in again[0]]
+    other = qwen.generate(prompts[:1], SamplingParams(n=3, max_tokens=10, seed=99, stop_token_ids=()))
+    assert [s.token_ids for s in other[0]] != [s.token_ids for s in first[0]]
+    assert len({tuple(s.token_ids) for s in first[0]}) > 1, "forks must not repeat each other"
+
+
+def test_first_token_distribution_matches_model(qwen, hf_qwen):
+    """n forks of one prompt sample the first token from the filtered model distribution."""
+    prompt = ragged_prompts(5, [9])[0]
+    n = 3000
+    engine = make_engine(max_num_seqs=n)
+    p = SamplingParams(n=n, temperature=0.05, top_k=6, max_tokens=1, seed=0)
+    toks = np.array([s.token_ids[0] for s in engine.generate([prompt], p)[0]])
+    logits = teacher_forced_logprobs(hf_qwen, prompt, [0])[0] / p.temperature
+    top = logits.topk(6)
+    ref = top.values.softmax(-1).numpy()
+    freq = np.array([(toks == t).mean() for t in top.indices.tolist()])
+    assert freq.sum() == pytest.approx(1.0)
+    assert np.all(np.abs(freq - ref) <= 5 * np.sqrt(ref * (1 - ref) / n) + 1e-9), (freq, ref)
+    assert engine.stats()["prefill_tokens"] == len(prompt)
+
+
+def test_n_forks_prefill_once_and_prefix_cache(qwen):
+    prompt = ragged_prompts(6, [37])[0]
+    before = qwen.stats()
+    out = qwen.generate([prompt], SamplingParams(n=8, max_tokens=20, seed=3, stop_token_ids=()))
+    mid = qwen.stats()
+    assert len(out[0]) == 8 and all(len(s.token_ids) == 20 for s in out[0])
+    assert mid["prefill_tokens"] - before["prefill_tokens"] == 37
+    assert mid["decode_tokens"] - before["decode_tokens"] == 8 * 19
+    qwen.generate([prompt], SamplingParams(max_tokens=2))
+    after = qwen.stats()
+    assert after["cache_hit_tokens"] - mid["cache_hit_tokens"] == 36  # 9 full blocks of 4
+    assert after["prefill_tokens"] - mid["prefill_tokens"] == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fca_on_off_same_greedy_tokens(family):
+    prompts = ragged_prompts(7, [13, 6, 21])
+    p = SamplingParams(n=4, temperature=0, max_tokens=12, stop_token_ids=())
+    outs = [make_engine(f"tiny:{family}", fca=fca).generate(prompts + [prompts[0][:9]], p)
+            for fca in (True, False)]
+    assert [[s.token_ids for s in o] for o in outs[0]] == [[s.token_ids for s in o] for o in outs[1]]
+
+
+def test_bad_inputs_raise_for_that_request_only(qwen):
+    good = [5, 6, 7]
+    bad_cases = {
+        "empty": ([good, []], SamplingParams(max_tokens=2)),
+        "vocab": ([good, [1, 512]], SamplingParams(max_tokens=2)),
+        "window": ([good, list(range(4, 4 + 1024))], SamplingParams(max_tokens=2)),
+    }
+    before = qwen.stats()
+    for name, (prompts, p) in bad_cases.items():
+        with pytest.raises(ValueError, match=r"prompts\[1\]"):
+            qwen.generate(prompts, p)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    mutated = SamplingParams(max_tokens=2)
+    mutated.max_tokens = 0
+    with pytest.raises(ValueError, match=r"params\[1\]"):
+        qwen.generate([good, good], [SamplingParams(max_tokens=2), mutated])
+    assert qwen.stats()["requests"] == before["requests"]  # nothing was queued
+    out = qwen.generate([good], SamplingParams(temperature=0, max_tokens=3, stop_token_ids=()))
+    assert len(out[0][0].token_ids) == 3
+
+
+def test_async_generate_does_not_block_the_loop(qwen):
+    prompts = ragged_prompts(8, [5, 9])
+    p = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=())
+    expected = qwen.generate(prompts, p)
+
+    async def main():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        t = asyncio.create_task(ticker())
+        a, b = await asyncio.gather(qwen.generate_async(prompts[:1], p), qwen.generate_async(prompts[1:], p))
+        stop.set()
+        await t
+        return a + b, ticks
+
+    got, ticks = asyncio.run(main())
+    assert [s[0].token_ids for s in got] == [s[0].token_ids for s in expected]
+    assert ticks > 5
+
+
+def test_load_weights_sleep_wake():
+    engine = make_engine()
+    new = load_model("tiny:qwen3", dtype="float32", seed=1)
+    prompt = ragged_prompts(9, [11])[0]
+    p = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=())
+    engine.generate([prompt], p)
+    named = dict(new.named_parameters())
+    names = list(named)
+    flat = torch.cat([named[n].detach().reshape(-1) for n in names])
+    with pytest.raises(ValueError, match="flat bucket"):
+        engine.load_weights([(names, flat[:-1])])
+    with pytest.raises(ValueError, match="unknown parameter"):
+        engine.load_weights({"nope.weight": flat[:4]})
+    assert engine.stats()["weight_version"] == 0
+    old_tokens = engine.generate([prompt], p)[0][0].token_ids
+    assert engine.load_weights([(names[:3], torch.cat([named[n].detach().reshape(-1) for n in names[:3]])),
+                                *[(n, named[n].detach()) for n in names[3:]]]) == 1
+    hits = engine.stats()["cache_hit_tokens"]
+    got = engine.generate([prompt], p)[0][0].token_ids
+    assert engine.stats()["cache_hit_tokens"] == hits, "the prefix cache must be dropped on update"
+    assert got == hf_greedy(new, prompt, 8, eos=-1) and got != old_tokens
+    engine.sleep()
+    assert engine.backend.runner.kv is None
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate([prompt], p)
+    engine.wake()
+    assert engine.generate([prompt], p)[0][0].token_ids == got
+    assert engine.load_weights(dict(new.named_parameters()), version=7) == 7
+
+
+def test_concurrent_threads_batch_together(qwen):
+    prompts = ragged_prompts(10, [4, 8, 12])
+    p = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=())
+    expected = [s[0].token_ids for s in qwen.generate(prompts, p)]
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        time.sleep(0.01 * i)
+        results[i] = qwen.generate([prompts[i]], p)[0][0].token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(3)] == expected
