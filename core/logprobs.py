@@ -20,7 +20,7 @@ from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
 from .zorro.attention import FLEX_BLOCK, use_zorro_attention, zorro_mask
 
-LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits per chunk of the LM head
+LOGITS_CHUNK_BYTES = 1 << 28  # fp32 logits per chunk of the LM head (256 MiB)
 
 
 def _chunk_stats(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor,
@@ -113,7 +113,7 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         entropy: also return the entropy of each predictive distribution.
         temperature: logits are divided by it (per call).
         max_tokens_per_row: ZoRRo packing budget per row (None: one row); groups never split.
-        chunk_size: tokens per LM-head chunk (default: ~1 GiB of fp32 logits).
+        chunk_size: tokens per LM-head chunk (default: ~256 MiB of fp32 logits).
     Returns:
         ``TokenStats`` with ``logprobs`` / ``entropy`` ``[B, Rmax]`` float32 and ``mask``
         ``[B, Rmax]``; differentiable w.r.t. the model's parameters.

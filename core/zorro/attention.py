@@ -90,4 +90,4 @@ def zorro_mask(tin: torch.Tensor, tout: torch.Tensor):
     if length % FLEX_BLOCK:
         raise ValueError(f"packed rows must be padded to a multiple of {FLEX_BLOCK} on GPU")
     return create_block_mask(mask_mod, rows, None, length, length, device=tin.device,
-                             BLOCK_SIZE=FLEX_BLOCK)
+                             BLOCK_SIZE=FLEX_BLOCK, _compile=True)
