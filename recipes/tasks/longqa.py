@@ -1,0 +1,161 @@
+"""Long-context multi-document QA: many passages (thousands of tokens), one short answer.
+
+``load(split, source=None)`` accepts these record shapes (``.json``/``.jsonl``/``.parquet``
+files, a directory holding ``<split>.*``, or an HF id, optionally ``"id:config"`` such as
+``"hotpotqa/hotpot_qa:distractor"`` or ``"THUDM/LongBench:hotpotqa"``):
+
+- HotpotQA / 2WikiMultihopQA: ``question``, ``answer``, ``context`` as ``[[title, [sentences]]]``
+  (or HF's ``{"title": [...], "sentences": [[...]]}``);
+- MuSiQue: ``question``, ``answer``, ``answer_aliases``, ``paragraphs`` of
+  ``{"title", "paragraph_text"}``;
+- LongBench: ``input`` (the question), ``context`` (one long string), ``answers`` (a list);
+- the bundled format: ``question``, ``answers``, ``passages`` of ``{"title", "text"}``.
+
+``source=None`` is the bundled sample (``recipes/data/longqa``): generated people, towns and
+companies with facts, 1- and 2-hop questions, and ~20 passages per question of which most are
+distractors. The prompt lists every passage and asks for the answer in ``\\boxed{}``.
+
+``reward(completion, example, mode="em")`` takes the last ``\\boxed{...}`` of the completion and
+scores it against every accepted answer after SQuAD normalisation (lower case, no punctuation,
+no articles, single spaces): exact match (1/0) or, with ``mode="f1"``, the best token F1.
+"""
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+
+from .common import DATA_DIR, Example, field, load_records
+
+NAME = "longqa"
+INSTRUCTION = ("Answer the question using the passages. Think step by step, then give only the "
+               "final answer as \\boxed{answer}.")
+
+
+def load(split: str, source: str | None = None) -> list[Example]:
+    """Examples of ``split`` (module docstring for the accepted sources and shapes).
+
+    Returns:
+        ``Example(prompt, answer=<first answer>, meta={"answers": [...], "question",
+        "num_passages"})``.
+    """
+    records = load_records(NAME, split, source, DATA_DIR / NAME)
+    examples = []
+    for i, record in enumerate(records):
+        question, answers, passages = _normalise(record, i)
+        examples.append(Example(make_prompt(question, passages), answers[0],
+                                {"answers": answers, "question": question,
+                                 "num_passages": len(passages)}))
+    return examples
+
+
+def _normalise(record, i: int) -> tuple[str, list[str], list[tuple[str, str]]]:
+    """(question, answers, [(title, text)]) of a record in any accepted shape."""
+    if isinstance(record, dict) and "input" in record and "answers" in record:  # LongBench
+        question = field(NAME, record, i, "input")
+        context = field(NAME, record, i, "context")
+        passages = [("", p.strip()) for p in re.split(r"\n\s*\n", context) if p.strip()]
+        return question, _answers(record, i, "answers"), passages
+    question = field(NAME, record, i, "question")
+    if "passages" in record:
+        items = field(NAME, record, i, "passages", list)
+        passages = [(_item(p, i, "passages", "title"), _item(p, i, "passages", "text"))
+                    for p in items]
+    elif "paragraphs" in record:  # MuSiQue
+        items = field(NAME, record, i, "paragraphs", list)
+        passages = [(_item(p, i, "paragraphs", "title"),
+                     _item(p, i, "paragraphs", "paragraph_text")) for p in items]
+    elif "context" in record:  # HotpotQA / 2Wiki
+        passages = _hotpot_context(field(NAME, record, i, "context", (list, dict)), i)
+    else:
+        raise ValueError(f"{NAME} record {i}: missing field 'passages' (or 'paragraphs' / "
+                         "'context')")
+    if not passages:
+        raise ValueError(f"{NAME} record {i}: no passages")
+    if "answers" in record:
+        answers = _answers(record, i, "answers")
+    else:
+        answers = [field(NAME, record, i, "answer")]
+        aliases = record.get("answer_aliases") or []
+        answers += [a for a in aliases if isinstance(a, str) and a not in answers]
+    return question, answers, passages
+
+
+def _answers(record: dict, i: int, name: str) -> list[str]:
+    value = field(NAME, record, i, name, (list, str))
+    answers = [value] if isinstance(value, str) else [str(a) for a in value if a is not None]
+    if not answers:
+        raise ValueError(f"{NAME} record {i}: field {name!r} is empty")
+    return answers
+
+
+def _item(p, i: int, container: str, key: str) -> str:
+    if not isinstance(p, dict) or not isinstance(p.get(key), str):
+        raise ValueError(f"{NAME} record {i}: field {container!r}: every item needs a text "
+                         f"{key!r}")
+    return p[key]
+
+
+def _hotpot_context(context, i: int) -> list[tuple[str, str]]:
+    if isinstance(context, dict):  # the HF datasets layout
+        context = list(zip(context.get("title", []), context.get("sentences", []), strict=False))
+    out = []
+    for item in context:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"{NAME} record {i}: field 'context': items must be [title, "
+                             "sentences]")
+        sentences = item[1]
+        text = sentences if isinstance(sentences, str) else " ".join(s.strip() for s in sentences)
+        out.append((item[0], text))
+    return out
+
+
+def make_prompt(question: str, passages: list[tuple[str, str]]) -> str:
+    blocks = [f"Passage {k} ({title}): {text.strip()}" if title else f"Passage {k}: {text.strip()}"
+              for k, (title, text) in enumerate(passages, 1)]
+    return "\n\n".join(blocks) + f"\n\nQuestion: {question.strip()}\n{INSTRUCTION}"
+
+
+def extract_boxed(text: str) -> str | None:
+    """Contents of the last ``\\boxed{...}`` (nested braces allowed), or ``None``."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, k = 0, start + len("\\boxed")
+        for j in range(k, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[k + 1:j]
+        start = text.rfind("\\boxed{", 0, start)  # unclosed: try an earlier one
+    return None
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD normalisation: lower case, drop punctuation and articles, collapse whitespace."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def f1_score(prediction: str, truth: str) -> float:
+    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def reward(completion: str, example: Example, *, mode: str = "em") -> float:
+    """Exact match (``mode="em"``) or best token F1 (``mode="f1"``) of the last ``\\boxed{}``
+    answer against ``example.meta["answers"]`` (or ``example.answer``); 0.0 without a box."""
+    if mode not in ("em", "f1"):
+        raise ValueError(f"unknown longqa reward mode {mode!r}; use 'em' or 'f1'")
+    predicted = extract_boxed(completion)
+    if predicted is None:
+        return 0.0
+    predicted = re.sub(r"\\text\{([^{}]*)\}", r"\1", predicted)  # \boxed{\text{Paris}}
+    answers = example.meta.get("answers") or [example.answer]
+    if mode == "em":
+        return float(any(normalize_answer(predicted) == normalize_answer(a) for a in answers))
+    return max(f1_score(predicted, a) for a in answers)

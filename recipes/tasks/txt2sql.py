@@ -1,0 +1,171 @@
+"""Text-to-SQL: (database, question, gold SQL) examples rewarded by execution match.
+
+``load(split, source=None)`` reads a BIRD/Spider-style directory: a JSON list of records with
+``db_id``, ``question`` and the gold query (``SQL`` as in BIRD, or ``query`` as in Spider;
+BIRD's ``evidence`` is added to the prompt), and SQLite files at
+``<dir>/database/<db_id>/<db_id>.sqlite`` (Spider), ``<dir>/<split>_databases/<db_id>/...``
+(BIRD), ``<dir>/databases/<db_id>.sqlite`` or ``<dir>/<db_id>.sqlite``. The split file is
+``<split>.json``/``.jsonl`` (``train_spider.json`` for Spider's train, ``dev.json`` for
+``validation``). ``source=None`` is the bundled sample: three generated databases (shop,
+school, library) with questions and gold SQL under ``recipes/data/txt2sql``.
+
+The prompt holds the schema DDL (from ``sqlite_master``), the first rows of every table and
+the question, and asks for one query in a ```` ```sql ```` block. ``reward`` runs the last SQL
+block of the completion in the sandbox of :mod:`.sqlsafe` (model SQL is untrusted) and compares
+result sets with the gold query's: 1.0 on a match (as multisets, or as lists when the gold
+query has ``ORDER BY``), ``partial`` (0.1) when the query runs but differs, 0.0 otherwise.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from collections import Counter
+from pathlib import Path
+
+from .common import DATA_DIR, Example, check_split, field, read_records, split_file
+from .sqlsafe import QueryError, connect_readonly, run_query
+
+NAME = "txt2sql"
+SAMPLE_ROWS = 3
+GOLD_TIMEOUT_S = 30.0
+_SPLIT_FILES = {"train": ("train_spider.json",), "validation": ("dev.json",)}
+_SQL_BLOCK = re.compile(r"```sql[ \t]*\n?(.*?)(?:```|\Z)", re.S | re.I)
+_ANY_BLOCK = re.compile(r"```[a-zA-Z]*[ \t]*\n(.*?)```", re.S)
+_BARE = re.compile(r"^[ \t]*((?:select|with)\b.*?)(?:;|\n[ \t]*\n|\Z)", re.S | re.I | re.M)
+_ORDER_BY = re.compile(r"\border\s+by\b", re.I)
+
+
+def load(split: str, source: str | None = None) -> list[Example]:
+    """Examples of ``split`` from a BIRD/Spider-style directory (module docstring).
+
+    Returns:
+        ``Example(prompt, answer=<gold SQL>, meta={"db_id", "db_path", "question", "ordered"})``.
+    """
+    if source is None:
+        check_split(NAME, split)
+        root = DATA_DIR / NAME
+    else:
+        root = Path(source).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"{NAME}: source must be a BIRD/Spider-style directory, "
+                             f"got {source!r}")
+    records = read_records(split_file(root, split, _SPLIT_FILES.get(split, ())))
+    examples = []
+    for i, record in enumerate(records):
+        db_id = field(NAME, record, i, "db_id")
+        question = field(NAME, record, i, "question")
+        gold = _gold_sql(record, i)
+        db_path = find_database(root, db_id, split)
+        if db_path is None:
+            raise ValueError(f"{NAME} record {i}: field 'db_id': no SQLite file for {db_id!r} "
+                             f"under {root}")
+        evidence = record.get("evidence") or ""
+        examples.append(Example(
+            make_prompt(str(db_path), question, evidence), gold,
+            {"db_id": db_id, "db_path": str(db_path), "question": question,
+             "ordered": bool(_ORDER_BY.search(gold))}))
+    return examples
+
+
+def _gold_sql(record: dict, index: int) -> str:
+    for name in ("SQL", "query", "sql"):  # Spider's "sql" is a parsed dict: skipped
+        if isinstance(record.get(name), str):
+            return record[name]
+    raise ValueError(f"{NAME} record {index}: missing field 'SQL' (or Spider's 'query') "
+                     "holding the gold query as text")
+
+
+def find_database(root: Path, db_id: str, split: str) -> Path | None:
+    """The SQLite file of ``db_id`` under a BIRD/Spider-style ``root``, or ``None``."""
+    candidates = [root / "database" / db_id / f"{db_id}.sqlite",
+                  root / f"{split}_databases" / db_id / f"{db_id}.sqlite",
+                  root / "dev_databases" / db_id / f"{db_id}.sqlite",
+                  root / "train_databases" / db_id / f"{db_id}.sqlite",
+                  root / "databases" / f"{db_id}.sqlite",
+                  root / db_id / f"{db_id}.sqlite",
+                  root / f"{db_id}.sqlite",
+                  root / f"{db_id}.db"]
+    return next((p.resolve() for p in candidates if p.is_file()), None)
+
+
+@functools.lru_cache(maxsize=256)
+def describe_database(db_path: str, sample_rows: int = SAMPLE_ROWS) -> str:
+    """Schema DDL of every table/view plus its first ``sample_rows`` rows, as SQL comments."""
+    conn = connect_readonly(db_path)
+    try:
+        objects = conn.execute(
+            "SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL "
+            "AND name NOT LIKE 'sqlite_%' AND type IN ('table', 'view') ORDER BY rowid").fetchall()
+        parts = []
+        for kind, name, ddl in objects:
+            parts.append(ddl.strip() + ";")
+            if kind != "table" or sample_rows <= 0:
+                continue
+            cursor = conn.execute(f'SELECT * FROM "{name}" LIMIT {int(sample_rows)}')
+            header = " | ".join(d[0] for d in cursor.description)
+            rows = [" | ".join(_show(v) for v in row) for row in cursor.fetchall()]
+            parts.append("\n".join([f"-- first rows of {name}: {header}"]
+                                   + [f"--   {r}" for r in rows]))
+        return "\n".join(parts)
+    finally:
+        conn.close()
+
+
+def _show(value) -> str:
+    text = "NULL" if value is None else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def make_prompt(db_path: str, question: str, evidence: str = "") -> str:
+    hint = f"Hint: {evidence.strip()}\n" if evidence.strip() else ""
+    return ("You are given a SQLite database with this schema:\n\n"
+            f"{describe_database(db_path)}\n\n"
+            f"Question: {question.strip()}\n{hint}"
+            "Think briefly, then write one SQLite SELECT query that answers the question, "
+            "in a ```sql code block.")
+
+
+def extract_sql(completion: str) -> str | None:
+    """The last ```` ```sql ```` block (an unclosed final one counts), else the last fenced
+    block, else the last line-initial bare ``SELECT``/``WITH`` statement; ``None`` if none."""
+    for pattern in (_SQL_BLOCK, _ANY_BLOCK, _BARE):
+        found = [m.strip() for m in pattern.findall(completion) if m.strip()]
+        if found:
+            return found[-1]
+    return None
+
+
+def reward(completion: str, example: Example, *, partial: float = 0.1, timeout_s: float = 0.5,
+           max_rows: int = 10_000) -> float:
+    """1.0 if the completion's query returns the gold result set, ``partial`` if it runs but
+    differs, 0.0 if there is no query or it is rejected/fails/times out."""
+    sql = extract_sql(completion)
+    if sql is None:
+        return 0.0
+    db_path = example.meta["db_path"]
+    try:
+        predicted = run_query(db_path, sql, timeout_s=timeout_s, max_rows=max_rows)
+    except QueryError:
+        return 0.0
+    gold = gold_result(db_path, example.answer)
+    ordered = example.meta.get("ordered", bool(_ORDER_BY.search(example.answer)))
+    return 1.0 if same_result(predicted, gold, ordered) else partial
+
+
+@functools.lru_cache(maxsize=4096)
+def gold_result(db_path: str, gold_sql: str) -> tuple[tuple, ...]:
+    """Rows of the gold query (cached; run in the same sandbox with a longer time limit)."""
+    try:
+        return tuple(run_query(db_path, gold_sql, timeout_s=GOLD_TIMEOUT_S, max_rows=1_000_000))
+    except QueryError as e:
+        raise ValueError(f"{NAME}: gold query failed on {db_path}: {e}\n{gold_sql}") from None
+
+
+def same_result(predicted, gold, ordered: bool) -> bool:
+    """Result-set equality: as lists when ``ordered``, else as multisets; floats to 1e-6."""
+    a, b = [_normalise(r) for r in predicted], [_normalise(r) for r in gold]
+    return a == b if ordered else Counter(a) == Counter(b)
+
+
+def _normalise(row) -> tuple:
+    return tuple(round(v, 6) if isinstance(v, float) else v for v in row)

@@ -1,0 +1,132 @@
+"""GSM8K task: loaders (bundled, local files, mocked HF id), answer extraction and scoring."""
+import json
+import sys
+import types
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from polynya.recipes.tasks import Example, get_task, gsm8k
+
+EX = Example("q", "72")
+
+
+def test_get_task_returns_module():
+    assert get_task("gsm8k") is gsm8k and gsm8k.NAME == "gsm8k"
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
+        get_task("gsm9k")
+
+
+def test_bundled_sample_loads_and_its_solutions_score_full():
+    train, test = gsm8k.load("train"), gsm8k.load("test")
+    assert (len(train), len(test)) == (200, 50)
+    assert len({e.prompt for e in train + test}) == 250
+    for e in train + test:
+        assert e.prompt.endswith(gsm8k.INSTRUCTION) and e.answer.lstrip("-").isdigit()
+        assert gsm8k.reward(e.meta["solution"], e) == 1.0
+        assert gsm8k.reward(e.meta["solution"] + "1", e) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("3 + 4 = 7 so 72 in all.\n#### 72", 1.0),
+    ("#### 72.00", 1.0),
+    ("####72", 1.0),
+    ("#### $72", 1.0),
+    ("#### 71", 0.1),
+    ("#### 71\nwait, recount\n#### 72", 1.0),   # last #### wins
+    ("#### 72\nno: #### 71", 0.1),
+    ("The answer is 72.", 0.0),                   # strict needs ####
+    ("####", 0.0),
+    ("#### seventy-two", 0.0),
+    ("", 0.0),
+])
+def test_strict_scores(completion, expected):
+    assert gsm8k.reward(completion, EX) == pytest.approx(expected)
+
+
+def test_commas_and_dollars_stripped_on_both_sides():
+    ex = Example("q", gsm8k.ground_truth("#### 1,234"))
+    assert ex.answer == "1234"
+    assert gsm8k.reward("#### $1,234", ex) == 1.0
+    assert gsm8k.reward("#### 1234", Example("q", "1,234")) == 1.0
+    assert gsm8k.reward("#### -5", Example("q", "-5")) == 1.0
+    assert gsm8k.reward("#### 5", Example("q", "-5")) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("The answer is 72.", 1.0),
+    ("It costs $72", 1.0),
+    ("5 - 3 = 2, then 72", 1.0),
+    ("72 apples, minus 3", 0.1),   # last number is 3
+    ("no numbers here", 0.0),
+])
+def test_flexible_scores(completion, expected):
+    assert gsm8k.reward(completion, EX, method="flexible") == pytest.approx(expected)
+
+
+def test_score_options_and_bad_method():
+    assert gsm8k.reward("#### 71", EX, format_score=0.0) == 0.0
+    assert gsm8k.reward("#### 72", EX, score=2.0) == 2.0
+    with pytest.raises(ValueError, match="unknown extraction method"):
+        gsm8k.reward("#### 72", EX, method="lenient")
+
+
+RECORDS = [{"question": "Tom has 3 cats and 2 dogs. How many pets?", "answer": "3 + 2 = 5\n#### 5"},
+           {"question": "What is 1,000 + 200?", "answer": "#### 1,200"},
+           {"question": "Bare final number?", "answer": "42"}]
+
+
+def _check(examples):
+    assert [e.answer for e in examples] == ["5", "1200", "42"]
+    assert examples[0].prompt.startswith("Tom has 3 cats") and "####" in examples[0].prompt
+
+
+def test_local_jsonl_json_parquet(tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    (tmp_path / "b.json").write_text(json.dumps(RECORDS))
+    pq.write_table(pa.Table.from_pylist(RECORDS), tmp_path / "c.parquet")
+    for name in ("a.jsonl", "b.json", "c.parquet"):
+        _check(gsm8k.load("train", source=str(tmp_path / name)))
+
+
+def test_local_directory_by_split(tmp_path):
+    (tmp_path / "main").mkdir()
+    pq.write_table(pa.Table.from_pylist(RECORDS), tmp_path / "main" / "test-00000-of-00001.parquet")
+    _check(gsm8k.load("test", source=str(tmp_path)))
+    with pytest.raises(ValueError, match="no file for split 'train'"):
+        gsm8k.load("train", source=str(tmp_path))
+
+
+def test_hf_id_goes_through_datasets_with_main_config(monkeypatch):
+    calls = []
+
+    def load_dataset(*args, split):
+        calls.append((args, split))
+        return RECORDS
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    _check(gsm8k.load("test", source="openai/gsm8k"))
+    assert calls == [(("openai/gsm8k", "main"), "test")]
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        gsm8k.load("dev")
+    with pytest.raises(ValueError, match="not found"):
+        gsm8k.load("train", source=str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps({"question": "no answer"}) + "\n")
+    with pytest.raises(ValueError, match="gsm8k record 1: missing field 'answer'"):
+        gsm8k.load("train", source=str(bad))
+    bad.write_text(json.dumps({"question": 7, "answer": "#### 1"}) + "\n")
+    with pytest.raises(ValueError, match="record 0: field 'question' must be str"):
+        gsm8k.load("train", source=str(bad))
+    bad.write_text(json.dumps({"question": "q", "answer": "no final number"}) + "\n")
+    with pytest.raises(ValueError, match="record 0: field 'answer' has no '#### <number>'"):
+        gsm8k.load("train", source=str(bad))
+    bad.write_text(json.dumps(RECORDS[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
+        gsm8k.load("train", source=str(bad))
+    (tmp_path / "x.csv").write_text("question,answer\n")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        gsm8k.load("train", source=str(tmp_path / "x.csv"))

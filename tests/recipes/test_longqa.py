@@ -1,0 +1,126 @@
+"""Long-context QA task: loaders for the bundled and public formats, boxed-answer scoring."""
+import json
+import sys
+import types
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from polynya.recipes.tasks import Example, longqa
+
+RIVER = Example("q", "the Eful River", {"answers": ["the Eful River", "Eful River"]})
+
+
+def test_bundled_sample_is_long_multi_passage_and_answerable():
+    train, test = longqa.load("train"), longqa.load("test")
+    assert (len(train), len(test)) == (40, 10)
+    for e in train + test:
+        assert e.meta["num_passages"] == 20 and e.prompt.count("\nPassage ") == 19
+        assert len(e.prompt) > 8000                       # ~2-3k tokens of context
+        assert e.answer in e.prompt.split("\n\nQuestion:")[0]
+        assert longqa.reward(f"so \\boxed{{{e.answer}}}", e) == 1.0
+    assert len({e.meta["question"] for e in train + test}) == 50   # no repeats, no leakage
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("The river is \\boxed{the Eful River}.", 1.0),
+    ("\\boxed{Eful river!}", 1.0),                 # case, punctuation
+    ("\\boxed{  The   EFUL river }", 1.0),         # articles, whitespace
+    ("\\boxed{\\text{Eful River}}", 1.0),
+    ("\\boxed{Gorbel River} no wait \\boxed{Eful River}", 1.0),  # last box wins
+    ("\\boxed{Eful River} no wait \\boxed{Gorbel River}", 0.0),
+    ("\\boxed{Eful}", 0.0),
+    ("the Eful River", 0.0),                       # no box
+    ("\\boxed{Eful River", 0.0),                   # unclosed
+])
+def test_exact_match(completion, expected):
+    assert longqa.reward(completion, RIVER) == expected
+
+
+def test_f1_mode_and_helpers():
+    assert longqa.reward("\\boxed{Eful}", RIVER, mode="f1") == pytest.approx(2 / 3)
+    assert longqa.reward("\\boxed{Eful River}", RIVER, mode="f1") == 1.0
+    assert longqa.reward("\\boxed{Nile}", RIVER, mode="f1") == 0.0
+    assert longqa.reward("no box", RIVER, mode="f1") == 0.0
+    assert longqa.extract_boxed("a \\boxed{x^{2}} b") == "x^{2}"
+    assert longqa.normalize_answer("The  Eiffel-Tower, a tower!") == "eiffeltower tower"
+    with pytest.raises(ValueError, match="unknown longqa reward mode"):
+        longqa.reward("\\boxed{x}", RIVER, mode="rouge")
+
+
+HOTPOT = {"_id": "h1", "question": "Where was Ann born?", "answer": "Oslo",
+          "context": [["Ann", ["Ann is a pilot.", "She was born in Oslo."]],
+                      ["Bob", ["Bob sings."]]]}
+MUSIQUE = {"id": "m1", "question": "Where was Ann born?", "answer": "Oslo",
+           "answer_aliases": ["Christiania"],
+           "paragraphs": [{"idx": 0, "title": "Ann", "paragraph_text": "Ann was born in Oslo.",
+                           "is_supporting": True},
+                          {"idx": 1, "title": "Bob", "paragraph_text": "Bob sings.",
+                           "is_supporting": False}]}
+LONGBENCH = {"_id": "l1", "input": "Where was Ann born?", "answers": ["Oslo"],
+             "context": "Passage 1:\nAnn was born in Oslo.\n\nPassage 2:\nBob sings.", "length": 12}
+
+
+def test_hotpot_musique_longbench_shapes(tmp_path):
+    (tmp_path / "hotpot.json").write_text(json.dumps([HOTPOT]))
+    (tmp_path / "musique.jsonl").write_text(json.dumps(MUSIQUE) + "\n")
+    (tmp_path / "longbench.jsonl").write_text(json.dumps(LONGBENCH) + "\n")
+    for name in ("hotpot.json", "musique.jsonl", "longbench.jsonl"):
+        [ex] = longqa.load("validation", source=str(tmp_path / name))
+        assert ex.answer == "Oslo" and "born in Oslo" in ex.prompt and "Bob sings" in ex.prompt
+        assert ex.meta["num_passages"] == 2 and "\\boxed" in ex.prompt
+        assert longqa.reward("\\boxed{oslo}", ex) == 1.0
+    [ex] = longqa.load("validation", source=str(tmp_path / "musique.jsonl"))
+    assert longqa.reward("\\boxed{Christiania}", ex) == 1.0
+    assert "Passage 1 (Ann): Ann is a pilot. She was born in Oslo." in \
+        longqa.load("x", source=str(tmp_path / "hotpot.json"))[0].prompt
+
+
+def test_hf_dict_context_from_parquet_directory(tmp_path):
+    record = dict(HOTPOT, context={"title": ["Ann", "Bob"],
+                                   "sentences": [["Ann was born in Oslo."], ["Bob sings."]]})
+    pq.write_table(pa.Table.from_pylist([record]), tmp_path / "validation.parquet")
+    [ex] = longqa.load("validation", source=str(tmp_path))
+    assert "Passage 1 (Ann): Ann was born in Oslo." in ex.prompt
+
+
+def test_hf_id_with_config(monkeypatch):
+    calls = []
+
+    def load_dataset(*args, split):
+        calls.append((args, split))
+        return [HOTPOT]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    [ex] = longqa.load("validation", source="hotpotqa/hotpot_qa:distractor")
+    assert ex.answer == "Oslo" and calls == [(("hotpotqa/hotpot_qa", "distractor"), "validation")]
+    longqa.load("test", source="THUDM/LongBench")
+    assert calls[-1] == (("THUDM/LongBench",), "test")
+
+
+PASSAGES = [{"title": "t", "text": "x"}]
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"answer": "x", "passages": PASSAGES}, "record 0: missing field 'question'"),
+    ({"question": "q", "answer": "x"}, "record 0: missing field 'passages'"),
+    ({"question": "q", "answer": "x", "passages": [{"title": "t"}]},
+     "field 'passages': every item needs a text 'text'"),
+    ({"question": "q", "passages": PASSAGES}, "record 0: missing field 'answer'"),
+    ({"question": "q", "answers": [], "passages": PASSAGES}, "field 'answers' is empty"),
+    ({"question": "q", "answer": "x", "context": [["t"]]}, "field 'context': items must be"),
+    ({"question": "q", "answer": "x", "passages": []}, "record 0: no passages"),
+    (["not", "a", "dict"], "record 0: expected an object"),
+])
+def test_malformed_records(tmp_path, record, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=message):
+        longqa.load("train", source=str(path))
+
+
+def test_bad_split_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="unknown split 'validation'"):
+        longqa.load("validation")
+    with pytest.raises(ValueError, match="not found"):
+        longqa.load("train", source=str(tmp_path / "gone.json"))

@@ -1,0 +1,208 @@
+"""Txt2SQL task: loaders, execution-match reward, and the sandbox against malicious SQL."""
+import hashlib
+import json
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from polynya.recipes.tasks import Example, sqlsafe, txt2sql
+from polynya.recipes.tasks.common import DATA_DIR
+
+
+@pytest.fixture
+def shop(tmp_path) -> Example:
+    """A bundled shop question whose database is a private copy in its own folder."""
+    shutil.copytree(DATA_DIR / "txt2sql", tmp_path / "txt2sql")
+    examples = txt2sql.load("train", source=str(tmp_path / "txt2sql"))
+    ex = next(e for e in examples if e.meta["db_id"] == "shop")
+    assert Path(ex.meta["db_path"]).is_relative_to(tmp_path)
+    return ex
+
+
+def _block(sql: str) -> str:
+    return f"Here is the query.\n```sql\n{sql}\n```"
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_bundled_sample_and_all_gold_queries_score_full():
+    train, test = txt2sql.load("train"), txt2sql.load("test")
+    assert (len(train), len(test)) == (45, 15)
+    assert {e.meta["db_id"] for e in train} == {"shop", "school", "library"}
+    for e in train + test:
+        assert "CREATE TABLE" in e.prompt and "```sql" in e.prompt
+        assert e.meta["question"] in e.prompt
+        assert txt2sql.reward(_block(e.answer), e) == 1.0
+
+
+def test_prompt_has_schema_and_sample_rows(shop):
+    assert "CREATE TABLE customers" in shop.prompt and "CREATE TABLE orders" in shop.prompt
+    assert "-- first rows of customers: id | name | city | joined_year" in shop.prompt
+    rows = sqlsafe.run_query(shop.meta["db_path"], "SELECT * FROM customers LIMIT 1")
+    assert " | ".join(map(str, rows[0])) in shop.prompt
+
+
+def test_wrong_but_valid_sql_gets_partial_credit(shop):
+    assert txt2sql.reward(_block("SELECT 1 + 1"), shop) == pytest.approx(0.1)
+    assert txt2sql.reward(_block("SELECT name FROM customers"), shop) == pytest.approx(0.1)
+    assert txt2sql.reward(_block("SELECT nme FROM customers"), shop) == 0.0   # error
+    assert txt2sql.reward(_block("SELEC name"), shop) == 0.0                   # syntax
+    assert txt2sql.reward("I do not know.", shop) == 0.0
+    assert txt2sql.reward(_block("SELECT 1"), shop, partial=0.0) == 0.0
+
+
+def test_result_sets_compare_as_multisets_unless_gold_orders():
+    db = str(DATA_DIR / "txt2sql" / "database" / "shop" / "shop.sqlite")
+    unordered = Example("q", "SELECT name FROM products WHERE category = 'toys'",
+                        {"db_path": db, "ordered": False})
+    assert txt2sql.reward(_block(unordered.answer + " ORDER BY name DESC"), unordered) == 1.0
+    assert txt2sql.reward(_block("SELECT name FROM products WHERE category = 'toys' UNION ALL "
+                                 "SELECT 'kite'"), unordered) == pytest.approx(0.1)  # multiset
+    ordered = Example("q", "SELECT name FROM products ORDER BY price DESC LIMIT 3",
+                      {"db_path": db, "ordered": True})
+    assert txt2sql.reward(_block(ordered.answer), ordered) == 1.0
+    reverse = ("SELECT name FROM (SELECT name, price FROM products ORDER BY price DESC LIMIT 3) "
+               "ORDER BY price ASC")
+    assert txt2sql.reward(_block(reverse), ordered) == pytest.approx(0.1)
+    assert txt2sql.same_result([(1.0000000001, "a")], [(1.0, "a")], ordered=True)
+    assert not txt2sql.same_result([(1, "a")], [(1, "a"), (1, "a")], ordered=False)
+
+
+@pytest.mark.parametrize("completion,sql", [
+    ("```sql\nSELECT 1\n```\nbetter:\n```sql\nSELECT 2;\n```", "SELECT 2;"),
+    ("```SQL\nSELECT 3\n```", "SELECT 3"),
+    ("```\nSELECT 4\n```", "SELECT 4"),
+    ("Let me think.\n```sql\nSELECT 5 FROM t", "SELECT 5 FROM t"),    # unclosed final block
+    ("The query is:\nSELECT name\nFROM t;\nDone.", "SELECT name\nFROM t"),
+    ("no sql at all", None),
+])
+def test_extract_sql(completion, sql):
+    assert txt2sql.extract_sql(completion) == sql
+
+
+ADVERSARIAL = [
+    "DROP TABLE customers",
+    "UPDATE customers SET city = 'Nowhere'",
+    "INSERT INTO customers VALUES (999, 'Eve', 'Oslo', 2024)",
+    "DELETE FROM orders",
+    "REPLACE INTO products VALUES (1, 'x', 'y', 0)",
+    "CREATE TABLE evil (x)",
+    "CREATE TEMP TABLE evil AS SELECT 1",
+    "ATTACH DATABASE '{dir}/evil.db' AS evil",
+    "SELECT 1; ATTACH DATABASE '{dir}/evil.db' AS evil",
+    "SELECT name FROM customers; DROP TABLE customers",
+    "VACUUM INTO '{dir}/copy.db'",
+    "PRAGMA writable_schema = ON",
+    "PRAGMA journal_mode = WAL",
+    "BEGIN IMMEDIATE",
+    "WITH x AS (SELECT 1) INSERT INTO orders SELECT 1000, 1, 1, 1, '2024-01-01' FROM x",
+    "WITH x AS (SELECT 1) UPDATE customers SET name = 'Eve'",
+    "SELECT load_extension('{dir}/evil.so')",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c",
+    "SELECT zeroblob(2000000000)",
+    "SELECT * FROM pragma_table_info('customers')",
+]
+
+
+@pytest.mark.parametrize("sql", ADVERSARIAL)
+def test_malicious_sql_scores_zero_fast_and_changes_nothing(shop, sql):
+    db = Path(shop.meta["db_path"])
+    root = db.parents[2]
+    before = _snapshot(root)
+    start = time.monotonic()
+    score = txt2sql.reward(_block(sql.format(dir=db.parent)), shop)
+    elapsed = time.monotonic() - start
+    assert score == 0.0
+    assert elapsed < 1.5
+    assert _snapshot(root) == before          # same files, byte for byte, none new
+    assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 24
+
+
+@pytest.mark.parametrize("sql", ["DROP TABLE customers", "ATTACH DATABASE '{dir}/evil.db' AS e",
+                                 "PRAGMA writable_schema = ON", "VACUUM INTO '{dir}/copy.db'",
+                                 "CREATE TEMP TABLE t (x)", "SELECT load_extension('x')"])
+def test_inner_layers_hold_without_the_keyword_check(shop, sql, monkeypatch):
+    """Read-only URI, query_only and the authorizer hold even without the SELECT-only check."""
+    monkeypatch.setattr(sqlsafe, "single_statement", lambda s: s.strip())
+    db = Path(shop.meta["db_path"])
+    before = _snapshot(db.parents[2])
+    with pytest.raises(sqlsafe.QueryError):
+        sqlsafe.run_query(db, sql.format(dir=db.parent))
+    assert _snapshot(db.parents[2]) == before
+
+
+def test_row_limit_and_time_limit():
+    db = DATA_DIR / "txt2sql" / "database" / "school" / "school.sqlite"
+    with pytest.raises(sqlsafe.QueryError, match="more than 5 rows"):
+        sqlsafe.run_query(db, "SELECT * FROM students", max_rows=5)
+    assert len(sqlsafe.run_query(db, "SELECT * FROM students", max_rows=30)) == 30
+    start = time.monotonic()
+    with pytest.raises(sqlsafe.QueryError, match="time limit"):
+        sqlsafe.run_query(db, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                              "SELECT max(x) FROM c", timeout_s=0.2)
+    assert time.monotonic() - start < 1.0
+
+
+def _mini_db(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.executescript("CREATE TABLE pets (name TEXT, kind TEXT, age INT);"
+                       "INSERT INTO pets VALUES ('Rex', 'dog', 3), ('Tom', 'cat', 5), "
+                       "('Kit', 'cat', 1);")
+    conn.commit()
+    conn.close()
+
+
+def test_spider_and_bird_layouts(tmp_path):
+    spider = tmp_path / "spider"
+    _mini_db(spider / "database" / "pets" / "pets.sqlite")
+    (spider / "train_spider.json").write_text(json.dumps([
+        {"db_id": "pets", "question": "How many cats?",
+         "query": "SELECT count(*) FROM pets WHERE kind = 'cat'", "sql": {"parsed": "ignored"}}]))
+    [ex] = txt2sql.load("train", source=str(spider))
+    assert ex.answer.startswith("SELECT count(*)") and "CREATE TABLE pets" in ex.prompt
+    assert txt2sql.reward("```sql\nSELECT COUNT(name) FROM pets WHERE kind='cat'\n```", ex) == 1.0
+
+    bird = tmp_path / "bird"
+    _mini_db(bird / "dev_databases" / "pets" / "pets.sqlite")
+    (bird / "dev.json").write_text(json.dumps([
+        {"db_id": "pets", "question": "Oldest pet?", "evidence": "oldest refers to MAX(age)",
+         "SQL": "SELECT name FROM pets ORDER BY age DESC LIMIT 1"}]))
+    [ex] = txt2sql.load("dev", source=str(bird))
+    assert "Hint: oldest refers to MAX(age)" in ex.prompt and ex.meta["ordered"]
+    best = "```sql\nSELECT name FROM pets WHERE age = (SELECT MAX(age) FROM pets)\n```"
+    assert txt2sql.reward(best, ex) == 1.0
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        txt2sql.load("dev")
+    with pytest.raises(ValueError, match="must be a BIRD/Spider-style directory"):
+        txt2sql.load("train", source=str(tmp_path / "nowhere"))
+    _mini_db(tmp_path / "database" / "pets" / "pets.sqlite")
+    (tmp_path / "train.json").write_text(
+        json.dumps([{"db_id": "cars", "question": "q", "SQL": "SELECT 1"}]))
+    with pytest.raises(ValueError, match="record 0: field 'db_id': no SQLite file for 'cars'"):
+        txt2sql.load("train", source=str(tmp_path))
+    (tmp_path / "train.json").write_text(json.dumps([
+        {"db_id": "pets", "question": "q", "SQL": "SELECT 1"}, {"db_id": "pets", "question": "q"}]))
+    with pytest.raises(ValueError, match="record 1: missing field 'SQL'"):
+        txt2sql.load("train", source=str(tmp_path))
+    (tmp_path / "train.json").write_text(json.dumps([{"db_id": "pets", "SQL": "SELECT 1"}]))
+    with pytest.raises(ValueError, match="record 0: missing field 'question'"):
+        txt2sql.load("train", source=str(tmp_path))
+    with pytest.raises(ValueError, match="no file for split 'test'"):
+        txt2sql.load("test", source=str(tmp_path))
+
+
+def test_broken_gold_query_is_reported_not_scored():
+    db = str(DATA_DIR / "txt2sql" / "database" / "shop" / "shop.sqlite")
+    ex = Example("q", "SELECT no_such_column FROM customers", {"db_path": db})
+    with pytest.raises(ValueError, match="gold query failed"):
+        txt2sql.reward(_block("SELECT 1"), ex)
