@@ -349,22 +349,36 @@ def make_txt2sql(out: Path) -> list[Path]:
 # ----------------------------------------------------------------------------- longqa
 _SYL = ["ka", "lo", "ven", "dri", "mar", "tes", "ul", "or", "bel", "nim", "sa", "quo", "rin",
         "tha", "gor", "ef", "pal", "zu", "mi", "dor"]
-_FILLER = ["Its winters are long and the summers are short.",
-           "Local records describe a busy market every {day}.",
-           "Visitors often mention the {colour} roofs and the narrow streets.",
-           "A small museum keeps maps, letters and old photographs.",
-           "The {colour} banner of the local choir hangs in the hall.",
-           "People there are fond of long walks on {day} evenings.",
-           "A footbridge built of {material} crosses the old canal.",
-           "The annual fair brings musicians from the whole region.",
-           "Its library holds more than {n} volumes.",
-           "A weekly newspaper has been printed there since {year}.",
-           "The railway station was rebuilt after a fire in {year2}.",
-           "Its football club plays in {colour} shirts and has never won a title.",
-           "Farmers bring cheese, honey and {crop} to the square in autumn.",
-           "An old lighthouse, now a cafe, stands at the end of the pier.",
-           "The town hall clock has been {minutes} minutes slow for decades.",
-           "Several families there still keep bees in their gardens."]
+_FILLER = {
+    "town": ["Its winters are long and the summers are short.",
+             "Local records describe a busy market every {day}.",
+             "Visitors often mention the {colour} roofs and the narrow streets.",
+             "A small museum keeps maps, letters and old photographs.",
+             "The {colour} banner of the local choir hangs in the hall.",
+             "A footbridge built of {material} crosses the old canal.",
+             "The annual fair brings musicians from the whole region.",
+             "Its library holds more than {n} volumes.",
+             "A weekly newspaper has been printed there since {year}.",
+             "The railway station was rebuilt after a fire in {year2}.",
+             "Its football club plays in {colour} shirts and has never won a title.",
+             "Farmers bring cheese, honey and {crop} to the square in autumn."],
+    "person": ["{first} enjoys long walks on {day} evenings.",
+               "{first} collects old maps, letters and photographs.",
+               "As a child, {first} won a {colour} ribbon at a school fair.",
+               "{first} keeps bees and grows {crop} in a small garden.",
+               "Friends describe {first} as patient, curious and rarely on time.",
+               "{first} sings in a choir that rehearses every {day}.",
+               "{first} once spent {minutes} weeks repairing an old {material} boat.",
+               "{first} once gave a short talk about growing {crop} at a regional meeting."],
+    "company": ["The company employs about {n} people.",
+                "Its logo is a {colour} circle on a plain white square.",
+                "It opened a second office in {year2} and closed it a few years later.",
+                "Its staff meet every {day} morning to plan the week.",
+                "The company sponsors a small festival of music each summer.",
+                "Its first product was sold in a shop that no longer exists.",
+                "An internal newsletter has been printed since {year}.",
+                "It keeps a collection of {minutes} early prototypes in its lobby."],
+}
 
 
 def _word(rng: random.Random, used: set, parts: int = 2) -> str:
@@ -375,13 +389,14 @@ def _word(rng: random.Random, used: set, parts: int = 2) -> str:
             return w
 
 
-def _filler(rng: random.Random, k: int) -> str:
+def _filler(rng: random.Random, kind: str, k: int, first: str = "") -> str:
     fill = dict(day=rng.choice(["Monday", "Thursday", "Saturday"]),  # noqa: C408
                 colour=rng.choice(["red", "green", "grey", "blue"]),
                 material=rng.choice(["stone", "iron", "oak"]), n=rng.randint(2, 90) * 1000,
                 year=rng.randint(1850, 1990), year2=rng.randint(1900, 2000),
-                crop=rng.choice(["apples", "pears", "plums"]), minutes=rng.randint(2, 9))
-    return " ".join(s.format(**fill) for s in rng.sample(_FILLER, k))
+                crop=rng.choice(["apples", "pears", "plums"]), minutes=rng.randint(2, 9),
+                first=first)
+    return " ".join(s.format(**fill) for s in rng.sample(_FILLER[kind], k))
 
 
 def _world(rng: random.Random) -> tuple[dict, dict, dict]:
@@ -411,13 +426,16 @@ def _passages(rng: random.Random, towns: dict, people: dict, companies: dict) ->
     out = {}
     for t, f in towns.items():
         out[t] = (f"{t} is a town on the banks of {f['river']}. It was founded in {f['founded']} "
-                  f"and has about {f['population']} inhabitants. " + _filler(rng, 8))
+                  f"and has about {f['population']} inhabitants. " + _filler(rng, "town", 8))
     for p, f in people.items():
-        out[p] = (f"{p} (born {f['born']}) is a {f['job']}. {p.split()[0]} was born in "
-                  f"{f['born_in']} and works for {f['employer']}. " + _filler(rng, 6))
+        first = p.split()[0]
+        article = "an" if f["job"][0] in "aeiou" else "a"
+        out[p] = (f"{p} (born {f['born']}) is {article} {f['job']}. {first} was born in "
+                  f"{f['born_in']} and works for {f['employer']}. "
+                  + _filler(rng, "person", 6, first))
     for c, f in companies.items():
         out[c] = (f"{c} is a company founded in {f['founded']} by {f['founder']}. Its head office "
-                  f"is in {f['town']}. " + _filler(rng, 6))
+                  f"is in {f['town']}. " + _filler(rng, "company", 6))
     return out
 
 
