@@ -7,7 +7,8 @@
 2. ``PRAGMA query_only=ON`` and an authorizer that allows only ``SELECT``, reading columns,
    recursive CTEs and ordinary SQL functions: every write, ``CREATE``/``DROP`` (temp objects
    included), ``ATTACH``/``DETACH``, ``PRAGMA``, transactions and ``load_extension`` are denied
-   when the statement is prepared, before it runs;
+   when the statement is prepared, before it runs; the connection may attach no database
+   (``SQLITE_LIMIT_ATTACHED=0``, which also stops ``VACUUM INTO``);
 3. extension loading stays disabled; the statement must be a single ``SELECT``/``WITH``/
    ``VALUES`` statement of at most ``MAX_SQL_CHARS`` characters (anything after the first
    statement is rejected);
