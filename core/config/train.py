@@ -1,0 +1,218 @@
+"""``TrainConfig``: how to build a training engine (``polynya.engines.TrainingEngine``).
+
+Three dataclasses, nested so Hydra can register them as one structured config::
+
+    cfg = TrainConfig("tiny:qwen3", dtype="float32", zero_stage=3, lr=1e-5, loss="dapo",
+                      optim=OptimConfig(schedule="warmup_cosine", warmup_steps=10, total_steps=200),
+                      loss_config=LossConfig(kl_coef=0.01, kl_estimator="k3"))
+
+``OptimConfig`` holds the AdamW and LR-schedule settings (``lr`` itself sits on ``TrainConfig``),
+``LossConfig`` the knobs of the loss named by ``TrainConfig.loss`` (``polynya.losses``). Every
+field is checked in ``__post_init__``; a mistake raises ``ValueError`` naming the field before
+any model or process group is built.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .common import check_model_spec, check_positive, resolve_dtype
+
+LOSSES = ("ppo", "grpo", "dapo", "dr_grpo", "gspo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+NORMS = ("token", "sequence", "constant")
+SCHEDULES = ("constant", "warmup_cosine")
+ENGINE_DTYPES = ("bfloat16", "float32")  # fp16 needs loss scaling and does not run on CPU
+
+
+def _check_bool(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_seed(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def check_zero_stage(stage: object, owner: str, allowed: tuple[int, ...] = (0, 1, 2, 3)) -> None:
+    if isinstance(stage, bool) or stage not in allowed:
+        raise ValueError(f"{owner}.zero_stage must be one of {allowed}, got {stage!r}")
+
+
+def check_deepspeed_overrides(value: object, owner: str) -> None:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{owner}.deepspeed must be a dict of raw DeepSpeed settings, got {value!r}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, LR schedule and gradient clipping.
+
+    Args:
+        betas, eps, weight_decay: AdamW (``torch.optim.AdamW``; decoupled weight decay).
+        schedule: ``"constant"`` (after ``warmup_steps`` of linear warm-up) or
+            ``"warmup_cosine"`` (linear warm-up, then cosine from ``lr`` to ``min_lr_ratio * lr``
+            at ``total_steps``).
+        warmup_steps: optimizer steps of linear warm-up from 0 (0 = none).
+        total_steps: length of the cosine; required for ``"warmup_cosine"``.
+        min_lr_ratio: floor of the cosine as a fraction of ``lr``.
+        grad_clip: clip the global gradient norm to this value (0 = no clipping).
+    """
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"OptimConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        check_positive(self.eps, "OptimConfig.eps")
+        check_positive(self.weight_decay, "OptimConfig.weight_decay", allow_zero=True)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"OptimConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        check_positive(self.warmup_steps, "OptimConfig.warmup_steps", allow_zero=True, integer=True)
+        if self.total_steps is not None:
+            check_positive(self.total_steps, "OptimConfig.total_steps", integer=True)
+        if self.schedule == "warmup_cosine":
+            if self.total_steps is None:
+                raise ValueError("OptimConfig.total_steps is required for schedule='warmup_cosine'")
+            if self.total_steps <= self.warmup_steps:
+                raise ValueError(f"OptimConfig.total_steps ({self.total_steps}) must exceed "
+                                 f"warmup_steps ({self.warmup_steps})")
+        if not isinstance(self.min_lr_ratio, (int, float)) or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        check_positive(self.grad_clip, "OptimConfig.grad_clip", allow_zero=True)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step`` (0-based)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class LossConfig:
+    """Settings of the policy loss (see ``polynya.losses`` for the formulas).
+
+    Args:
+        clip_low, clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``; ``None`` takes
+            the loss's default (PPO/GRPO/Dr.GRPO 0.2/0.2, DAPO 0.2/0.28, GSPO 3e-4/4e-4).
+        norm: override the loss's normalisation (``"token"``, ``"sequence"``, ``"constant"``);
+            ``None`` keeps the loss's own.
+        max_response_len: the constant of Dr.GRPO's ``"constant"`` normalisation; ``None`` uses
+            the longest response of the global batch.
+        kl_coef: weight of the KL-to-reference penalty (needs ``batch.ref_logprobs``; 0 = off).
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (Schulman's estimators).
+        entropy_coef: weight of the entropy bonus (0 = off).
+    """
+
+    clip_low: float | None = None
+    clip_high: float | None = None
+    norm: str | None = None
+    max_response_len: int | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("clip_low", "clip_high"):
+            v = getattr(self, name)
+            if v is not None:
+                check_positive(v, f"LossConfig.{name}")
+        if self.clip_low is not None and self.clip_low >= 1.0:
+            raise ValueError(f"LossConfig.clip_low must be < 1, got {self.clip_low!r}")
+        if self.norm is not None and self.norm not in NORMS:
+            raise ValueError(f"LossConfig.norm must be one of {NORMS} or None, got {self.norm!r}")
+        if self.max_response_len is not None:
+            check_positive(self.max_response_len, "LossConfig.max_response_len", integer=True)
+        check_positive(self.kl_coef, "LossConfig.kl_coef", allow_zero=True)
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"LossConfig.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if not isinstance(self.entropy_coef, (int, float)) or not math.isfinite(self.entropy_coef):
+            raise ValueError(f"LossConfig.entropy_coef must be a finite number, got {self.entropy_coef!r}")
+
+
+@dataclass
+class TrainConfig:
+    """Training-engine settings.
+
+    Args:
+        model: HF id, local path, ``tiny:<family>`` or ``random:<shape>`` (``polynya.models``).
+        dtype: ``"bfloat16"`` (DeepSpeed bf16: bf16 weights, fp32 master weights and optimizer
+            state) or ``"float32"``.
+        zero_stage: DeepSpeed ZeRO stage 0-3.
+        lr: peak learning rate.
+        zorro: compute each shared prompt once (ZoRRo Train); False = one row per sample.
+        loss: ``"ppo"``, ``"grpo"``, ``"dapo"``, ``"dr_grpo"`` or ``"gspo"``.
+        seed: model init (random specs) and torch seed.
+        optim: AdamW / schedule / clipping (``OptimConfig``).
+        loss_config: loss knobs (``LossConfig``).
+        micro_batch_tokens: token budget of a micro-batch (deduplicated tokens with ``zorro``);
+            whole prompt groups only, a group over budget is a micro-batch of its own.
+        max_tokens_per_row: ZoRRo packing budget per row inside a micro-batch (None: one row).
+        temperature: sampling temperature of the rollouts (log-probs are taken at it).
+        gradient_checkpointing: recompute decoder layers in the backward pass.
+        log_entropy: compute the entropy metric even when ``entropy_coef == 0``.
+        device: ``"cpu"``, ``"cuda"``; ``None`` = CUDA when available (``LOCAL_RANK``'s GPU).
+        deepspeed: raw DeepSpeed settings merged over the generated config (nested dicts merge).
+    """
+
+    model: str
+    dtype: str = "bfloat16"
+    zero_stage: int = 2
+    lr: float = 1e-6
+    zorro: bool = True
+    loss: str = "grpo"
+    seed: int = 0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss_config: LossConfig = field(default_factory=LossConfig)
+    micro_batch_tokens: int = 16384
+    max_tokens_per_row: int | None = None
+    temperature: float = 1.0
+    gradient_checkpointing: bool = False
+    log_entropy: bool = True
+    device: str | None = None
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_model_spec(self.model, "TrainConfig")
+        resolve_dtype(self.dtype, ENGINE_DTYPES)
+        check_zero_stage(self.zero_stage, "TrainConfig")
+        check_positive(self.lr, "TrainConfig.lr", allow_zero=True)
+        _check_bool(self.zorro, "TrainConfig.zorro")
+        if self.loss not in LOSSES:
+            raise ValueError(f"TrainConfig.loss must be one of {LOSSES}, got {self.loss!r}")
+        _check_seed(self.seed, "TrainConfig.seed")
+        if isinstance(self.optim, dict):
+            self.optim = OptimConfig(**self.optim)
+        if isinstance(self.loss_config, dict):
+            self.loss_config = LossConfig(**self.loss_config)
+        if not isinstance(self.optim, OptimConfig):
+            raise ValueError(f"TrainConfig.optim must be an OptimConfig, got {type(self.optim).__name__}")
+        if not isinstance(self.loss_config, LossConfig):
+            raise ValueError(f"TrainConfig.loss_config must be a LossConfig, got {type(self.loss_config).__name__}")
+        check_positive(self.micro_batch_tokens, "TrainConfig.micro_batch_tokens", integer=True)
+        if self.max_tokens_per_row is not None:
+            check_positive(self.max_tokens_per_row, "TrainConfig.max_tokens_per_row", integer=True)
+        check_positive(self.temperature, "TrainConfig.temperature")
+        _check_bool(self.gradient_checkpointing, "TrainConfig.gradient_checkpointing")
+        _check_bool(self.log_entropy, "TrainConfig.log_entropy")
+        check_device(self.device, "TrainConfig")
+        check_deepspeed_overrides(self.deepspeed, "TrainConfig")
+
+
+def check_device(device: object, owner: str) -> None:
+    if device is not None and (not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda")):
+        raise ValueError(f"{owner}.device must be 'cpu', 'cuda' or None, got {device!r}")

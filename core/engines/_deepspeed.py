@@ -1,0 +1,227 @@
+"""DeepSpeed plumbing shared by the training and log-prob engines.
+
+- ``import_deepspeed()``: the lazy import (``ImportError`` naming ``polynya[deepspeed]``).
+- ``init_deepspeed(device)``: a process group (``polynya.distributed.ensure_process_group``: one
+  rank in a plain process, the launcher's ranks under torchrun / Ray) handed to
+  ``deepspeed.init_distributed``. On CPU DeepSpeed would JIT-build its shared-memory all-reduce
+  op (38-70 s cold) that only speeds up ``inference_all_reduce``; it is skipped unless
+  ``POLYNYA_DS_SHM=1`` (collectives then run on gloo, which is what the engines use anyway).
+- ``ds_config(...)``: the DeepSpeed config dict (ZeRO stage, bf16, clipping) merged with the
+  user's raw overrides.
+- ``named_buckets`` / ``export_buckets`` / ``load_pieces``: move full weights out of and into a
+  module under every ZeRO stage; under ZeRO-3 parameters are gathered one bucket at a time, so a
+  second full copy of the model never exists.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from ..distributed import ensure_process_group
+
+WeightPiece = tuple[list[str], torch.Tensor]
+
+
+def import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError("the DeepSpeed engines need DeepSpeed: pip install 'polynya[deepspeed]'") from exc
+    return deepspeed
+
+
+def _skip_cpu_shm_op(deepspeed) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or os.environ.get("POLYNYA_DS_SHM") == "1":
+        return
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+def init_deepspeed(device: torch.device) -> tuple[int, int]:
+    """Process group + DeepSpeed comm backend; returns ``(rank, world_size)``."""
+    deepspeed = import_deepspeed()
+    import torch._dynamo  # noqa: F401  (ZeRO-3 patches torch; dynamo must be imported first)
+
+    _skip_cpu_shm_op(deepspeed)
+    rank, world = ensure_process_group(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               auto_mpi_discovery=False, verbose=False)
+    return rank, world
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Recursive dict merge (``override`` wins)."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def ds_config(*, zero_stage: int, dtype: torch.dtype, train: bool, grad_clip: float = 0.0,
+              overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for an engine.
+
+    Gradient accumulation is *unmanaged*: ``backward`` only accumulates, ``step`` reduces and
+    updates, so any number of micro-batches (the engine decides per batch) make one step.
+    """
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if zero_stage in (1, 2):
+        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size=int(5e7),
+                    allgather_bucket_size=int(5e7))
+    if zero_stage == 3:
+        zero.update(overlap_comm=False, stage3_prefetch_bucket_size=int(5e7),
+                    stage3_param_persistence_threshold=int(1e4))
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if train:
+        cfg.update(managed_gradient_accumulation=False, gradient_clipping=grad_clip,
+                   zero_allow_untested_optimizer=True)
+    return merge(cfg, overrides or {})
+
+
+@contextlib.contextmanager
+def engine_forward(engine):
+    """What ``DeepSpeedEngine.forward`` does around the module call, for callers that run
+    submodules directly (``compute_logprobs`` runs the base model and the LM head separately).
+
+    Without it ZeRO-3 never advances its micro-step counter and each micro-batch's gradient
+    *replaces* the previous one instead of adding to it.
+    """
+    clear = getattr(engine.optimizer, "clear_backward_seen_flag", None)
+    if clear is not None:
+        clear()
+    engine._forward_prologue((), {})
+    try:
+        yield
+    finally:
+        engine._forward_epilogue()
+
+
+def is_zero3(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    return param.ds_shape if is_zero3(param) else param.shape
+
+
+@contextlib.contextmanager
+def gathered(params: list[torch.nn.Parameter], modifier_rank: int | None = None):
+    """Full ``.data`` for ZeRO-3 parameters inside the block (no-op for other stages)."""
+    z3 = [p for p in params if is_zero3(p)]
+    if not z3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(z3, modifier_rank=modifier_rank):
+        yield
+
+
+def named_buckets(named: Iterable[tuple[str, torch.nn.Parameter]], bucket_bytes: int
+                  ) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive parameters grouped up to ``bucket_bytes`` (a larger one is alone)."""
+    bucket, size = [], 0
+    for name, p in named:
+        nbytes = full_shape(p).numel() * p.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def export_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[WeightPiece]:
+    """``(names, flat)`` pieces of the full weights, in ``named_parameters`` order.
+
+    ``flat`` is a new 1-D tensor (the weights' dtype and device) holding each named parameter
+    flattened, in order; shapes are the model's (``named_parameters``). Under ZeRO-3 every rank
+    must consume the generator (each bucket is an all-gather).
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    for bucket in named_buckets(module.named_parameters(), bucket_bytes):
+        params = [p for _, p in bucket]
+        with gathered(params):
+            flat = torch.cat([p.data.reshape(-1) for p in params])
+        yield [n for n, _ in bucket], flat
+
+
+def weights_checksum(module: torch.nn.Module, bucket_bytes: int = 1 << 28) -> str:
+    """``polynya.distributed.checksum_named_tensors`` of the module's full weights, computed
+    bucket by bucket (``export_buckets``)."""
+    from ..distributed import combine_signatures, tensor_signature
+
+    shapes = {n: full_shape(p) for n, p in module.named_parameters()}
+    lines = []
+    for names, flat in export_buckets(module, bucket_bytes):
+        off = 0
+        for n in names:
+            k = shapes[n].numel()
+            lines.append(tensor_signature(n, flat[off:off + k].view(shapes[n])))
+            off += k
+    return combine_signatures(lines)
+
+
+def _split_piece(piece, params: dict[str, torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Validate one ``(name, tensor)`` or ``(names, flat)`` piece against the module."""
+    if not (isinstance(piece, (tuple, list)) and len(piece) == 2):
+        raise ValueError("a weight piece is (name, tensor) or (names, flat tensor)")
+    names, data = piece
+    if not isinstance(data, torch.Tensor):
+        raise ValueError(f"weights must be tensors, got {type(data).__name__}")
+    single = isinstance(names, str)
+    names = [names] if single else list(names)
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        raise ValueError(f"unknown parameter name(s) {unknown[:5]}")
+    shapes = [full_shape(params[n]) for n in names]
+    if single:
+        if tuple(data.shape) != tuple(shapes[0]):
+            raise ValueError(f"{names[0]}: shape {tuple(data.shape)}, expected {tuple(shapes[0])}")
+        return [(params[names[0]], data)]
+    total = sum(s.numel() for s in shapes)
+    if data.dim() != 1 or data.numel() != total:
+        raise ValueError(f"flat bucket has shape {tuple(data.shape)}, expected ({total},) for {len(names)} tensors")
+    out, off = [], 0
+    for n, s in zip(names, shapes):
+        out.append((params[n], data[off:off + s.numel()].view(s)))
+        off += s.numel()
+    return out
+
+
+def load_pieces(module: torch.nn.Module, pieces: Iterable) -> int:
+    """Copy weights into ``module``; returns the number of tensors loaded.
+
+    Each piece is validated before it is applied. Under ZeRO-3 every rank must pass the same
+    pieces (rank 0's values are the ones partitioned back).
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    count = 0
+    for piece in pieces:
+        pairs = _split_piece(piece, params)
+        with gathered([p for p, _ in pairs], modifier_rank=0), torch.no_grad():
+            for p, t in pairs:
+                p.data.copy_(t.to(device=p.device, dtype=p.dtype))
+        count += len(pairs)
+    return count
+
+
+def free_accelerator_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -1,0 +1,108 @@
+"""``LogProbEngine``: forward-only DeepSpeed engine for reference and old-policy log-probs.
+
+::
+
+    ref = LogProbEngine(LogProbConfig("tiny:qwen3", dtype="float32", zero_stage=3))
+    stats = ref.compute_logprobs(batch)            # TokenStats, rows in the batch's order
+    ref.load_weights(trainer.export_weights())     # refresh an old-policy copy
+
+ZeRO-3 shards the weights over the data-parallel ranks (gathered layer by layer in the forward
+pass); stage 0 keeps a full copy per rank. Every rank is given the same global batch and computes
+the log-probs of its shard of whole prompt groups; the shards are summed into the full
+``[B, Rmax]`` result on every rank. The log-prob math is ``polynya.compute_logprobs`` itself.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from ..config.common import resolve_dtype
+from ..config.logprob import LogProbConfig
+from ..distributed import (all_reduce_sum, batch_fingerprint, check_same_on_all_ranks, local_device,
+                           plan_micro_batches)
+from ..types import RolloutBatch, TokenStats
+from . import _deepspeed as dsu
+
+
+def sharded_logprobs(owner, batch: RolloutBatch, *, entropy: bool, temperature: float) -> TokenStats:
+    """Data-parallel ``compute_logprobs`` for an engine ``owner`` (``module``, ``config``,
+    ``rank``, ``world_size``, ``device``): each rank does its shard, results are summed."""
+    from ..logprobs import compute_logprobs
+
+    if not isinstance(batch, RolloutBatch):
+        raise ValueError(f"expected a polynya.RolloutBatch, got {type(batch).__name__}")
+    cfg = owner.config
+    check_same_on_all_ranks(batch_fingerprint(batch), owner.device, "the batch")
+    plan = plan_micro_batches(batch, rank=owner.rank, world=owner.world_size,
+                              max_tokens=cfg.micro_batch_tokens, zorro=cfg.zorro, device=owner.device)
+    shape = (len(batch), batch.max_response_len)
+    lp = torch.zeros(shape, dtype=torch.float32, device=owner.device)
+    ent = torch.zeros_like(lp) if entropy else None
+    with torch.no_grad():
+        for rows, real in plan:
+            st = compute_logprobs(owner.module, batch.select(rows), zorro=cfg.zorro, entropy=entropy,
+                                  temperature=temperature, max_tokens_per_row=cfg.max_tokens_per_row)
+            if not real:
+                continue
+            idx = torch.tensor(rows, device=owner.device)
+            width = st.logprobs.shape[1]
+            lp[idx, :width] = st.logprobs
+            if entropy:
+                ent[idx, :width] = st.entropy
+    all_reduce_sum(lp)
+    if entropy:
+        all_reduce_sum(ent)
+    return TokenStats(lp, ent, batch.response_mask().to(owner.device))
+
+
+class LogProbEngine:
+    """A forward-only DeepSpeed engine for one data-parallel rank (module docstring)."""
+
+    def __init__(self, config: LogProbConfig):
+        if not isinstance(config, LogProbConfig):
+            raise ValueError(f"LogProbEngine needs a LogProbConfig, got {type(config).__name__}")
+        from ..models import load_model
+
+        self.config = config
+        self.device = local_device(config.device)
+        self.rank, self.world_size = dsu.init_deepspeed(self.device)
+        deepspeed = dsu.import_deepspeed()
+        model = load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed)
+        model.requires_grad_(False)
+        ds_cfg = dsu.ds_config(zero_stage=config.zero_stage, dtype=resolve_dtype(config.dtype),
+                               train=False, overrides=config.deepspeed)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, dist_init_required=False)
+        self.module = self.engine.module.eval()
+
+    def compute_logprobs(self, batch: RolloutBatch, *, entropy: bool = False,
+                         temperature: float | None = None) -> TokenStats:
+        """Per-token log-probs (and entropy) of ``batch``'s responses.
+
+        Args:
+            batch: the global batch (same on every rank).
+            entropy: also return the entropy of each predictive distribution.
+            temperature: defaults to ``config.temperature``.
+        Returns:
+            ``TokenStats``: ``logprobs`` / ``entropy`` ``[B, Rmax]`` float32, ``mask`` ``[B, Rmax]``,
+            on the engine's device, identical on every rank.
+        """
+        return sharded_logprobs(self, batch, entropy=entropy,
+                                temperature=temperature or self.config.temperature)
+
+    def load_weights(self, weights: Iterable) -> int:
+        """Copy new weights in; returns the number of tensors loaded.
+
+        Args:
+            weights: ``(name, tensor)`` pairs and/or ``(names, flat)`` pieces as yielded by
+                ``TrainingEngine.export_weights`` (a single piece may be passed bare). Names are
+                ``named_parameters`` names (tied aliases accepted); each piece is validated
+                (names, sizes) before it is copied. Under ZeRO-3 every rank passes the same pieces.
+        """
+        if isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[1], torch.Tensor):
+            weights = [weights]
+        return dsu.load_pieces(self.module, weights)
+
+    def weight_checksum(self, bucket_bytes: int = 1 << 28) -> str:
+        """Same digest as ``TrainingEngine.weight_checksum`` (equal after a sync in one dtype)."""
+        return dsu.weights_checksum(self.module, bucket_bytes)

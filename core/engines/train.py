@@ -1,0 +1,276 @@
+"""``TrainingEngine``: policy forward/backward and optimizer steps on DeepSpeed (ZeRO 0-3).
+
+One engine per data-parallel rank; each rank is given the same global ``RolloutBatch`` and
+trains on its share::
+
+    engine = TrainingEngine(TrainConfig("tiny:qwen3", dtype="float32", zero_stage=2, loss="dapo"))
+    metrics = engine.forward_backward(batch)   # loss, token counts, clip fraction, KL, entropy
+    info = engine.step()                       # grad_norm, lr
+    for names, flat in engine.export_weights(1 << 28): sampler.load_weights((names, flat))
+
+How a batch flows: the global batch is cut into ``world_size`` shards of whole prompt groups
+(``polynya.zorro.split_batch(num_parts=world_size)``), each shard into micro-batches under
+``micro_batch_tokens``; each micro-batch goes through ``polynya.compute_logprobs`` (ZoRRo when
+``zorro``) and ``polynya.losses.policy_loss``, whose normalisation uses the *global* batch's
+token/sequence counts, so the accumulated gradient does not depend on the split.
+DeepSpeed runs with unmanaged gradient accumulation: ``backward`` accumulates locally, ``step``
+reduces over ranks (averaging) and updates; each micro-batch loss is multiplied by the world size
+to undo DeepSpeed's averaging, so the update is that of the global loss. Calling
+``forward_backward`` twice before ``step`` adds the two batches' losses.
+
+Without a launcher the engine sets up a one-rank process group itself (``polynya.distributed``);
+under ``torchrun`` / Ray it joins the launcher's group.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterator
+
+import torch
+
+from ..config.common import resolve_dtype
+from ..config.train import TrainConfig
+from ..distributed import (all_reduce_sum, batch_fingerprint, check_same_on_all_ranks, local_device,
+                           plan_micro_batches)
+from ..losses import Normalizer, policy_loss, resolve_loss
+from ..types import RolloutBatch, TokenStats
+from . import _deepspeed as dsu
+
+_METRICS = ("loss", "pg_loss", "clip_frac", "ratio", "kl", "entropy")
+
+
+def _finite_tensor(t, what: str, shape: tuple[int, ...] | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what} must be a tensor, got {type(t).__name__}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{what} has shape {tuple(t.shape)}, expected {shape}")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{what} contains NaN or inf")
+
+
+def check_train_batch(batch: object, *, needs_ref: bool) -> RolloutBatch:
+    """Everything ``forward_backward`` needs of a batch, checked before any state is touched."""
+    if not isinstance(batch, RolloutBatch):
+        raise ValueError(f"expected a polynya.RolloutBatch, got {type(batch).__name__}")
+    b, r = len(batch), batch.max_response_len
+    if batch.advantages is None:
+        raise ValueError("forward_backward needs batch.advantages ([B] or [B, Rmax])")
+    adv = batch.advantages
+    _finite_tensor(adv, "advantages", None)
+    if tuple(adv.shape) not in ((b,), (b, r)):
+        raise ValueError(f"advantages must be [B]=[{b}] or [B, Rmax]=[{b}, {r}], got {tuple(adv.shape)}")
+    for name in ("old_logprobs", "ref_logprobs"):
+        t = getattr(batch, name)
+        if t is not None:
+            _finite_tensor(t, name, (b, r))
+    if needs_ref and batch.ref_logprobs is None:
+        raise ValueError("loss_config.kl_coef > 0 needs batch.ref_logprobs")
+    return batch
+
+
+class TrainingEngine:
+    """A DeepSpeed training engine for one data-parallel rank (module docstring)."""
+
+    def __init__(self, config: TrainConfig):
+        if not isinstance(config, TrainConfig):
+            raise ValueError(f"TrainingEngine needs a TrainConfig, got {type(config).__name__}")
+        self.config = config
+        self.loss_spec = resolve_loss(config.loss, config.loss_config)
+        self.device = local_device(config.device)
+        self.rank, self.world_size = dsu.init_deepspeed(self.device)
+        self.dtype = resolve_dtype(config.dtype)
+        self._pending = 0  # forward_backward calls since the last step
+        self._offloaded = False
+        self.engine = self._build(dsu.import_deepspeed())
+        self.module = self.engine.module
+
+    # ------------------------------------------------------------------ set-up
+    def _build(self, deepspeed):
+        from ..models import load_model
+
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        model = load_model(cfg.model, dtype=cfg.dtype, device=self.device, seed=cfg.seed)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.optim.betas,
+                                eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, cfg.optim.lr_factor)
+        # Plain fp32 ZeRO-0 has no DeepSpeed optimizer wrapper that reports the norm: clip here.
+        self._own_clip = cfg.zero_stage == 0 and self.dtype == torch.float32
+        self._own_norm: float | None = None
+        if self._own_clip:
+            opt.register_step_pre_hook(self._clip_hook)
+        ds_cfg = dsu.ds_config(zero_stage=cfg.zero_stage, dtype=self.dtype, train=True,
+                               grad_clip=0.0 if self._own_clip else cfg.optim.grad_clip,
+                               overrides=cfg.deepspeed)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                               config=ds_cfg, dist_init_required=False)
+        return engine
+
+    def _clip_hook(self, optimizer, args, kwargs) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        limit = self.config.optim.grad_clip or math.inf
+        self._own_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+
+    # ------------------------------------------------------------------ training
+    def _plan(self, batch: RolloutBatch):
+        """Validate and plan a batch; raises ``ValueError`` before any state changes."""
+        check_train_batch(batch, needs_ref=self.loss_spec.kl_coef > 0)
+        normalizer = Normalizer.from_mask(batch.response_mask(), self.loss_spec.max_response_len)
+        check_same_on_all_ranks(batch_fingerprint(batch), self.device, "the batch")
+        plan = plan_micro_batches(batch, rank=self.rank, world=self.world_size,
+                                  max_tokens=self.config.micro_batch_tokens, zorro=self.config.zorro,
+                                  device=self.device)
+        return normalizer, plan
+
+    def forward_backward(self, batch: RolloutBatch) -> dict[str, float]:
+        """Accumulate the gradient of the configured loss over ``batch`` (this rank's share).
+
+        Args:
+            batch: the *global* batch (same on every rank) with ``advantages`` ``[B]`` or
+                ``[B, Rmax]``; ``old_logprobs`` ``[B, Rmax]`` or None (on-policy: ratio 1 against
+                the detached current log-probs); ``ref_logprobs`` when ``kl_coef > 0``.
+        Returns:
+            global metrics: ``loss``, ``pg_loss``, ``clip_frac``, ``ratio``, ``kl`` (with
+            ``ref_logprobs``), ``entropy`` (when computed), ``response_tokens``, ``sequences``,
+            ``micro_batches`` (per rank), ``time_s``.
+        """
+        self._check_onloaded()
+        t0 = time.perf_counter()
+        normalizer, plan = self._plan(batch)
+        spec, cfg = self.loss_spec, self.config
+        want_entropy = cfg.log_entropy or spec.entropy_coef != 0
+        sums = torch.zeros(len(_METRICS), dtype=torch.float64, device=self.device)
+        self.module.train()
+        for rows, real in plan:
+            mb = batch.select(rows)
+            with dsu.engine_forward(self.engine):
+                stats = self._logprobs(mb, entropy=want_entropy, grad=True)
+            dev = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+            out = policy_loss(spec, stats.logprobs, dev(mb.advantages), stats.mask, normalizer,
+                              old_logprobs=dev(mb.old_logprobs), ref_logprobs=dev(mb.ref_logprobs),
+                              entropy=stats.entropy)
+            self.engine.backward(out.loss * (self.world_size if real else 0.0), scale_wrt_gas=False)
+            if real:
+                vals = {"loss": out.loss.detach(), **out.metrics}
+                sums += torch.stack([vals.get(k, torch.zeros((), device=self.device)).double()
+                                     for k in _METRICS])
+        all_reduce_sum(sums)
+        self._pending += 1
+        metrics = {k: float(v) for k, v in zip(_METRICS, sums.tolist())}
+        if batch.ref_logprobs is None:
+            metrics.pop("kl")
+        if not want_entropy:
+            metrics.pop("entropy")
+        metrics.update(response_tokens=normalizer.num_tokens, sequences=normalizer.num_sequences,
+                       micro_batches=len(plan), time_s=time.perf_counter() - t0)
+        return metrics
+
+    def step(self) -> dict[str, float]:
+        """Reduce the accumulated gradients over ranks, clip, and apply one AdamW update.
+
+        Returns ``grad_norm`` (global, before clipping), ``lr`` (the rate this update used) and
+        ``step`` (optimizer steps so far).
+        """
+        self._check_onloaded()
+        if self._pending == 0:
+            raise RuntimeError("step() needs a forward_backward() first (no gradient accumulated)")
+        lr = float(self.engine.optimizer.param_groups[0]["lr"])
+        self.engine.step()
+        self._pending = 0
+        norm = self._own_norm if self._own_clip else self.engine.get_global_grad_norm()
+        norm = float("nan") if norm is None else float(norm)
+        return {"grad_norm": norm, "lr": lr, "step": int(self.engine.global_steps)}
+
+    def _logprobs(self, batch: RolloutBatch, *, entropy: bool, grad: bool,
+                  temperature: float | None = None) -> TokenStats:
+        from ..logprobs import compute_logprobs
+
+        with torch.set_grad_enabled(grad):
+            return compute_logprobs(self.module, batch, zorro=self.config.zorro, entropy=entropy,
+                                    temperature=temperature or self.config.temperature,
+                                    max_tokens_per_row=self.config.max_tokens_per_row)
+
+    def compute_logprobs(self, batch: RolloutBatch, *, entropy: bool = False,
+                         temperature: float | None = None) -> TokenStats:
+        """Log-probs of ``batch`` under the current policy (no gradient); see ``LogProbEngine``."""
+        from .logprob import sharded_logprobs
+
+        self._check_onloaded()
+        self.module.eval()
+        return sharded_logprobs(self, batch, entropy=entropy,
+                                temperature=temperature or self.config.temperature)
+
+    # ------------------------------------------------------------------ state
+    def save(self, path: str) -> None:
+        """Checkpoint weights, optimizer, LR schedule and step count to directory ``path``
+        (every rank calls it; ZeRO partitions are saved per rank)."""
+        self._check_onloaded()
+        self.engine.save_checkpoint(path, tag="polynya")
+
+    def load(self, path: str) -> None:
+        """Restore a checkpoint written by ``save`` (same ZeRO stage and world size)."""
+        self._check_onloaded()
+        load_path, _ = self.engine.load_checkpoint(path, tag="polynya", load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise ValueError(f"no polynya checkpoint under {path!r}")
+        self._pending = 0
+
+    def offload(self) -> dict[str, float]:
+        """Move weights, gradients and optimizer state to host memory (for a colocated sampler).
+
+        Returns accelerator bytes ``before`` / ``after`` and the ``freed_fraction``. On CPU
+        the states already live in host memory and nothing moves.
+        """
+        if self._offloaded:
+            return {"before": 0.0, "after": 0.0, "freed_fraction": 0.0}
+        if self._pending:
+            raise RuntimeError("offload() with gradients pending: call step() first")
+        before = _allocated(self.device)
+        if self.device.type == "cuda":
+            if self.config.zero_stage == 0:
+                raise NotImplementedError("offload() needs ZeRO stage >= 1 (DeepSpeed's offload_states)")
+            self.engine.offload_states(pin_memory=True)
+            dsu.free_accelerator_cache()
+        self._offloaded = True
+        after = _allocated(self.device)
+        return {"before": before, "after": after,
+                "freed_fraction": (before - after) / before if before else 0.0}
+
+    def onload(self) -> None:
+        """Bring the states back after ``offload``."""
+        if not self._offloaded:
+            return
+        if self.device.type == "cuda":
+            self.engine.reload_states()
+        self._offloaded = False
+
+    def _check_onloaded(self) -> None:
+        if self._offloaded:
+            raise RuntimeError("the engine is offloaded: call onload() first")
+
+    # ------------------------------------------------------------------ weights
+    def export_weights(self, bucket_bytes: int = 1 << 28) -> Iterator[tuple[list[str], torch.Tensor]]:
+        """Full weights as ``(names, flat)`` pieces of at most ~``bucket_bytes`` each.
+
+        ``names`` follow ``module.named_parameters()``; ``flat`` is 1-D (the weights' dtype, on
+        the engine's device) with each tensor flattened in order. Under ZeRO-3 each bucket is
+        gathered, copied and released before the next (never a second full copy); every rank
+        must consume the generator.
+        """
+        self._check_onloaded()
+        return dsu.export_buckets(self.module, bucket_bytes)
+
+    def weight_checksum(self, bucket_bytes: int = 1 << 28) -> str:
+        """``polynya.distributed.checksum_named_tensors`` of the full weights (all ranks call)."""
+        return dsu.weights_checksum(self.module, bucket_bytes)
+
+
+def _allocated(device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    torch.cuda.synchronize(device)
+    return float(torch.cuda.memory_allocated(device))

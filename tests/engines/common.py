@@ -1,0 +1,66 @@
+"""Helpers shared by the engine tests and the torchrun worker: batches, engines, state snapshots."""
+from __future__ import annotations
+
+import torch
+
+from polynya import RolloutBatch
+from polynya.config.train import LossConfig, OptimConfig, TrainConfig
+from polynya.engines import _deepspeed as dsu
+
+MODEL = "tiny:qwen3"
+VOCAB = 512
+
+
+def make_batch(seed: int, *, groups: int = 4, per_group: int = 3, adv_per_token: bool = False,
+               old: bool = False) -> RolloutBatch:
+    """Ragged groups sharing prompts (two prompts share a system prefix), random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(2, VOCAB, (5,), generator=g).tolist()
+    prompts, responses = [], []
+    for k in range(groups):
+        q = torch.randint(2, VOCAB, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        prompt = system + q if k % 2 == 0 else q
+        for _ in range(per_group):
+            n = int(torch.randint(2, 10, (1,), generator=g))
+            prompts.append(prompt)
+            responses.append(torch.randint(2, VOCAB, (n,), generator=g).tolist())
+    b, r = len(prompts), max(len(x) for x in responses)
+    adv = torch.randn((b, r) if adv_per_token else (b,), generator=g)
+    old_lp = -torch.rand(b, r, generator=g) * 3 - 4 if old else None
+    return RolloutBatch(prompts, responses, advantages=adv, old_logprobs=old_lp)
+
+
+def train_config(stage: int, **kw) -> TrainConfig:
+    base = dict(dtype="float32", zero_stage=stage, lr=5e-3, loss="grpo", seed=0,
+                optim=OptimConfig(grad_clip=0.0, eps=1e-3), loss_config=LossConfig(), micro_batch_tokens=48)
+    base.update(kw)
+    return TrainConfig(MODEL, **base)
+
+
+def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, gathered one at a time under ZeRO-3, copied to CPU."""
+    out = {}
+    for name, p in module.named_parameters():
+        with dsu.gathered([p]):
+            out[name] = p.data.detach().clone().cpu()
+    return out
+
+
+def optimizer_state(engine) -> list[torch.Tensor]:
+    """The tensors of the (ZeRO-wrapped) optimizer state, copied: exp_avg, exp_avg_sq, fp32
+    master partitions where the wrapper has them."""
+    opt = engine.engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    out = [t.detach().clone() for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+        out += [t.detach().clone() for t in getattr(opt, attr, []) or [] if torch.is_tensor(t)]
+    return out
+
+
+def assert_same_tensors(a, b) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        a, b = list(a.values()), list(b.values())
+    assert len(a) == len(b) and len(a) > 0
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

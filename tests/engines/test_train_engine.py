@@ -1,0 +1,220 @@
+"""TrainingEngine on CPU (one process, gloo): every ZeRO stage against itself and stage 0.
+
+The two-process runs live in ``test_dp.py``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from polynya import RolloutBatch
+from polynya.config.train import LossConfig, TrainConfig
+from polynya.distributed import checksum_named_tensors
+from polynya.engines.train import TrainingEngine
+
+from .common import assert_same_tensors, full_weights, make_batch, optimizer_state, train_config
+
+STAGES = [0, 1, 2, 3]
+
+
+def off_policy(engine: TrainingEngine, batch: RolloutBatch) -> RolloutBatch:
+    """The batch with old log-probs = the engine's current policy plus noise (ratios != 1)."""
+    lp = engine.compute_logprobs(batch).logprobs.cpu()
+    noise = 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+    return RolloutBatch(batch.prompts, batch.responses, advantages=batch.advantages,
+                        old_logprobs=(lp + noise) * batch.response_mask())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_loss_decreases(stage):
+    engine = TrainingEngine(train_config(stage, loss="dapo", lr=1e-2, optim={"eps": 1e-6, "grad_clip": 0.0}))
+    batch = off_policy(engine, make_batch(0, adv_per_token=True))
+    losses = []
+    for _ in range(5):
+        m = engine.forward_backward(batch)
+        s = engine.step()
+        losses.append(m["loss"])
+        assert math.isfinite(s["grad_norm"]) and s["lr"] == pytest.approx(1e-2)
+    assert m["response_tokens"] == int(batch.response_mask().sum()) and m["sequences"] == len(batch)
+    assert 0 <= m["clip_frac"] <= 1 and m["entropy"] > 0
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zorro_on_off_same_loss_and_grad_norm(stage):
+    ref = TrainingEngine(train_config(stage, zorro=False))
+    batch = off_policy(ref, make_batch(1))
+    results = []
+    for zorro in (True, False):
+        engine = TrainingEngine(train_config(stage, zorro=zorro))
+        m = engine.forward_backward(batch)
+        s = engine.step()
+        results.append((m["loss"], s["grad_norm"], full_weights(engine.module)))
+    (l1, g1, w1), (l0, g0, w0) = results
+    assert l1 == pytest.approx(l0, rel=1e-5) and abs(l0) > 1e-4
+    assert g1 == pytest.approx(g0, rel=1e-5)
+    for name in w0:
+        torch.testing.assert_close(w1[name], w0[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "gspo"])
+def test_more_micro_batches_same_update(stage, loss):
+    batch = make_batch(2, adv_per_token=(loss != "gspo"))
+    out = []
+    for budget in (10, 100_000):
+        engine = TrainingEngine(train_config(stage, loss=loss, micro_batch_tokens=budget))
+        m = engine.forward_backward(off_policy(engine, batch))
+        s = engine.step()
+        out.append((m, s, full_weights(engine.module)))
+    (m_small, s_small, w_small), (m_big, s_big, w_big) = out
+    assert m_small["micro_batches"] >= 3 and m_big["micro_batches"] == 1
+    assert m_small["loss"] == pytest.approx(m_big["loss"], rel=1e-5)
+    assert s_small["grad_norm"] == pytest.approx(s_big["grad_norm"], rel=1e-5)
+    for name in w_big:
+        torch.testing.assert_close(w_small[name], w_big[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_weights_match_stage0(stage):
+    """The same step under any ZeRO stage gives stage 0's weights (one process)."""
+    batch = make_batch(3, old=True)
+    weights = []
+    for s in (0, stage):
+        engine = TrainingEngine(train_config(s))
+        engine.forward_backward(batch)
+        engine.step()
+        weights.append(full_weights(engine.module))
+    for name in weights[0]:
+        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_save_load_resumes_exactly(stage, tmp_path):
+    cfg = train_config(stage, optim={"eps": 1e-3, "schedule": "warmup_cosine", "warmup_steps": 1, "total_steps": 10,
+                                     "grad_clip": 1.0, "weight_decay": 0.01})
+    batches = [make_batch(10 + i, old=True) for i in range(5)]
+    a = TrainingEngine(cfg)
+    for b in batches[:2]:
+        a.forward_backward(b)
+        a.step()
+    a.save(str(tmp_path))
+    expected = [(a.forward_backward(b)["loss"], a.step()) for b in batches[2:]]
+    b_engine = TrainingEngine(cfg)
+    b_engine.load(str(tmp_path))
+    got = [(b_engine.forward_backward(b)["loss"], b_engine.step()) for b in batches[2:]]
+    assert got == expected  # losses, grad norms, lrs and step counts, exactly
+    assert b_engine.weight_checksum() == a.weight_checksum()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_export_weights_reassembles_exactly(stage):
+    engine = TrainingEngine(train_config(stage))
+    engine.forward_backward(make_batch(4, old=True))
+    engine.step()
+    truth = full_weights(engine.module)
+    bucket = 20_000
+    got, pieces = {}, 0
+    for names, flat in engine.export_weights(bucket):
+        pieces += 1
+        assert flat.dim() == 1 and flat.dtype == torch.float32
+        assert len(names) == 1 or flat.numel() * 4 <= bucket
+        off = 0
+        for n in names:
+            k = truth[n].numel()
+            got[n] = flat[off:off + k].view(truth[n].shape).cpu()
+            off += k
+        assert off == flat.numel()
+    assert pieces > 3 and list(got) == list(truth)
+    assert_same_tensors(got, truth)
+    assert engine.weight_checksum(bucket) == checksum_named_tensors(truth.items())
+    assert engine.weight_checksum() == engine.weight_checksum(bucket)
+
+
+def _bad_batches(good: RolloutBatch) -> dict[str, RolloutBatch]:
+    b, r = len(good), good.max_response_len
+    nan_adv = copy.copy(good)
+    nan_adv.advantages = good.advantages.clone()
+    nan_adv.advantages[1] = float("nan")
+    wrong_old = copy.copy(good)
+    wrong_old.old_logprobs = torch.zeros(b, r + 1)
+    nan_old = copy.copy(good)
+    nan_old.old_logprobs = torch.full((b, r), float("nan"))
+    no_adv = RolloutBatch(good.prompts, good.responses)
+    no_tokens = RolloutBatch(good.prompts[:2], [[], []], advantages=torch.ones(2))
+    return {"nan_adv": nan_adv, "wrong_old": wrong_old, "nan_old": nan_old, "no_adv": no_adv,
+            "no_tokens": no_tokens, "not_a_batch": {"prompt_ids": good.prompts}}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bad_input_raises_and_leaves_state_unchanged(stage):
+    good = make_batch(5, old=True)
+    engine = TrainingEngine(train_config(stage, loss_config=LossConfig(kl_coef=0.1)))
+    reference = TrainingEngine(train_config(stage, loss_config=LossConfig(kl_coef=0.1)))
+    with_ref = RolloutBatch(good.prompts, good.responses, advantages=good.advantages,
+                            old_logprobs=good.old_logprobs, ref_logprobs=good.old_logprobs - 0.1)
+    for e in (engine, reference):  # one real step first: non-empty optimizer state
+        e.forward_backward(with_ref)
+        e.step()
+    weights, opt_state = full_weights(engine.module), optimizer_state(engine)
+    bad = _bad_batches(with_ref)
+    bad["missing_ref"] = good  # kl_coef > 0 needs ref_logprobs
+    for name, batch in bad.items():
+        with pytest.raises(ValueError):
+            engine.forward_backward(batch)
+    with pytest.raises(RuntimeError):
+        engine.step()  # nothing accumulated by the failed calls
+    assert_same_tensors(full_weights(engine.module), weights)
+    assert_same_tensors(optimizer_state(engine), opt_state)
+    # and the next real step is the one an engine that never saw bad input takes
+    nxt = make_batch(6, old=True)
+    nxt = RolloutBatch(nxt.prompts, nxt.responses, advantages=nxt.advantages,
+                       old_logprobs=nxt.old_logprobs, ref_logprobs=nxt.old_logprobs + 0.05)
+    assert engine.forward_backward(nxt)["loss"] == reference.forward_backward(nxt)["loss"]
+    assert engine.step() == reference.step()
+    assert_same_tensors(full_weights(engine.module), full_weights(reference.module))
+
+
+def test_bad_construction_raises():
+    with pytest.raises(ValueError):
+        RolloutBatch([], [])
+    with pytest.raises(ValueError):
+        RolloutBatch([[1, 2]], [[3]], advantages=torch.tensor([float("nan")]))
+    with pytest.raises(ValueError):
+        RolloutBatch([[1, 2]], [[3, 4]], old_logprobs=torch.zeros(1, 3))
+    with pytest.raises(ValueError):
+        TrainConfig("tiny:qwen3", loss="reinforce++")
+    with pytest.raises(ValueError):
+        TrainingEngine("tiny:qwen3")
+
+
+def test_two_forward_backward_calls_add_up():
+    """forward_backward(a); forward_backward(b); step() == one step on the loss a + b."""
+    a, b = make_batch(7, old=True), make_batch(8, old=True)
+    e1 = TrainingEngine(train_config(2))
+    la, lb = e1.forward_backward(a)["loss"], e1.forward_backward(b)["loss"]
+    g1 = e1.step()["grad_norm"]
+    e2 = TrainingEngine(train_config(2))
+    e2.forward_backward(a)
+    g_a = e2.step()["grad_norm"]
+    assert g1 != pytest.approx(g_a) and la != pytest.approx(la + lb)
+    e3 = TrainingEngine(train_config(0))
+    e3.forward_backward(a)
+    e3.forward_backward(b)
+    assert e3.step()["grad_norm"] == pytest.approx(g1, rel=1e-5)
+
+
+def test_offload_onload_roundtrip_keeps_training():
+    engine = TrainingEngine(train_config(2))
+    twin = TrainingEngine(train_config(2))
+    batch = make_batch(9, old=True)
+    info = engine.offload()
+    assert set(info) == {"before", "after", "freed_fraction"}
+    with pytest.raises(RuntimeError):
+        engine.forward_backward(batch)
+    engine.onload()
+    assert engine.forward_backward(batch)["loss"] == twin.forward_backward(batch)["loss"]
+    assert engine.step() == twin.step()
