@@ -10,3 +10,7 @@ __all__ = ["DTYPES", "resolve_dtype"]
 from .sampler import SamplerConfig  # noqa: E402
 
 __all__ += ["SamplerConfig"]
+from .logprob import LogProbConfig  # noqa: E402
+from .train import LossConfig, OptimConfig, TrainConfig  # noqa: E402
+
+__all__ += ["TrainConfig", "OptimConfig", "LossConfig", "LogProbConfig"]
