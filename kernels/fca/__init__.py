@@ -14,4 +14,4 @@ the fp32 oracle and CPU fallback::
 from .op import DecodeConfig, fca_decode, paged_decode
 from .plan import ForestPlan, plan_forest
 
-__all__ = ["plan_forest", "fca_decode", "paged_decode", "ForestPlan", "DecodeConfig"]
+__all__ = ["DecodeConfig", "ForestPlan", "fca_decode", "paged_decode", "plan_forest"]

@@ -92,6 +92,65 @@ def _store_partial(ws_o, ws_lse, req, slot, qh, rowok, acc, m_i, l_i, S, HQ,
 
 
 @triton.jit
+def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                 bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot, sh_nmem, sh_mem,
+                 ws_o, ws_lse, qk_scale, S, HQ, HKV, G,
+                 QPK: tl.constexpr, NSUB: tl.constexpr, MSUB: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Unit (item, member sub-tile, kv head): members x QPK query heads as one M tile."""
+    item = w // (NSUB * HKV)
+    rem = w % (NSUB * HKV)
+    sub = rem // HKV
+    head = rem % HKV
+    nmem = tl.load(sh_nmem + item)
+    if sub * MSUB < nmem:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        mi = offs_m // QPK
+        mrow = sub * MSUB + mi
+        rowok = (mi < MSUB) & (mrow < nmem)
+        req = tl.load(sh_mem + item * G + mrow, mask=rowok, other=0)
+        qh = head * QPK + offs_m % QPK
+        q = tl.load(q_ptr + req[:, None].to(tl.int64) * s_qb + qh[:, None] * s_qh
+                    + offs_d[None, :], mask=rowok[:, None], other=0.0)
+        row = tl.load(sh_row + item)
+        tok0 = tl.load(sh_c0 + item) * PAGE
+        tok1 = tl.minimum(tl.load(sh_c1 + item) * PAGE, tl.load(sl_ptr + row))
+        acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                                bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
+                                qk_scale, BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+        _store_partial(ws_o, ws_lse, req, tl.load(sh_slot + item), qh, rowok,
+                       acc, m_i, l_i, S, HQ, HEAD_D)
+
+
+@triton.jit
+def _private_unit(u, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                  bt_ptr, s_bt, sl_ptr, pv_row, pv_c0, pv_c1, pv_slot,
+                  ws_o, ws_lse, qk_scale, S, HQ, HKV,
+                  QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Unit (item, kv head): one request's QPK query heads (M padded) over its own blocks."""
+    item = u // HKV
+    head = u % HKV
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    rowok = offs_m < QPK
+    row = tl.load(pv_row + item)
+    qh = head * QPK + tl.where(rowok, offs_m, 0)
+    q = tl.load(q_ptr + row.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
+                mask=rowok[:, None], other=0.0)
+    tok0 = tl.load(pv_c0 + item) * PAGE
+    tok1 = tl.minimum(tl.load(pv_c1 + item) * PAGE, tl.load(sl_ptr + row))
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                            bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
+                            qk_scale, BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+    req = tl.zeros([BLOCK_M], tl.int32) + row
+    _store_partial(ws_o, ws_lse, req, tl.load(pv_slot + item), qh, rowok,
+                   acc, m_i, l_i, S, HQ, HEAD_D)
+
+
+@triton.jit
 def _fca_attend_kernel(
         q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
         bt_ptr, s_bt, sl_ptr,
@@ -102,13 +161,8 @@ def _fca_attend_kernel(
         BLOCK_M_SH: tl.constexpr, BLOCK_M_PV: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
         DO_SHARED: tl.constexpr, DO_PRIVATE: tl.constexpr, DYNAMIC: tl.constexpr):
-    """Persistent FCA pass over the plan's work units, each writing one partial per member.
-
-    Shared unit (item, member sub-tile, kv head): the tile's members x QPK query heads form the
-    M dimension of one dot against the node's blocks, read once. Private unit (item, kv head):
-    one request's QPK query heads (M padded to BLOCK_M_PV) against its own blocks.
-    """
-    offs_d = tl.arange(0, HEAD_D)
+    """Persistent FCA pass over the plan's work units (shared units first, then private),
+    each writing one partial per member; ``DYNAMIC`` takes units from an atomic counter."""
     n_sh = 0
     n_pv = 0
     if DO_SHARED:
@@ -121,47 +175,27 @@ def _fca_attend_kernel(
     else:
         w = tl.program_id(0)
     while w < n_tot:
-        if w < n_sh:
-            item = w // (NSUB * HKV)
-            rem = w % (NSUB * HKV)
-            sub = rem // HKV
-            head = rem % HKV
-            nmem = tl.load(sh_nmem + item)
-            if sub * MSUB < nmem:
-                offs_m = tl.arange(0, BLOCK_M_SH)
-                mi = offs_m // QPK
-                mrow = sub * MSUB + mi
-                rowok = (mi < MSUB) & (mrow < nmem)
-                req = tl.load(sh_mem + item * G + mrow, mask=rowok, other=0)
-                qh = head * QPK + offs_m % QPK
-                q = tl.load(q_ptr + req[:, None].to(tl.int64) * s_qb + qh[:, None] * s_qh
-                            + offs_d[None, :], mask=rowok[:, None], other=0.0)
-                row = tl.load(sh_row + item)
-                tok0 = tl.load(sh_c0 + item) * PAGE
-                tok1 = tl.minimum(tl.load(sh_c1 + item) * PAGE, tl.load(sl_ptr + row))
-                acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                                        bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
-                                        qk_scale, BLOCK_M_SH, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
-                _store_partial(ws_o, ws_lse, req, tl.load(sh_slot + item), qh, rowok,
-                               acc, m_i, l_i, S, HQ, HEAD_D)
+        if DO_SHARED and DO_PRIVATE:
+            if w < n_sh:
+                _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
+                             s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
+                             sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, S, HQ, HKV, G, QPK, NSUB,
+                             MSUB, BLOCK_M_SH, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+            else:
+                _private_unit(w - n_sh, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh,
+                              s_vb, s_vt, s_vh, bt_ptr, s_bt, sl_ptr, pv_row, pv_c0, pv_c1,
+                              pv_slot, ws_o, ws_lse, qk_scale, S, HQ, HKV, QPK, BLOCK_M_PV,
+                              BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+        elif DO_SHARED:
+            _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
+                         s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
+                         sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, S, HQ, HKV, G, QPK, NSUB,
+                         MSUB, BLOCK_M_SH, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
         else:
-            u = w - n_sh
-            item = u // HKV
-            head = u % HKV
-            offs_m = tl.arange(0, BLOCK_M_PV)
-            rowok = offs_m < QPK
-            row = tl.load(pv_row + item)
-            qh = head * QPK + tl.where(rowok, offs_m, 0)
-            q = tl.load(q_ptr + row.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
-                        mask=rowok[:, None], other=0.0)
-            tok0 = tl.load(pv_c0 + item) * PAGE
-            tok1 = tl.minimum(tl.load(pv_c1 + item) * PAGE, tl.load(sl_ptr + row))
-            acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                                    bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
-                                    qk_scale, BLOCK_M_PV, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
-            req = tl.zeros([BLOCK_M_PV], tl.int32) + row
-            _store_partial(ws_o, ws_lse, req, tl.load(pv_slot + item), qh, rowok,
-                           acc, m_i, l_i, S, HQ, HEAD_D)
+            _private_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh,
+                          s_vb, s_vt, s_vh, bt_ptr, s_bt, sl_ptr, pv_row, pv_c0, pv_c1,
+                          pv_slot, ws_o, ws_lse, qk_scale, S, HQ, HKV, QPK, BLOCK_M_PV,
+                          BLOCK_N, HEAD_D, PAGE, DOT_PREC)
         if DYNAMIC:
             w = tl.atomic_add(counter_ptr, 1)
         else:
@@ -230,7 +264,7 @@ def _merge_partials_kernel(ws_o, ws_lse, n_slots_ptr, out_ptr, s_ob, s_oh, lse_p
     m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_D], tl.float32)
-    for s in range(0, n):
+    for s in range(n):
         base = (b.to(tl.int64) * S + s) * HQ + qh
         lse_s = tl.load(ws_lse + base, mask=hm, other=float("-inf"))
         o_s = tl.load(ws_o + base[:, None] * HEAD_D + offs_d[None, :], mask=hm[:, None],

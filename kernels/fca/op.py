@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,15 +29,24 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch knobs (defaults tuned on H200; the benchmark sweeps them)."""
+    """Launch knobs (the benchmark sweeps them). None = chosen from the head dim."""
 
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
+    block_n: int | None = None     # KV tokens per tile: 64 (D <= 128) / 32 (D = 256)
+    num_warps: int | None = None   # 4 (D <= 128) / 8 (D = 256)
+    num_stages: int | None = None  # software-pipelining depth: 3 (D <= 128) / 2 (D = 256)
     progs_per_sm: int = 4
     dynamic: bool = True      # atomic work counter (vs static stride) in the persistent kernel
     fused: bool = True        # shared + private units in one launch
     block_m_shared: int = 64  # rows (members x Hq/Hkv) of a shared tile
+    shared_num_warps: int | None = None  # warps of the shared launch when not fused
+
+
+def _resolve(cfg: DecodeConfig | None, d: int) -> DecodeConfig:
+    cfg = cfg or DecodeConfig()
+    big = d > 128
+    return replace(cfg, block_n=cfg.block_n or (32 if big else 64),
+                   num_warps=cfg.num_warps or (8 if big else 4),
+                   num_stages=cfg.num_stages or (2 if big else 3))
 
 
 def _next_pow2(x: int) -> int:
@@ -169,7 +178,8 @@ def fca_decode(
         return paged_decode_reference(q, k_cache, v_cache, plan.block_tables, plan.seq_lens,
                                       scale, return_lse)
     _check_triton_shapes(q, k_cache, v_cache)
-    return _fca_triton(q, k_cache, v_cache, plan, scale, return_lse, config or DecodeConfig())
+    return _fca_triton(q, k_cache, v_cache, plan, scale, return_lse,
+                      _resolve(config, q.shape[-1]))
 
 
 def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: DecodeConfig):
@@ -190,7 +200,7 @@ def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: D
     common = dict(QPK=qpk, NSUB=nsub, MSUB=msub, BLOCK_M_SH=block_m_sh,
                   BLOCK_M_PV=max(16, _next_pow2(qpk)), BLOCK_N=cfg.block_n, HEAD_D=D,
                   PAGE=plan.block_size, DOT_PREC=_dot_prec(q.dtype), DYNAMIC=cfg.dynamic,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_stages=cfg.num_stages)
     args = (q, q.stride(0), q.stride(1), k_cache, v_cache, *_kv_strides(k_cache, v_cache),
             plan.block_tables, plan.block_tables.stride(0), plan.seq_lens,
             plan.n_shared, plan.sh_row, plan.sh_c0, plan.sh_c1, plan.sh_slot, plan.sh_nmem,
@@ -199,12 +209,13 @@ def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: D
     tail = (scale * _LOG2E, S, Hq, Hkv, plan.max_group)
     if cfg.fused:
         _fca_attend_kernel[(nprog,)](*args, plan.counters, *tail, DO_SHARED=True,
-                                     DO_PRIVATE=True, **common)
+                                     DO_PRIVATE=True, num_warps=cfg.num_warps, **common)
     else:
         _fca_attend_kernel[(nprog,)](*args, plan.counters, *tail, DO_SHARED=True,
-                                     DO_PRIVATE=False, **common)
+                                     DO_PRIVATE=False,
+                                     num_warps=cfg.shared_num_warps or cfg.num_warps, **common)
         _fca_attend_kernel[(nprog,)](*args, plan.counters[1:], *tail, DO_SHARED=False,
-                                     DO_PRIVATE=True, **common)
+                                     DO_PRIVATE=True, num_warps=cfg.num_warps, **common)
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32) if return_lse else out
     _merge_partials_kernel[(B, Hkv)](
@@ -244,7 +255,7 @@ def paged_decode(
                                       return_lse)
     _check_triton_shapes(q, k_cache, v_cache)
     return _paged_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, return_lse,
-                         config or DecodeConfig(), num_splits)
+                         _resolve(config, q.shape[-1]), num_splits)
 
 
 def _id_range(block_tables, seq_lens, block_size) -> torch.Tensor:

@@ -209,7 +209,7 @@ def plan_forest(
     end = _next_true(start, ncols)
 
     G = max_group
-    flat = lambda t: t.reshape(-1)  # noqa: E731
+    flat = lambda t: t.reshape(-1)
     jj = j.expand(B, MB)
     # Shared items: one per (class start cell, tile of G members), numbered by the class's
     # first member's cell; every member cell scatters itself into its tile.

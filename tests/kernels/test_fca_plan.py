@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-
 from polynya.kernels.fca import ForestPlan, plan_forest
 from polynya.kernels.fca.plan import _classes_torch
 from polynya.kernels.fca.reference import paged_decode_reference
