@@ -34,6 +34,7 @@ class SamplerConfig:
         max_num_batched_tokens: most prompt tokens computed in one prefill step.
         max_model_len: longest sequence (prompt + completion); ``None`` = the model's window.
         fca: decode with forest cascade attention (shared prefixes read once per group).
+        cuda_graphs: replay decode steps as CUDA graphs (CUDA only; captured per batch bucket).
         seed: engine seed (model init for random specs; default sampling seeds).
     """
 
@@ -48,6 +49,7 @@ class SamplerConfig:
     max_num_batched_tokens: int = 32768
     max_model_len: int | None = None
     fca: bool = True
+    cuda_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,8 +68,9 @@ class SamplerConfig:
         check_positive(self.max_num_batched_tokens, "SamplerConfig.max_num_batched_tokens", integer=True)
         if self.max_model_len is not None:
             check_positive(self.max_model_len, "SamplerConfig.max_model_len", integer=True)
-        if not isinstance(self.fca, bool):
-            raise ValueError(f"SamplerConfig.fca must be a bool, got {self.fca!r}")
+        for name in ("fca", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplerConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"SamplerConfig.seed must be an int, got {self.seed!r}")
 

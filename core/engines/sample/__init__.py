@@ -82,7 +82,9 @@ class SamplingEngine:
     def wake(self) -> None:
         self.backend.wake()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
+        """Counters: ``prefill_tokens`` (computed), ``decode_tokens``, ``cache_hit_tokens``,
+        ``blocks_in_use``, ``preemptions``, ``weight_version``, step times ..."""
         return self.backend.stats()
 
     def shutdown(self) -> None:

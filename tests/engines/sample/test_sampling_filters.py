@@ -30,6 +30,10 @@ def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return probs / probs.sum()
 
 
+def draws(n: int, seed: int) -> list[float]:
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).tolist()
+
+
 @pytest.fixture(scope="module")
 def logits() -> torch.Tensor:
     g = torch.Generator().manual_seed(3)
@@ -47,8 +51,7 @@ def logits() -> torch.Tensor:
     SamplingParams(temperature=0.9, top_k=8, top_p=0.9, min_p=0.05),
 ], ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
 def test_distribution_matches_reference(logits, params):
-    gens = [torch.Generator().manual_seed(1000 + i) for i in range(N)]
-    st = SamplingTensors.build([params] * N, gens, V, "cpu")
+    st = SamplingTensors.build([params] * N, draws(N, seed=1000), V, "cpu")
     tokens, logprobs = sample(logits.expand(N, V), st)
     ref = reference_probs(logits.numpy(), params)
     freq = np.bincount(tokens.numpy(), minlength=V) / N
@@ -62,8 +65,7 @@ def test_distribution_matches_reference(logits, params):
 def test_mixed_rows_and_greedy(logits):
     """Rows with different settings in one batch behave as if sampled alone."""
     rows = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_p=0.3, seed=1)]
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    st = SamplingTensors.build(rows, gens, V, "cpu")
+    st = SamplingTensors.build(rows, draws(3, seed=0), V, "cpu")
     tokens, lps = sample(torch.stack([logits, logits, logits]), st)
     top = int(logits.argmax())
     assert tokens.tolist()[:2] == [top, top]
@@ -73,10 +75,10 @@ def test_mixed_rows_and_greedy(logits):
     assert tokens[2].item() in torch.topk(logits, V).indices.tolist()
 
 
-def test_per_row_generators_are_independent_of_batch(logits):
-    """A row's token depends on its own generator only, not on its neighbours."""
+def test_rows_are_independent_of_batch(logits):
+    """A row's token depends on its own uniform draw only, not on its neighbours."""
     p = SamplingParams(temperature=1.0)
-    alone = sample(logits[None], SamplingTensors.build([p], [torch.Generator().manual_seed(7)], V, "cpu"))[0]
-    gens = [torch.Generator().manual_seed(s) for s in (1, 7, 2)]
-    batch = sample(logits.expand(3, V), SamplingTensors.build([p] * 3, gens, V, "cpu"))[0]
+    u = draws(3, seed=5)
+    alone = sample(logits[None], SamplingTensors.build([p], u[1:2], V, "cpu"))[0]
+    batch = sample(logits.expand(3, V), SamplingTensors.build([p] * 3, u, V, "cpu"))[0]
     assert batch[1].item() == alone[0].item()

@@ -122,6 +122,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: 
     """One query per sequence over its pages; ``[B, Hq, D]``."""
     # block tables come from the block manager (valid by construction): skip the host-syncing
     # value checks so neither path stalls the GPU once per layer
+    q = q.contiguous()
     if ctx.plan is not None:
         return fca_decode(q, k_cache, v_cache, ctx.plan, scale=scale, validate=False)
     return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, scale=scale,

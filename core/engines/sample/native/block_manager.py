@@ -138,20 +138,20 @@ class BlockManager:
             if len(tokens) == bs:  # full: its KV is computed by this prefill, key it now
                 prev = self._register(bid, prev, tokens)
             table.append(bid)
-        seq.block_table = table
+        seq.block_table, seq.table_array = table, None
         seq.num_cached_tokens = len(cached) * bs
 
     def deallocate(self, seq: Sequence) -> None:
         for bid in reversed(seq.block_table):
             self._unref(bid)
-        seq.block_table = []
+        seq.block_table, seq.table_array = [], None
         seq.num_cached_tokens = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every page of ``parent`` (the partial last one until written)."""
         for bid in parent.block_table:
             self._ref(bid)
-        child.block_table = list(parent.block_table)
+        child.block_table, child.table_array = list(parent.block_table), parent.table_array
 
     # ---------------------------------------------------------------- decode
     def needs_block(self, seq: Sequence) -> bool:
@@ -168,6 +168,7 @@ class BlockManager:
         idx = pos // self.block_size
         if idx == len(seq.block_table):
             seq.block_table.append(self._take_free())
+            seq.table_array = None
             return None
         old = seq.block_table[idx]
         if self.blocks[old].ref_count == 1:
@@ -175,6 +176,7 @@ class BlockManager:
         new = self._take_free()
         self._unref(old)
         seq.block_table[idx] = new
+        seq.table_array = None
         return old, new
 
     def commit(self, seq: Sequence, num_kv_tokens: int) -> None:

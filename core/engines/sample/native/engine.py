@@ -12,6 +12,7 @@ sample their first token from the same logits, so ``n`` samples cost one prefill
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
@@ -55,9 +56,7 @@ class NativeEngine:
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        limits = [self.runner.num_blocks * config.block_size]
-        limits += [x for x in (self.runner.window, config.max_model_len) if x]
-        self.max_model_len = min(limits)
+        self.max_model_len = self.runner.max_model_len
         self.default_stop_ids = self.runner.eos_token_ids()
         self.weight_version = 0
         self.asleep = False
@@ -67,6 +66,7 @@ class NativeEngine:
         self._next_request = 0
         self._counts = dict(prefill_tokens=0, decode_tokens=0, cache_hit_tokens=0,
                             prefill_steps=0, decode_steps=0, requests=0)
+        self._times = dict(prefill_time_s=0.0, decode_time_s=0.0)
 
     # ---------------------------------------------------------------- requests
     def validate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams]
@@ -136,6 +136,7 @@ class NativeEngine:
     # ---------------------------------------------------------------- one step
     def step(self) -> None:
         """Schedule, forward, sample and book-keep one engine step."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
@@ -146,10 +147,11 @@ class NativeEngine:
         rows, parents = self._expand_forks(batch)
         if len(rows) != len(batch.seqs):
             logits = logits[torch.tensor(parents, device=logits.device)]
-        st = SamplingTensors.build([s.params for s in rows], [s.generator for s in rows],
-                                   logits.shape[-1], logits.device)
+        uniforms = [0.0 if s.params.temperature == 0 else s.next_uniform() for s in rows]
+        st = SamplingTensors.build([s.params for s in rows], uniforms, logits.shape[-1], logits.device)
         tokens, logprobs = sample(logits, st)
-        self._postprocess(rows, tokens.tolist(), logprobs.tolist())
+        self._postprocess(rows, tokens.tolist(), logprobs.tolist())  # syncs with the device
+        self._times["prefill_time_s" if batch.is_prefill else "decode_time_s"] += time.perf_counter() - start
 
     def _expand_forks(self, batch: Batch) -> tuple[list[Sequence], list[int]]:
         """After a prefill, fork every prompt with ``n > 1``: rows to sample and their logit row."""
@@ -221,11 +223,12 @@ class NativeEngine:
                 self.runner.allocate_kv()
             self.asleep = False
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Counters since start: ``prefill_tokens`` (computed, cache hits excluded),
         ``decode_tokens``, ``cache_hit_tokens`` / ``cache_hit_blocks``, ``blocks_in_use`` of
-        ``num_blocks``, ``preemptions``, step counts, ``weight_version``."""
+        ``num_blocks``, ``preemptions``, step counts, ``weight_version``, and wall time spent
+        in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``)."""
         with self._lock:
-            return dict(self._counts, cache_hit_blocks=self.block_manager.hit_blocks,
+            return dict(self._counts, **self._times, cache_hit_blocks=self.block_manager.hit_blocks,
                         blocks_in_use=self.block_manager.num_used, num_blocks=self.block_manager.num_blocks,
                         preemptions=self.scheduler.num_preemptions, weight_version=self.weight_version)

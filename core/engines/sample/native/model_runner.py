@@ -20,6 +20,7 @@ from polynya.kernels.fca import plan_forest
 from polynya.models import load_model
 
 from . import attention
+from .cuda_graph import DecodeGraphs
 from .sequence import Sequence
 
 WeightPieces = Mapping[str, torch.Tensor] | Iterable[tuple[Any, torch.Tensor]]
@@ -46,9 +47,13 @@ class ModelRunner:
         self.window = getattr(hf, "max_position_embeddings", None)
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
+        limits = [self.num_blocks * self.block_size]
+        limits += [x for x in (self.window, config.max_model_len) if x]
+        self.max_model_len = min(limits)
         self.use_fca = config.fca
         self.weights_offloaded = False
         self.kv: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
         self.allocate_kv()
 
     # ---------------------------------------------------------------- cache
@@ -63,11 +68,19 @@ class ModelRunner:
         return n
 
     def allocate_kv(self) -> None:
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """The cache, plus one scratch page (id ``num_blocks``) that CUDA-graph padding rows
+        write into; the block manager never hands it out."""
+        shape = (self.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
+                 self.head_dim)
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            width = -(-self.max_model_len // self.block_size)
+            self.graphs = DecodeGraphs(self._decode_forward, self.config.max_num_seqs, width,
+                                       self.block_size, self.num_blocks, self.device)
 
     def free_kv(self) -> None:
         self.kv = None
+        self.graphs = None  # captured against the old cache (and weights') addresses
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -118,25 +131,31 @@ class ModelRunner:
         return (np.asarray(ids, dtype=np.int64), np.concatenate(pos), ctx,
                 self._to_device(np.asarray(last, dtype=np.int64), torch.int64))
 
-    def _decode_inputs(self, seqs: list[Sequence]):
+    def _decode_inputs(self, seqs: list[Sequence]) -> tuple[np.ndarray, ...]:
+        """Host arrays of a decode step: ids, positions, cache slots, block tables, lengths."""
         n = len(seqs)
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         ids = np.fromiter((s.last_token for s in seqs), dtype=np.int64, count=n)
-        width = max(len(s.block_table) for s in seqs)
+        arrays = [s.table_np() for s in seqs]
+        width = max(len(a) for a in arrays)
         tables = np.zeros((n, width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = s.block_table
+        for i, a in enumerate(arrays):
+            tables[i, :len(a)] = a
         pos = lens - 1
         slots = tables[np.arange(n), pos // self.block_size].astype(np.int64) * self.block_size
         slots += pos % self.block_size
-        block_tables = self._to_device(tables, torch.int32)
-        seq_lens = self._to_device(lens.astype(np.int32), torch.int32)
+        return ids, pos, slots, tables, lens
+
+    def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                        tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """One decode step on device tensors (eager, or being captured into a CUDA graph)."""
         plan = None
         if self.use_fca:  # once per step; every layer reuses it
-            plan = plan_forest(block_tables, seq_lens, self.block_size, validate=False)
-        ctx = attention.StepContext(self._caches(), self._to_device(slots, torch.int64), is_prefill=False,
-                                    block_tables=block_tables, seq_lens=seq_lens, plan=plan)
-        return ids, pos, ctx, 0
+            plan = plan_forest(tables, lens, self.block_size, validate=False)
+        ctx = attention.StepContext(self._caches(), slots, is_prefill=False, block_tables=tables,
+                                    seq_lens=lens, plan=plan)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **{attention.CTX_KWARG: ctx})
+        return out.logits[0]
 
     def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.kv is None:
@@ -146,11 +165,20 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Forward one step. Returns ``[len(seqs), V]`` next-token logits (model dtype)."""
-        ids, pos, ctx, keep = (self._prefill_inputs if is_prefill else self._decode_inputs)(seqs)
-        out = self.model(input_ids=self._to_device(ids, torch.int64)[None],
-                         position_ids=self._to_device(pos, torch.int64)[None],
-                         use_cache=False, logits_to_keep=keep, **{attention.CTX_KWARG: ctx})
-        return out.logits[0]
+        if is_prefill:
+            ids, pos, ctx, last = self._prefill_inputs(seqs)
+            out = self.model(input_ids=self._to_device(ids, torch.int64)[None],
+                             position_ids=self._to_device(pos, torch.int64)[None],
+                             use_cache=False, logits_to_keep=last, **{attention.CTX_KWARG: ctx})
+            return out.logits[0]
+        ids, pos, slots, tables, lens = self._decode_inputs(seqs)
+        if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
+            return self.graphs.run(ids, pos, slots, tables, lens)
+        return self._decode_forward(self._to_device(ids, torch.int64)[None],
+                                    self._to_device(pos, torch.int64)[None],
+                                    self._to_device(slots, torch.int64),
+                                    self._to_device(tables, torch.int32),
+                                    self._to_device(lens.astype(np.int32), torch.int32))
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: WeightPieces) -> None:
@@ -189,6 +217,7 @@ class ModelRunner:
 
     def offload_weights(self) -> None:
         if self.device.type == "cuda" and not self.weights_offloaded:
+            self.graphs = None
             self.model.to("cpu")
             self.weights_offloaded = True
             torch.cuda.empty_cache()

@@ -3,7 +3,8 @@
 One call samples one token for every row of a ``[B, V]`` logits tensor, each row with its own
 settings. The filters apply in the order temperature → top-k → top-p (on the top-k-renormalised
 distribution) → min-p (relative to the most likely token). Sampling is by inverse CDF: each row
-brings one uniform number drawn from its own ``torch.Generator`` (CPU), so a seeded request
+brings one uniform number drawn from its own ``torch.Generator`` (CPU; ``Sequence.next_uniform``),
+so a seeded request
 gives the same tokens whatever else is in the batch, on CPU and GPU alike.
 
 Returned log-probs are those of the sampled tokens under the distribution actually sampled
@@ -34,18 +35,19 @@ class SamplingTensors:
     needs_sort: bool  # any row uses top-k or top-p
     needs_min_p: bool
     all_greedy: bool
+    any_greedy: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator],
-              vocab_size: int, device: torch.device | str) -> "SamplingTensors":
-        """Gather row settings; draws one uniform per non-greedy row from its generator."""
+    def build(cls, params: list[SamplingParams], uniforms: list[float], vocab_size: int,
+              device: torch.device | str) -> "SamplingTensors":
+        """Gather row settings. ``uniforms``: one U[0, 1) draw per row from the row's own
+        generator (ignored for greedy rows)."""
         greedy = [p.temperature == 0 for p in params]
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
         top_k = [vocab_size if (g or p.top_k < 0) else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
         top_p = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
         min_p = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
-        uni = [0.0 if g else float(torch.rand((), generator=gen)) for g, gen in zip(greedy, generators)]
-        host = torch.tensor([temps, top_p, min_p, uni], dtype=torch.float32)
+        host = torch.tensor([temps, top_p, min_p, list(uniforms)], dtype=torch.float32)
         host_k = torch.tensor(top_k, dtype=torch.int64)
         if str(device).startswith("cuda"):
             host, host_k = host.pin_memory(), host_k.pin_memory()
@@ -54,7 +56,8 @@ class SamplingTensors:
                    greedy=torch.tensor(greedy).to(device, non_blocking=True),
                    top_k=host_k.to(device, non_blocking=True),
                    needs_sort=any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
-                   needs_min_p=any(m > 0 for m in min_p), all_greedy=all(greedy))
+                   needs_min_p=any(m > 0 for m in min_p), all_greedy=all(greedy),
+                   any_greedy=any(greedy))
 
 
 def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -92,10 +95,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, tor
         ``(tokens [B] int64, logprobs [B] float32)`` on the logits' device.
     """
     logits = logits.float()
-    greedy_tok = logits.argmax(dim=-1)
-    raw_lp = logits.log_softmax(dim=-1)
-    if st.all_greedy:
-        return greedy_tok, raw_lp.gather(-1, greedy_tok[:, None])[:, 0]
+    if st.any_greedy:
+        greedy_tok = logits.argmax(dim=-1)
+        greedy_lp = logits.log_softmax(dim=-1).gather(-1, greedy_tok[:, None])[:, 0]
+        if st.all_greedy:
+            return greedy_tok, greedy_lp
     x, order = filter_logits(logits, st)
     logp = x.log_softmax(dim=-1)
     probs = logp.exp()
@@ -107,6 +111,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, tor
     pos = torch.where(probs.gather(-1, pos) > 0, pos, mode)
     lp = logp.gather(-1, pos)[:, 0]
     tok = (order.gather(-1, pos) if order is not None else pos)[:, 0]
-    tok = torch.where(st.greedy, greedy_tok, tok)
-    lp = torch.where(st.greedy, raw_lp.gather(-1, greedy_tok[:, None])[:, 0], lp)
+    if st.any_greedy:
+        tok = torch.where(st.greedy, greedy_tok, tok)
+        lp = torch.where(st.greedy, greedy_lp, lp)
     return tok, lp

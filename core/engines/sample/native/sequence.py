@@ -11,6 +11,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from polynya.types import SamplingParams
@@ -46,6 +47,8 @@ class Sequence:
     num_cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    table_array: np.ndarray | None = None  # int32 copy of block_table; None when stale
+    _uniforms: list[float] = field(default_factory=list, repr=False)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -61,6 +64,18 @@ class Sequence:
     def num_blocks(self, block_size: int) -> int:
         """Blocks needed to hold the KV of every token."""
         return (len(self.token_ids) + block_size - 1) // block_size
+
+    def next_uniform(self) -> float:
+        """The next U[0, 1) draw of this sequence's generator (drawn 64 at a time)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms.pop()
+
+    def table_np(self) -> np.ndarray:
+        """``block_table`` as an int32 array, rebuilt only after the block manager changed it."""
+        if self.table_array is None:
+            self.table_array = np.asarray(self.block_table, dtype=np.int32)
+        return self.table_array
 
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]

@@ -1,0 +1,121 @@
+"""Native sampler decode throughput with FCA on vs off (one GPU, one run, same model weights).
+
+Workload (issue 5): ``groups`` prompts of ``prompt_len`` random tokens, ``G`` samples each,
+``new_tokens`` generated (no stop tokens), temperature 1 — once with G=16 (the samples of a
+prompt share its prefill pages) and once with G=1 (nothing shared). For each it reports decode
+tokens/s, time per decode step, and the prefill tokens actually computed (must equal
+``groups * prompt_len``: one prefill per prompt). Both engines warm up first (CUDA graphs
+captured, Triton kernels compiled) on other prompts, so the timed run measures steady state.
+
+    python benchmarks/bench_sampler.py --out benchmarks/results
+    -> results/bench_sampler.json, results/bench_sampler.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from polynya import SamplingParams
+from polynya.config import SamplerConfig
+from polynya.engines import SamplingEngine
+
+
+def make_prompts(groups: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = np.random.default_rng(seed)
+    return [g.integers(100, vocab - 100, size=length).tolist() for _ in range(groups)]
+
+
+def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_tokens: int) -> dict:
+    before = engine.stats()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(n=G, temperature=1.0, max_tokens=new_tokens,
+                                                  stop_token_ids=(), seed=0))
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    d = {k: after[k] - before[k] for k in ("prefill_tokens", "decode_tokens", "decode_steps",
+                                           "decode_time_s", "prefill_time_s", "cache_hit_tokens",
+                                           "preemptions")}
+    assert all(len(s.token_ids) == new_tokens for o in out for s in o)
+    d["wall_s"] = wall
+    d["decode_tok_per_s"] = d["decode_tokens"] / d["decode_time_s"]
+    d["ms_per_step"] = 1e3 * d["decode_time_s"] / d["decode_steps"]
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:qwen3-0.6b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--G", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    engines = {}
+    for fca in (True, False):
+        cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size, fca=fca,
+                            kv_cache_memory_gb=args.kv_gb, max_num_seqs=max(args.groups * args.G, 8),
+                            max_model_len=args.prompt_len + args.new_tokens + args.block_size,
+                            cuda_graphs=not args.no_graphs)
+        engines[fca] = SamplingEngine(cfg)
+        vocab = engines[fca].backend.runner.vocab_size
+        for G in (args.G, 1):  # warm-up: capture the graphs of both batch sizes, compile kernels
+            run_case(engines[fca], make_prompts(args.groups, args.prompt_len, vocab, seed=99 + G), G, 8)
+
+    results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    for G in (args.G, 1):
+        prompts = make_prompts(args.groups, args.prompt_len, vocab, seed=G)
+        row = {}
+        for fca in (True, False):
+            r = run_case(engines[fca], prompts, G, args.new_tokens)
+            assert r["prefill_tokens"] == args.groups * args.prompt_len, r
+            row["fca" if fca else "paged"] = r
+            print(f"G={G:3d} fca={fca!s:5}: {r['decode_tok_per_s']:10.0f} tok/s  "
+                  f"{r['ms_per_step']:7.3f} ms/step  prefill {r['prefill_tokens']} tok "
+                  f"in {r['prefill_time_s']:.2f}s  preemptions {r['preemptions']}", flush=True)
+        row["speedup"] = row["fca"]["decode_tok_per_s"] / row["paged"]["decode_tok_per_s"]
+        print(f"G={G}: FCA decode speedup {row['speedup']:.2f}x", flush=True)
+        results[f"G{G}"] = row
+    with open(os.path.join(args.out, "bench_sampler.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    plot(results, args, os.path.join(args.out, "bench_sampler.png"))
+
+
+def plot(results: dict, args, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    labels = [f"G={args.G}", "G=1"]
+    fca = [results[f"G{g}"]["fca"]["ms_per_step"] for g in (args.G, 1)]
+    paged = [results[f"G{g}"]["paged"]["ms_per_step"] for g in (args.G, 1)]
+    x = np.arange(2)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(x - 0.2, paged, 0.4, label="paged decode (no sharing)")
+    ax.bar(x + 0.2, fca, 0.4, label="FCA")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"{args.model} {args.dtype}: {args.groups} prompts x G, P{args.prompt_len}, "
+                 f"{args.new_tokens} new", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

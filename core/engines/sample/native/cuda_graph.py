@@ -1,0 +1,94 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
+
+A decode step of an HF model launches hundreds of small kernels; replaying them as one graph
+removes the per-launch CPU cost. Everything a step varies lives in static input buffers
+(token ids, positions, cache slots, block tables, lengths) that are refilled before a replay;
+the forest plan is built *inside* the graph (``plan_forest`` is capturable: no host sync,
+fixed-capacity outputs), so a replay re-plans from the current block tables.
+
+A batch of ``B`` sequences runs in the smallest bucket ``>= B``; the padding rows decode a
+dummy token into a scratch page that the block manager never hands out. Block tables are
+padded to the widest table the cache allows, so one graph serves every sequence length.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 16, and ``max_batch``."""
+    sizes = [b for b in (1, 2, 4, 8, *range(16, max_batch + 1, 16)) if b < max_batch]
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """Captures and replays ``forward(ids, pos, slots, block_tables, seq_lens) -> logits``.
+
+    Args:
+        forward: the eager decode step on device tensors ``[1, B]``, ``[1, B]``, ``[B]``,
+            ``[B, width]`` int32, ``[B]`` int32; returns ``[B, V]`` logits.
+        max_batch: largest batch. width: block-table columns. scratch_block: page for padding.
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], max_batch: int, width: int,
+                 block_size: int, scratch_block: int, device: torch.device) -> None:
+        self.forward = forward
+        self.sizes = buckets(max_batch)
+        self.width, self.block_size, self.scratch = width, block_size, scratch_block
+        self.device = device
+        n = self.sizes[-1]
+        self.ids = torch.zeros((1, n), dtype=torch.int64, device=device)
+        self.pos = torch.zeros((1, n), dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.tables = torch.zeros((n, width), dtype=torch.int32, device=device)
+        self.lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.host = torch.zeros((n, 3 + width + 1), dtype=torch.int64).pin_memory()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def bucket(self, batch: int) -> int | None:
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        args = (self.ids[:, :b], self.pos[:, :b], self.slots[:b], self.tables[:b], self.lens[:b])
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile Triton kernels and settle allocations outside capture
+                self.forward(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.forward(*args)
+        return graph, out
+
+    def run(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, tables: np.ndarray,
+            lens: np.ndarray) -> torch.Tensor:
+        """Fill the buffers (padding rows included) and replay; returns ``[B, V]`` logits.
+        The pinned staging buffer is reused: the engine syncs on the sampled tokens every
+        step, so the previous step's copy has finished before it is overwritten."""
+        batch = len(ids)
+        b = self.bucket(batch)
+        w = self.width
+        host = self.host[:b]
+        host.zero_()
+        h = host.numpy()
+        h[:batch, 0], h[:batch, 1], h[:batch, 2] = ids, pos, slots
+        h[batch:, 2] = self.scratch * self.block_size
+        h[:batch, 3:3 + tables.shape[1]] = tables
+        h[batch:, 3] = self.scratch
+        h[:batch, 3 + w] = lens
+        h[batch:, 3 + w] = 1
+        dev = host.to(self.device, non_blocking=True)
+        self.ids[0, :b].copy_(dev[:, 0])
+        self.pos[0, :b].copy_(dev[:, 1])
+        self.slots[:b].copy_(dev[:, 2])
+        self.tables[:b].copy_(dev[:, 3:3 + w])
+        self.lens[:b].copy_(dev[:, 3 + w])
+        if b not in self.graphs:
+            self.graphs[b] = self._capture(b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:batch]

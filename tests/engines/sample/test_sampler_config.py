@@ -1,0 +1,47 @@
+"""SamplerConfig validation and backend dispatch."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from polynya.config import SamplerConfig
+from polynya.engines import SamplingEngine
+
+
+def test_defaults_validate():
+    cfg = SamplerConfig("tiny:qwen3")
+    assert cfg.backend == "native" and cfg.fca and cfg.block_size == 16
+    assert cfg.torch_device in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model", ""), ("model", None), ("dtype", "int8"), ("backend", "sglang"), ("device", "tpu"),
+    ("block_size", 0), ("block_size", 2.5), ("num_blocks", 0), ("kv_cache_memory_gb", -1),
+    ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("max_model_len", 0), ("fca", "yes"),
+    ("cuda_graphs", 1), ("seed", 1.5), ("seed", True),
+])
+def test_bad_fields_raise_value_error(field, value):
+    kwargs = {"model": "tiny:qwen3", field: value}
+    with pytest.raises(ValueError, match=field if field != "model" else "model"):
+        SamplerConfig(**kwargs)
+
+
+def test_engine_needs_a_sampler_config():
+    with pytest.raises(ValueError, match="SamplerConfig"):
+        SamplingEngine({"model": "tiny:qwen3"})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_vllm_backend_without_vllm_names_the_extra():
+    with pytest.raises(ImportError, match=r"pip install polynya\[vllm\]"):
+        SamplingEngine(SamplerConfig("tiny:qwen3", backend="vllm"))
+
+
+def test_kv_budget_sizes_the_cache():
+    engine = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu",
+                                          kv_cache_memory_gb=0.001, block_size=8))
+    runner = engine.backend.runner
+    per_block = 2 * 2 * 8 * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head dim * fp32
+    assert runner.num_blocks == int(0.001 * 2**30) // per_block
+    assert engine.stats()["num_blocks"] == runner.num_blocks
