@@ -155,7 +155,7 @@ def policy_loss(spec: LossSpec, logprobs: torch.Tensor, advantages: torch.Tensor
         ``LossOutput``.
     """
     shape = logprobs.shape
-    if advantages.dim() == 1:
+    if advantages.dim() == 1 and advantages.shape[0] == shape[0]:
         advantages = advantages[:, None].expand(shape)
     for name, t in (("advantages", advantages), ("mask", mask), ("old_logprobs", old_logprobs),
                     ("ref_logprobs", ref_logprobs), ("entropy", entropy)):

@@ -1,0 +1,234 @@
+"""TrainingEngine on one GPU: ZeRO-2/3 bf16 sanity, step time / tokens/s / MFU / peak memory with
+ZoRRo on vs off, engine speedup vs the bare ``compute_logprobs`` speedup, offload/onload.
+
+Random-init Qwen3-0.6B-shaped model, bf16, gradient checkpointing, one micro-batch per step.
+For each P/R/G shape (``--groups`` prompts x G responses):
+
+- *bare*: ``compute_logprobs`` + backward on a plain HF model (what ``bench_zorro.py`` times),
+  naive vs ZoRRo -> the bare speedup;
+- *engine*: ``TrainingEngine.forward_backward`` + ``step`` (GRPO loss, AdamW) under ZeRO-2 and
+  ZeRO-3, naive vs ZoRRo -> the engine speedup; target: >= 90% of the bare speedup.
+
+Then ``offload()`` / ``onload()`` (target: >= 90% of the engine's device memory freed) and a
+check that the log-probs after ``onload`` equal those before. Same process, same shapes.
+
+    python benchmarks/bench_engine.py --out benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_zorro import make_batch, model_flops  # noqa: E402
+from common import H200_BF16_FLOPS, environment, markdown_table, median, save  # noqa: E402
+
+import polynya  # noqa: E402
+from polynya.config import OptimConfig, TrainConfig  # noqa: E402
+from polynya.models import load_model  # noqa: E402
+
+SHAPES = [(4096, 512, 8), (256, 512, 8)]
+
+
+CUDA = torch.cuda.is_available()  # without CUDA (a CPU smoke run) memory reads 0
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def timed(fn, iters: int) -> tuple[float, float]:
+    """(median seconds, peak bytes) over ``iters`` runs after one warm-up run."""
+    fn()
+    _sync()
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return median(times), float(torch.cuda.max_memory_allocated()) if CUDA else 0.0
+
+
+def _free() -> None:
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def guarded(what: str, fn, *args):
+    """Run ``fn``; on an exception print it and return ``{"error": ...}`` (one GPU run, all the
+    numbers it can give)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - reported, never hidden
+        import traceback
+
+        traceback.print_exc()
+        print(f"FAILED {what}: {type(exc).__name__}: {exc}", flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def bare_speedups(model_spec: str, shapes, groups: int, iters: int) -> dict[str, float]:
+    model = load_model(model_spec, dtype="bfloat16", device=DEVICE)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    out = {}
+    for P, R, G in shapes:
+        batch = make_batch(P, R, G, groups, model.config.vocab_size, seed=P + R + G)
+
+        def run(zorro):
+            def fn():
+                st = polynya.compute_logprobs(model, batch, zorro=zorro)
+                adv = batch.advantages.to(st.logprobs.device)[:, None]
+                (-(st.logprobs * adv).sum() / st.mask.sum()).backward()
+            return fn
+        t = {z: timed(run(z), iters)[0] for z in (False, True)}
+        model.zero_grad(set_to_none=True)
+        out[f"P{P}/R{R}/G{G}"] = t[False] / t[True]
+        print(f"bare P{P}/R{R}/G{G}: naive {t[False]*1e3:.0f} ms, zorro {t[True]*1e3:.0f} ms", flush=True)
+    del model
+    _free()
+    return out
+
+
+def sanity(engine, vocab: int) -> dict:
+    """3 off-policy GRPO steps on a small batch: finite, decreasing loss; export/checksum."""
+    batch = make_batch(64, 32, 4, 4, vocab, seed=1)
+    lp = engine.compute_logprobs(batch).logprobs.cpu()
+    noise = 0.1 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(0))
+    batch = polynya.RolloutBatch(batch.prompts, batch.responses, advantages=batch.advantages,
+                                 old_logprobs=lp + noise)
+    losses, norms = [], []
+    for _ in range(3):
+        losses.append(engine.forward_backward(batch)["loss"])
+        norms.append(engine.step()["grad_norm"])
+    numel = sum(flat.numel() for _, flat in engine.export_weights(1 << 27))
+    n_params = sum(math.prod(engine_full_shape(p)) for p in engine.module.parameters())
+    ok = all(map(math.isfinite, losses + norms)) and losses[-1] < losses[0] and numel == n_params
+    return {"losses": [round(x, 5) for x in losses], "grad_norms": [round(x, 4) for x in norms],
+            "export_numel_ok": numel == n_params, "ok": ok}
+
+
+def engine_full_shape(p):
+    from polynya.engines._deepspeed import full_shape
+
+    return full_shape(p)
+
+
+def engine_rows(model_spec: str, stage: int, shapes, groups: int, iters: int, bare: dict) -> tuple[list, dict]:
+    from polynya.engines import TrainingEngine
+
+    cfg = TrainConfig(model_spec, dtype="bfloat16", zero_stage=stage, lr=1e-5, loss="grpo",
+                      gradient_checkpointing=True, log_entropy=False, micro_batch_tokens=1 << 20,
+                      optim=OptimConfig(grad_clip=1.0))
+    engine = TrainingEngine(cfg)
+    mcfg = engine.module.config
+    extra = {"sanity": guarded("sanity", sanity, engine, mcfg.vocab_size)}
+    print(f"ZeRO-{stage} sanity: {extra['sanity']}", flush=True)
+    rows = []
+    for P, R, G in shapes:
+        batch = make_batch(P, R, G, groups, mcfg.vocab_size, seed=P + R + G)
+        res = {}
+        for zorro in (False, True):
+            engine.config = dataclasses.replace(cfg, zorro=zorro)
+
+            def fn():
+                engine.forward_backward(batch)
+                engine.step()
+            res[zorro] = timed(fn, iters)
+        (tn, pn), (tz, pz) = res[False], res[True]
+        shape = f"P{P}/R{R}/G{G}"
+        fz, fn_ = (model_flops(mcfg, P, R, G, groups, z) for z in (True, False))
+        sample_tokens = groups * G * (P + R)
+        speedup = tn / tz
+        pn, pz = max(pn, 1.0), max(pz, 1.0)
+        rows.append(dict(stage=stage, shape=shape, naive_ms=round(tn * 1e3, 1), zorro_ms=round(tz * 1e3, 1),
+                         speedup=round(speedup, 2), bare_speedup=round(bare[shape], 2),
+                         kept=round(speedup / bare[shape], 3),
+                         naive_tok_s=round(sample_tokens / tn), zorro_tok_s=round(sample_tokens / tz),
+                         naive_mfu=round(fn_ / tn / H200_BF16_FLOPS, 3), zorro_mfu=round(fz / tz / H200_BF16_FLOPS, 3),
+                         naive_peak_gb=round(pn / 2**30, 2), zorro_peak_gb=round(pz / 2**30, 2),
+                         mem_ratio=round(pz / pn, 3)))
+        print(rows[-1], flush=True)
+    engine.config = cfg
+    extra["offload"] = guarded("offload", offload_check, engine, mcfg.vocab_size)
+    print(f"ZeRO-{stage} offload: {extra['offload']}", flush=True)
+    del engine
+    _free()
+    return rows, extra
+
+
+def offload_check(engine, vocab: int) -> dict:
+    probe = make_batch(128, 32, 4, 2, vocab, seed=7)
+    before_lp = engine.compute_logprobs(probe).logprobs
+    _free()
+    off = engine.offload()
+    engine.onload()
+    same = torch.equal(engine.compute_logprobs(probe).logprobs, before_lp)
+    return {"before_gb": round(off["before"] / 2**30, 2), "after_gb": round(off["after"] / 2**30, 3),
+            "freed_fraction": round(off["freed_fraction"], 3), "logprobs_equal_after_onload": same}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen3-0.6b")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--shapes", default=",".join(f"{p}/{r}/{g}" for p, r, g in SHAPES))
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    shapes = [tuple(map(int, s.split("/"))) for s in args.shapes.split(",")]
+
+    bare = bare_speedups(args.model, shapes, args.groups, args.iters)
+    rows, extras = [], {}
+    for stage in map(int, args.stages.split(",")):
+        got = guarded(f"ZeRO-{stage}", engine_rows, args.model, stage, shapes, args.groups, args.iters, bare)
+        if isinstance(got, dict):
+            extras[f"zero{stage}"] = {"sanity": got, "offload": got}
+            continue
+        rows += got[0]
+        extras[f"zero{stage}"] = got[1]
+    save(dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16",
+              gradient_checkpointing=True, rows=rows, **extras), args.out, "bench_engine")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["speedup"] for r in rows], 0.4, label="engine speedup")
+        ax.bar([x + 0.2 for x in xs], [r["bare_speedup"] for r in rows], 0.4, label="bare compute_logprobs")
+        ax.set_xticks(list(xs), [f"Z{r['stage']} {r['shape']}" for r in rows], fontsize=7)
+        ax.set_ylabel("naive / ZoRRo step time")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_engine.png"), dpi=120)
+    except ImportError:
+        pass
+    for key, extra in extras.items():
+        print(f"{key}: sanity {extra['sanity']} offload {extra['offload']}")
+    print(markdown_table(rows, [("stage", "ZeRO"), ("shape", "P/R/G"), ("naive_ms", "naive ms"),
+                                ("zorro_ms", "ZoRRo ms"), ("speedup", "speedup"),
+                                ("bare_speedup", "bare speedup"), ("kept", "kept"),
+                                ("naive_tok_s", "naive tok/s"), ("zorro_tok_s", "ZoRRo tok/s"),
+                                ("naive_mfu", "naive MFU"), ("zorro_mfu", "ZoRRo MFU"),
+                                ("naive_peak_gb", "naive peak GB"), ("zorro_peak_gb", "ZoRRo peak GB"),
+                                ("mem_ratio", "peak ratio")]))
+
+
+if __name__ == "__main__":
+    main()
