@@ -14,3 +14,6 @@ from .logprob import LogProbConfig  # noqa: E402
 from .train import LossConfig, OptimConfig, TrainConfig  # noqa: E402
 
 __all__ += ["TrainConfig", "OptimConfig", "LossConfig", "LogProbConfig"]
+from ..client.config import RLClientConfig  # noqa: E402
+
+__all__ += ["RLClientConfig"]

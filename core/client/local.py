@@ -1,0 +1,251 @@
+"""``LocalClient``: the three engines in this process (``comm_protocol="local"``).
+
+One training rank, ``sampling_gpus`` sampler replicas, an optional log-prob engine
+(``log_prob_gpus > 0``) and an optional frozen reference. Devices: everything on the CPU when
+there is no GPU (or ``device="cpu"``); colocated = everything on ``cuda:0``, taking turns —
+before generating the trainer is offloaded and the samplers woken, before training the samplers
+sleep (level 1: KV cache freed, weights kept for the next sync) and the trainer is onloaded;
+split = trainer on ``cuda:0``, samplers and log-prob engine on the following GPUs.
+
+``sync_weights`` hands the trainer's flat buckets straight to every receiver's ``StagedUpdate``
+(no transport in one process), verifies them against the trainer's ``weight_checksum()`` and
+applies them under a new version (``polynya.sync``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+
+from ..cluster.routing import merge_routed, route_prompts
+from ..sync import StagedUpdate, apply_update, build_manifest, engine_checksum
+from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
+from .api import ThreadedAsync, check_engine, check_logprob_model
+from .config import RLClientConfig
+
+
+def local_devices(cfg: RLClientConfig) -> tuple[str, list[str], str]:
+    """(trainer, [sampler replicas], log-prob) devices of a local client."""
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return "cpu", ["cpu"] * cfg.sampling_gpus, "cpu"
+    if cfg.colocate:
+        return "cuda:0", ["cuda:0"] * cfg.sampling_gpus, "cuda:0"
+    need = 1 + cfg.sampling_gpus + (1 if cfg.log_prob_gpus else 0)
+    if torch.cuda.device_count() < need:
+        raise ValueError(f"colocate=False needs {need} GPUs here (trainer, {cfg.sampling_gpus} samplers"
+                         f"{', log-prob' if cfg.log_prob_gpus else ''}); {torch.cuda.device_count()} visible")
+    samplers = [f"cuda:{1 + i}" for i in range(cfg.sampling_gpus)]
+    return "cuda:0", samplers, f"cuda:{1 + cfg.sampling_gpus}"
+
+
+def to_cpu_stats(stats: TokenStats) -> TokenStats:
+    return TokenStats(stats.logprobs.detach().cpu(),
+                      None if stats.entropy is None else stats.entropy.detach().cpu(),
+                      stats.mask.detach().cpu())
+
+
+def split_params(params, idx: list[int]):
+    return params if isinstance(params, SamplingParams) else [params[i] for i in idx]
+
+
+class LocalClient(ThreadedAsync):
+    """In-process engines behind the client API (module docstring)."""
+
+    def __init__(self, config: RLClientConfig):
+        from ..engines import LogProbEngine, SamplingEngine, TrainingEngine
+
+        if config.training_gpus != 1:
+            raise ValueError("comm_protocol='local' runs one training rank; use 'ray' for training_gpus > 1")
+        self.config = config
+        t_dev, s_devs, l_dev = local_devices(config)
+        self.trainer = TrainingEngine(dataclasses.replace(config.train, device=t_dev))
+        self.samplers = [SamplingEngine(dataclasses.replace(config.sampling, device=d)) for d in s_devs]
+        lp_cfg = dataclasses.replace(config.logprob, device=l_dev)
+        self.logprob = LogProbEngine(lp_cfg) if config.log_prob_gpus else None
+        self.reference = LogProbEngine(dataclasses.replace(lp_cfg, device=t_dev)) if config.reference_model else None
+        self.version = 0
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._generating = 0
+        self._trainer_on, self._sampler_awake = True, True
+        self._pool = ThreadPoolExecutor(max(1, len(self.samplers)), thread_name_prefix="polynya-local")
+        self._closed = False
+
+    # ------------------------------------------------------------------ hand-over
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the client is shut down")
+
+    def _to_sampler(self) -> None:
+        if not self._sampler_awake:
+            for s in self.samplers:
+                s.wake()
+            self._sampler_awake = True
+        if self.config.colocate and self._trainer_on and not getattr(self.trainer, "_pending", 0):
+            self.trainer.offload()
+            self._trainer_on = False
+
+    def _to_trainer(self) -> None:
+        while self._generating:
+            self._idle.wait()
+        if self.config.colocate and self._sampler_awake:
+            for s in self.samplers:
+                s.sleep(1)
+            self._sampler_awake = False
+        if not self._trainer_on:
+            self.trainer.onload()
+            self._trainer_on = True
+
+    # ------------------------------------------------------------------ API
+    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[list[Sample]]:
+        """``n`` samples per prompt, prompt groups routed to one replica each."""
+        with self._lock:
+            self._check_open()
+            self._to_sampler()
+            self._generating += 1
+        try:
+            if len(self.samplers) == 1:
+                return self.samplers[0].generate(prompts, params)
+            routes = route_prompts(prompts, params, len(self.samplers))
+            futs = [self._pool.submit(s.generate, [prompts[i] for i in idx], split_params(params, idx))
+                    for s, idx in zip(self.samplers, routes) if idx]
+            results = [f.result() for f in futs]
+            return merge_routed([r for r in routes if r], results, len(prompts))
+        finally:
+            with self._lock:
+                self._generating -= 1
+                self._idle.notify_all()
+
+    def compute_logprobs(self, batch: RolloutBatch, *, model: str = "policy", entropy: bool = False,
+                         temperature: float | None = None) -> TokenStats:
+        """Old-policy (``"policy"``: log-prob engine, else the trainer) or ``"reference"`` log-probs."""
+        check_logprob_model(model)
+        if model == "reference" and self.reference is None:
+            raise ValueError("no reference model: set RLClientConfig(reference_model=True)")
+        engine = self.reference if model == "reference" else (self.logprob or self.trainer)
+        with self._lock:
+            self._check_open()
+            self._to_trainer()
+            return to_cpu_stats(engine.compute_logprobs(batch, entropy=entropy, temperature=temperature))
+
+    def forward_backward(self, batch: RolloutBatch) -> dict[str, float]:
+        with self._lock:
+            self._check_open()
+            self._to_trainer()
+            return self.trainer.forward_backward(batch)
+
+    def step(self) -> dict[str, float]:
+        with self._lock:
+            self._check_open()
+            self._to_trainer()
+            return self.trainer.step()
+
+    def sync_weights(self) -> dict[str, Any]:
+        """Push the trainer's weights to every sampler (and log-prob engine) under a new version."""
+        with self._lock:
+            self._check_open()
+            self._to_trainer()
+            t0 = time.perf_counter()
+            bb = self.config.bucket_bytes
+            manifest = build_manifest(self.trainer, version=self.version + 1, bucket_bytes=bb)
+            t_manifest = time.perf_counter() - t0
+            receivers = list(self.samplers) + ([self.logprob] if self.logprob is not None else [])
+            staged = [StagedUpdate(manifest) for _ in receivers]
+            devices = [_engine_device(r) for r in receivers]
+            for i, (_, flat) in enumerate(self.trainer.export_weights(bb)):
+                for st, dev in zip(staged, devices):
+                    st.put(i, flat.to(dev))
+            for r, st in zip(receivers, staged):
+                apply_update(r, st, verify=self.config.verify_sync)
+            self.version = manifest.version
+            return {"version": manifest.version, "checksum": manifest.checksum, "bytes": manifest.nbytes,
+                    "buckets": len(manifest.buckets), "receivers": len(receivers), "method": "direct",
+                    "manifest_s": t_manifest, "seconds": time.perf_counter() - t0}
+
+    def sleep(self, engine: str = "sampler", level: int = 1) -> None:
+        check_engine(engine)
+        with self._lock:
+            self._check_open()
+            if engine == "sampler":
+                while self._generating:
+                    self._idle.wait()
+                if self._sampler_awake:
+                    for s in self.samplers:
+                        s.sleep(level)
+                    self._sampler_awake = False
+            elif engine == "trainer":
+                if self._trainer_on:
+                    self.trainer.offload()
+                    self._trainer_on = False
+            else:
+                _move_logprob(self.logprob, "cpu")
+
+    def wake(self, engine: str = "sampler") -> None:
+        check_engine(engine)
+        with self._lock:
+            self._check_open()
+            if engine == "sampler":
+                self._to_sampler()
+            elif engine == "trainer":
+                if not self._trainer_on:
+                    self.trainer.onload()
+                    self._trainer_on = True
+            else:
+                _move_logprob(self.logprob, None)
+
+    def save(self, path: str) -> None:
+        with self._lock:
+            self._check_open()
+            self._to_trainer()
+            self.trainer.save(path)
+
+    def load(self, path: str) -> None:
+        with self._lock:
+            self._check_open()
+            self._to_trainer()
+            self.trainer.load(path)
+
+    def weight_checksums(self) -> dict[str, Any]:
+        """``weight_checksum`` of the trainer and every receiver, and the served versions."""
+        with self._lock:
+            self._check_open()
+            self._to_trainer()
+            return {"trainer": self.trainer.weight_checksum(),
+                    "samplers": [engine_checksum(s) for s in self.samplers],
+                    "logprob": [engine_checksum(self.logprob)] if self.logprob is not None else [],
+                    "versions": [s.stats()["weight_version"] for s in self.samplers],
+                    "version": self.version}
+
+    def stats(self) -> dict[str, Any]:
+        return {"version": self.version, "samplers": [s.stats() for s in self.samplers]}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for s in self.samplers:
+                s.shutdown()
+            self._pool.shutdown(wait=False)
+
+
+def _engine_device(engine) -> torch.device:
+    from ..sync import engine_model
+
+    return next(engine_model(engine).parameters()).device
+
+
+def _move_logprob(engine, device: str | None) -> None:
+    """Sleep / wake a log-prob engine (ZeRO-0 only): its module to the CPU and back."""
+    if engine is None:
+        raise ValueError("there is no log-prob engine (log_prob_gpus=0)")
+    if engine.config.zero_stage != 0:
+        raise NotImplementedError("sleep/wake of a ZeRO-3 log-prob engine is not supported")
+    engine.module.to(device or engine.device)
+    if device == "cpu" and torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,336 @@
+"""``RayClient``: engines as Ray actors (``comm_protocol="ray"``, needs ``polynya[ray]``).
+
+One ``TrainerWorker`` per training rank (the DeepSpeed ranks rendezvous among themselves at an
+address on bundle 0's node), ``sampling_gpus`` ``SamplerWorker`` replicas and ``log_prob_gpus``
+``LogProbWorker`` ranks, placed by ``polynya.cluster.placement`` (colocated: fractional shares
+of one bundle per GPU; split: a bundle each). Prompt groups are routed to one replica each.
+
+Each call is written once as a *plan*: a generator that yields lists of Ray object refs and
+receives their values. ``_run`` drives a plan with ``ray.get`` (sync API) and ``_arun`` with
+``await`` (async API), both bounded by ``timeout_s``; a dead actor or a timeout raises
+``EngineError`` at the client instead of hanging. Weight sync: colocated = the trainer ranks'
+CUDA-IPC / shared-memory buckets, each replica reading the ones of its own GPU; split = a
+broadcast group (trainer ranks + every receiver) set up on the first sync.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Generator, Sequence
+
+from ..cluster.placement import actor_options, create_placement_group, plan_layout
+from ..cluster.routing import merge_routed, route_prompts
+from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
+from .api import EngineError, check_engine, check_logprob_model
+from .config import RLClientConfig
+from .local import split_params
+
+Plan = Generator[list, list, Any]
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("comm_protocol='ray' needs Ray: pip install 'polynya[ray]'") from exc
+    return ray
+
+
+def _address() -> tuple[str, int]:
+    import socket
+
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class RayClient:
+    """Client over Ray actors (module docstring)."""
+
+    def __init__(self, config: RLClientConfig):
+        ray = self.ray = _import_ray()
+        from ..cluster import workers
+
+        self.config = cfg = config
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False)
+        kind = "cpu" if cfg.device == "cpu" or cfg.device_resource != "GPU" else "cuda"
+        self.layout = plan_layout(cfg.training_gpus, cfg.sampling_gpus, cfg.log_prob_gpus, cfg.colocate,
+                                  cfg.device_resource)
+        self.pg = create_placement_group(self.layout, cfg.timeout_s)
+        opts = lambda b, **kw: actor_options(self.pg, b, self.layout.share, cfg.device_resource, **kw)  # noqa: E731
+        addr_task = ray.remote(_address).options(**opts(self.layout.trainer[0]))
+        t_addr, t_port = ray.get(addr_task.remote(), timeout=cfg.timeout_s)
+        ref_cfg = cfg.logprob if cfg.reference_model and not cfg.log_prob_gpus else None
+        Trainer = ray.remote(workers.TrainerWorker)
+        self.trainers = [Trainer.options(**opts(b)).remote(cfg.train, ref_cfg, r, cfg.training_gpus, t_addr,
+                                                           t_port, kind)
+                         for r, b in enumerate(self.layout.trainer)]
+        Sampler = ray.remote(workers.SamplerWorker)
+        self.samplers = [Sampler.options(**opts(b, max_concurrency=4)).remote(cfg.sampling, kind)
+                         for b in self.layout.sampler]
+        self.logprobs = []
+        if cfg.log_prob_gpus:
+            l_addr, l_port = ray.get(ray.remote(_address).options(**opts(self.layout.logprob[0])).remote(),
+                                     timeout=cfg.timeout_s)
+            LogProb = ray.remote(workers.LogProbWorker)
+            self.logprobs = [LogProb.options(**opts(b)).remote(cfg.logprob, cfg.reference_model, r,
+                                                               cfg.log_prob_gpus, l_addr, l_port, kind)
+                             for r, b in enumerate(self.layout.logprob)]
+        self.version = 0
+        self._pending = False
+        self._trainer_on, self._sampler_awake = True, True
+        self._group_ready = False
+        self._closed = False
+        self._run(self._plan_ready())
+
+    # ------------------------------------------------------------------ driving plans
+    def _wrap(self, exc: BaseException, what: str) -> BaseException:
+        ray = self.ray
+        if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                            asyncio.TimeoutError, ray.exceptions.WorkerCrashedError)):
+            return EngineError(f"{what} failed: {type(exc).__name__}: {exc}")
+        return exc
+
+    def _run(self, plan: Plan, what: str = "engine call"):
+        if self._closed:
+            raise RuntimeError("the client is shut down")
+        try:
+            refs = next(plan)
+            while True:
+                try:
+                    values = self.ray.get(refs, timeout=self.config.timeout_s)
+                except Exception as exc:  # hand the error to the plan (cleanup), then raise it
+                    refs = plan.throw(self._wrap(exc, what))
+                    continue
+                refs = plan.send(values)
+        except StopIteration as stop:
+            return stop.value
+
+    async def _arun(self, plan: Plan, what: str = "engine call"):
+        if self._closed:
+            raise RuntimeError("the client is shut down")
+        try:
+            refs = next(plan)
+            while True:
+                try:
+                    values = await asyncio.wait_for(asyncio.gather(*refs), self.config.timeout_s)
+                except Exception as exc:
+                    refs = plan.throw(self._wrap(exc, what))
+                    continue
+                refs = plan.send(list(values))
+        except StopIteration as stop:
+            return stop.value
+
+    # ------------------------------------------------------------------ plans
+    def _plan_ready(self) -> Plan:
+        yield [a.ready.remote() for a in self.trainers + self.samplers + self.logprobs]
+
+    def _plan_to_sampler(self) -> Plan:
+        if not self._sampler_awake:
+            yield [s.wake.remote() for s in self.samplers]
+            self._sampler_awake = True
+        if self.config.colocate and self._trainer_on and not self._pending:
+            yield [t.offload.remote() for t in self.trainers]
+            self._trainer_on = False
+
+    def _plan_to_trainer(self) -> Plan:
+        if self.config.colocate and self._sampler_awake:
+            yield [s.sleep.remote(1) for s in self.samplers]
+            self._sampler_awake = False
+        if not self._trainer_on:
+            yield [t.onload.remote() for t in self.trainers]
+            self._trainer_on = True
+
+    def _plan_generate(self, prompts, params) -> Plan:
+        yield from self._plan_to_sampler()
+        routes = route_prompts(prompts, params, len(self.samplers))
+        used = [(s, idx) for s, idx in zip(self.samplers, routes) if idx]
+        results = yield [s.generate.remote([prompts[i] for i in idx], split_params(params, idx))
+                         for s, idx in used]
+        return merge_routed([idx for _, idx in used], results, len(prompts))
+
+    def _plan_logprobs(self, batch, model, entropy, temperature) -> Plan:
+        check_logprob_model(model)
+        if model == "reference" and not self.config.reference_model:
+            raise ValueError("no reference model: set RLClientConfig(reference_model=True)")
+        yield from self._plan_to_trainer()
+        actors = self.logprobs or self.trainers
+        out = yield [a.compute_logprobs.remote(batch, model, entropy, temperature) for a in actors]
+        return out[0]
+
+    def _plan_train(self, method: str, *args) -> Plan:
+        yield from self._plan_to_trainer()
+        out = yield [getattr(t, method).remote(*args) for t in self.trainers]
+        if method == "forward_backward":
+            self._pending = True
+        elif method == "step":
+            self._pending = False
+        return out[0]
+
+    def _plan_sync(self) -> Plan:
+        cfg, bb = self.config, self.config.bucket_bytes
+        yield from self._plan_to_trainer()
+        t0 = time.perf_counter()
+        manifests = yield [t.manifest.remote(self.version + 1, bb) for t in self.trainers]
+        manifest = manifests[0]
+        receivers = self.samplers + self.logprobs
+        if cfg.colocate:
+            method = "shared_memory" if cfg.device_resource != "GPU" or cfg.device == "cpu" else "cuda_ipc"
+            handles = yield [t.export_shared.remote(manifest, bb) for t in self.trainers]
+            try:
+                rank_of = list(range(len(self.samplers))) + list(range(len(self.logprobs)))
+                yield [r.receive_shared.remote(manifest, handles[g], cfg.verify_sync)
+                       for r, g in zip(receivers, rank_of)]
+            finally:
+                yield [t.release_shared.remote() for t in self.trainers]
+        else:
+            method = "broadcast"
+            if not self._group_ready:
+                yield from self._plan_group(receivers)
+            n = len(self.trainers)
+            yield ([t.send_weights.remote(manifest, bb, n) for t in self.trainers]
+                   + [r.receive_broadcast.remote(manifest, n, cfg.verify_sync) for r in receivers])
+        self.version = manifest.version
+        return {"version": manifest.version, "checksum": manifest.checksum, "bytes": manifest.nbytes,
+                "buckets": len(manifest.buckets), "receivers": len(receivers), "method": method,
+                "seconds": time.perf_counter() - t0}
+
+    def _plan_group(self, receivers) -> Plan:
+        (host, port), = yield [self.trainers[0].sync_address.remote()]
+        members = self.trainers + receivers
+        yield [m.init_sync_group.remote(host, port, r, len(members), self.config.timeout_s)
+               for r, m in enumerate(members)]
+        self._group_ready = True
+
+    def _plan_sleep(self, engine: str, level: int) -> Plan:
+        check_engine(engine)
+        if engine == "sampler":
+            yield [s.sleep.remote(level) for s in self.samplers]
+            self._sampler_awake = False
+        elif engine == "trainer":
+            if self._trainer_on:
+                yield [t.offload.remote() for t in self.trainers]
+                self._trainer_on = False
+        else:
+            if not self.logprobs:
+                raise ValueError("there is no log-prob engine (log_prob_gpus=0)")
+            yield [a.sleep.remote(level) for a in self.logprobs]
+
+    def _plan_wake(self, engine: str) -> Plan:
+        check_engine(engine)
+        if engine == "sampler":
+            yield from self._plan_to_sampler()
+        elif engine == "trainer":
+            yield from self._plan_to_trainer()
+        else:
+            if not self.logprobs:
+                raise ValueError("there is no log-prob engine (log_prob_gpus=0)")
+            yield [a.wake.remote() for a in self.logprobs]
+
+    def _plan_checksums(self) -> Plan:
+        yield from self._plan_to_trainer()
+        t = yield [a.weight_checksum.remote() for a in self.trainers]
+        s = yield [a.weight_checksum.remote() for a in self.samplers]
+        lp = (yield [a.weight_checksum.remote() for a in self.logprobs]) if self.logprobs else []
+        st = yield [a.stats.remote() for a in self.samplers]
+        return {"trainer": t[0], "samplers": s, "logprob": lp,
+                "versions": [x["weight_version"] for x in st], "version": self.version}
+
+    # ------------------------------------------------------------------ sync API
+    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[list[Sample]]:
+        return self._run(self._plan_generate(prompts, params), "generate")
+
+    def compute_logprobs(self, batch: RolloutBatch, *, model: str = "policy", entropy: bool = False,
+                         temperature: float | None = None) -> TokenStats:
+        return self._run(self._plan_logprobs(batch, model, entropy, temperature), "compute_logprobs")
+
+    def forward_backward(self, batch: RolloutBatch) -> dict[str, float]:
+        return self._run(self._plan_train("forward_backward", batch), "forward_backward")
+
+    def step(self) -> dict[str, float]:
+        return self._run(self._plan_train("step"), "step")
+
+    def sync_weights(self) -> dict[str, Any]:
+        return self._run(self._plan_sync(), "sync_weights")
+
+    def sleep(self, engine: str = "sampler", level: int = 1) -> None:
+        self._run(self._plan_sleep(engine, level), f"sleep({engine})")
+
+    def wake(self, engine: str = "sampler") -> None:
+        self._run(self._plan_wake(engine), f"wake({engine})")
+
+    def save(self, path: str) -> None:
+        self._run(self._plan_train("save", path), "save")
+
+    def load(self, path: str) -> None:
+        self._run(self._plan_train("load", path), "load")
+
+    def weight_checksums(self) -> dict[str, Any]:
+        return self._run(self._plan_checksums(), "weight_checksums")
+
+    # ------------------------------------------------------------------ async API
+    async def generate_async(self, prompts, params) -> list[list[Sample]]:
+        return await self._arun(self._plan_generate(prompts, params), "generate")
+
+    async def compute_logprobs_async(self, batch, *, model="policy", entropy=False, temperature=None):
+        return await self._arun(self._plan_logprobs(batch, model, entropy, temperature), "compute_logprobs")
+
+    async def forward_backward_async(self, batch) -> dict[str, float]:
+        return await self._arun(self._plan_train("forward_backward", batch), "forward_backward")
+
+    async def step_async(self) -> dict[str, float]:
+        return await self._arun(self._plan_train("step"), "step")
+
+    async def sync_weights_async(self) -> dict[str, Any]:
+        return await self._arun(self._plan_sync(), "sync_weights")
+
+    async def sleep_async(self, engine: str = "sampler", level: int = 1) -> None:
+        await self._arun(self._plan_sleep(engine, level), f"sleep({engine})")
+
+    async def wake_async(self, engine: str = "sampler") -> None:
+        await self._arun(self._plan_wake(engine), f"wake({engine})")
+
+    async def save_async(self, path: str) -> None:
+        await self._arun(self._plan_train("save", path), "save")
+
+    async def load_async(self, path: str) -> None:
+        await self._arun(self._plan_train("load", path), "load")
+
+    async def weight_checksums_async(self) -> dict[str, Any]:
+        return await self._arun(self._plan_checksums(), "weight_checksums")
+
+    # ------------------------------------------------------------------ lifetime
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for a in self.trainers + self.samplers + self.logprobs:
+            try:
+                self.ray.kill(a)
+            except Exception:  # already dead
+                pass
+        try:
+            self.ray.util.remove_placement_group(self.pg)
+        except Exception:
+            pass
+
+    async def shutdown_async(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown_async()

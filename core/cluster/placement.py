@@ -1,0 +1,64 @@
+"""Placement groups for the two layouts (Ray is imported lazily).
+
+- colocated: one bundle per GPU (``training_gpus`` bundles of one device each); training rank
+  ``g``, sampler replica ``g`` and log-prob rank ``g`` share bundle ``g`` with fractional
+  shares of its device and take turns (offload/onload, sleep/wake);
+- split: one bundle per engine rank: trainers, then sampler replicas, then log-prob ranks.
+
+On a CPU-only cluster a custom resource (``RLClientConfig.device_resource``) stands for a device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Layout:
+    """Bundle index and device share of every actor."""
+
+    bundles: list[dict[str, float]]
+    trainer: list[int]
+    sampler: list[int]
+    logprob: list[int]
+    share: float  # fraction of a bundle's device each actor asks for
+
+
+def plan_layout(training: int, sampling: int, log_prob: int, colocate: bool, resource: str) -> Layout:
+    if colocate:
+        parts = 2 + (1 if log_prob else 0)
+        idx = list(range(training))
+        return Layout([{resource: 1.0} for _ in idx], idx, list(idx), idx if log_prob else [],
+                      share=round(1.0 / parts - 1e-4, 4))
+    n = training + sampling + log_prob
+    t = list(range(training))
+    s = list(range(training, training + sampling))
+    lp = list(range(training + sampling, n))
+    return Layout([{resource: 1.0} for _ in range(n)], t, s, lp, share=1.0)
+
+
+def create_placement_group(layout: Layout, timeout_s: float):
+    """Reserve the bundles (``PACK``); ``TimeoutError`` when the cluster cannot hold them."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(layout.bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise TimeoutError(f"the Ray cluster cannot place {layout.bundles} within {timeout_s:.0f} s "
+                           "(too few GPUs / device resources?)") from None
+    return pg
+
+
+def actor_options(pg, bundle: int, share: float, resource: str, **extra) -> dict:
+    """``.options(...)`` for an actor on ``bundle`` holding ``share`` of its device."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+    opts = dict(num_cpus=0, scheduling_strategy=strategy, **extra)
+    if resource == "GPU":
+        opts["num_gpus"] = share
+    else:
+        opts["resources"] = {resource: share}
+    return opts

@@ -1,0 +1,165 @@
+"""Colocated weight sync: flat buckets shared between processes, one handle per bucket.
+
+On CUDA a bucket is shared by CUDA-IPC (``torch.multiprocessing.reductions.reduce_tensor``):
+the receiver maps the trainer's own export buffer, so the bytes cross no copy before they are
+written into the receiver's parameters. On CPU the trainer packs each bucket into a POSIX
+shared-memory segment (``multiprocessing.shared_memory``) and the receiver maps it by name.
+
+::
+
+    # trainer process                          # sampler process (same GPU / host)
+    out = SharedExport.from_trainer(trainer, manifest, bucket_bytes)
+    handles = out.handles          ------->    staged = open_shared(manifest, handles)
+                                               apply_update(sampler, staged)
+    out.release()                  <-------    (after every receiver is done)
+
+Handles are small picklable objects (Ray, multiprocessing queues, HTTP pickles are fine).
+The export holds one flat copy of the weights while the sync is in flight; the receiver holds
+none (it reads the mapped buckets).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from .manifest import SyncError, SyncManifest
+from .staging import StagedUpdate
+
+_CREATED: set[str] = set()  # segments this process created (it alone unlinks them)
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment without handing it to this process's resource tracker (which
+    would unlink the trainer's segment when this process exits)."""
+    seg = shared_memory.SharedMemory(name=name)
+    if name not in _CREATED:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
+    return seg
+
+
+@dataclass(frozen=True)
+class BucketHandle:
+    """A picklable reference to one shared flat bucket."""
+
+    kind: str          # "cuda_ipc" | "shm"
+    payload: Any       # cuda_ipc: (rebuild_fn, args); shm: segment name
+    numel: int
+    dtype: str
+
+
+def _share(flat: torch.Tensor) -> tuple[BucketHandle, Any]:
+    """(handle, keep-alive) for one bucket."""
+    if flat.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return BucketHandle("cuda_ipc", reduce_tensor(flat), flat.numel(), str(flat.dtype)), flat
+    nbytes = flat.numel() * flat.element_size()
+    seg = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+    _CREATED.add(seg.name)
+    view = torch.frombuffer(seg.buf, dtype=flat.dtype, count=flat.numel())
+    view.copy_(flat)
+    del view
+    return BucketHandle("shm", seg.name, flat.numel(), str(flat.dtype)), seg
+
+
+class SharedExport:
+    """The trainer's shared buckets of one sync; ``release()`` frees them."""
+
+    def __init__(self, manifest: SyncManifest):
+        self.manifest = manifest
+        self.handles: list[BucketHandle] = []
+        self._keep: list[Any] = []
+
+    @classmethod
+    def from_trainer(cls, trainer, manifest: SyncManifest, bucket_bytes: int,
+                     *, share: bool = True) -> "SharedExport":
+        """Export ``trainer``'s weights bucket by bucket (every trainer rank calls it under
+        ZeRO-3; ``share=False`` consumes the buckets without sharing them)."""
+        out = cls(manifest)
+        for i, (names, flat) in enumerate(trainer.export_weights(bucket_bytes)):
+            if i >= len(manifest.buckets) or tuple(names) != manifest.buckets[i].names:
+                out.release()
+                raise SyncError(f"export bucket {i} does not match the manifest (weights changed "
+                                "between build_manifest and export?)")
+            if share:
+                handle, keep = _share(flat)
+                out.handles.append(handle)
+                out._keep.append(keep)
+        if share and len(out.handles) != len(manifest.buckets):
+            out.release()
+            raise SyncError(f"export produced {len(out.handles)} buckets, manifest has {len(manifest.buckets)}")
+        if share and out.handles and out.handles[0].kind == "cuda_ipc":
+            torch.cuda.synchronize()  # receivers read on their own streams
+        return out
+
+    def release(self) -> None:
+        for keep in self._keep:
+            if isinstance(keep, shared_memory.SharedMemory):
+                keep.close()
+                _CREATED.discard(keep.name)
+                try:
+                    keep.unlink()
+                except FileNotFoundError:
+                    pass
+        self._keep.clear()
+        self.handles = []
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class OpenedBuckets:
+    """Mapped buckets on the receiver side; ``close()`` unmaps them (after ``apply_update``)."""
+
+    def __init__(self, staged: StagedUpdate, segments: list[shared_memory.SharedMemory]):
+        self.staged = staged
+        self._segments = segments
+
+    def close(self) -> None:
+        self.staged.flats = [None] * len(self.staged.flats)
+        for seg in self._segments:
+            try:
+                seg.close()
+            except BufferError:  # a view is still alive somewhere; the OS frees it at exit
+                pass
+        self._segments.clear()
+
+
+def open_shared(manifest: SyncManifest, handles: list[BucketHandle],
+                device: torch.device | str | None = None) -> OpenedBuckets:
+    """Map the trainer's buckets and stage them (``SyncError`` on a bad handle list)."""
+    staged = StagedUpdate(manifest)
+    if len(handles) > len(manifest.buckets):
+        raise SyncError(f"{len(handles)} handles for a manifest of {len(manifest.buckets)} buckets")
+    segments: list[shared_memory.SharedMemory] = []
+    opened = OpenedBuckets(staged, segments)
+    try:
+        for i, h in enumerate(handles):
+            if not isinstance(h, BucketHandle):
+                raise SyncError(f"handle {i} is a {type(h).__name__}, not a BucketHandle")
+            if h.kind == "cuda_ipc":
+                fn, args = h.payload
+                flat = fn(*args)
+            elif h.kind == "shm":
+                seg = _attach(h.payload)
+                segments.append(seg)
+                elem = torch.empty((), dtype=manifest.torch_dtype).element_size()
+                count = min(h.numel, seg.size // elem)
+                flat = torch.frombuffer(seg.buf, dtype=manifest.torch_dtype, count=count)
+            else:
+                raise SyncError(f"unknown bucket handle kind {h.kind!r}")
+            if device is not None and flat.device != torch.device(device):
+                flat = flat.to(device)
+            staged.put(i, flat)
+    except FileNotFoundError as exc:
+        opened.close()
+        raise SyncError(f"shared bucket vanished before it was read: {exc}") from exc
+    except Exception:
+        opened.close()
+        raise
+    return opened
