@@ -21,6 +21,7 @@ import torch
 from .config.common import resolve_dtype
 
 TINY_VOCAB = 512  # tiny_tokenizer's vocabulary (bytes + merges + specials)
+TINY_WINDOW = 8192  # context of tiny models: long enough for the long-context QA sample
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 
 _TINY = {
@@ -54,7 +55,7 @@ def model_config(spec: str, **overrides):
     if kind == "tiny":
         if name not in _TINY:
             raise ValueError(f"unknown tiny model {name!r}; choose one of {sorted(_TINY)}")
-        fields = dict(_TINY[name], vocab_size=TINY_VOCAB, max_position_embeddings=2048,
+        fields = dict(_TINY[name], vocab_size=TINY_VOCAB, max_position_embeddings=TINY_WINDOW,
                       tie_word_embeddings=False, bos_token_id=None,
                       eos_token_id=tiny_token_id("<|endoftext|>"), pad_token_id=tiny_token_id("<|pad|>"))
     elif kind == "random":
@@ -156,7 +157,7 @@ def tiny_tokenizer():
                                   show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   pad_token="<|pad|>", model_max_length=2048)
+                                   pad_token="<|pad|>", model_max_length=TINY_WINDOW)
     fast.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -1,0 +1,32 @@
+"""``polynya-recipe`` / ``python -m polynya.recipes``: run a Hydra recipe.
+
+    polynya-recipe                                   # toy task, tiny model, CPU, ~1 minute
+    polynya-recipe task=gsm8k model=qwen3-0.6b placement=colocated run.steps=200
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/polynya/torch_extensions"))
+
+
+def main() -> None:
+    import hydra
+
+    from .schema import register
+
+    register()
+
+    @hydra.main(config_path="conf", config_name="config", version_base=None)
+    def _app(cfg) -> None:
+        if cfg.framework != "builtin":
+            raise ValueError(f"framework={cfg.framework!r} is not available yet; use framework=builtin")
+        from .driver import GRPODriver
+
+        GRPODriver(cfg).run()
+
+    _app()
+
+
+if __name__ == "__main__":
+    main()

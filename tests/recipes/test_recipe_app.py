@@ -1,0 +1,101 @@
+"""The Hydra recipe app: every shipped YAML composes into valid engine configs; each task runs
+end to end on the tiny model; a killed run resumes from its checkpoint; GRPO advantages."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from polynya.recipes.driver import GRPODriver, group_advantages
+from polynya.recipes.schema import register, to_client_config
+
+CONF = Path(__file__).resolve().parents[2] / "recipes" / "conf"
+GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("task", "model", "framework", "placement")}
+register()
+
+
+def _compose(overrides):
+    with initialize_config_module("polynya.recipes.conf", version_base=None):
+        return compose("config", overrides=overrides)
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_yaml_composes_into_valid_configs(group, option):
+    cfg = _compose([f"{group}={option}"])
+    client = to_client_config(cfg.client)
+    assert client.train.model == client.model_name == client.sampling.model
+    assert cfg.task.name and cfg.run.steps > 0
+
+
+def test_bad_override_is_rejected_by_the_engine_schema():
+    cfg = _compose(["client.train.zero_stage=7"])
+    with pytest.raises(ValueError, match="zero_stage"):
+        to_client_config(cfg.client)
+
+
+def _run(tmp_path, task, *extra):
+    cfg = _compose([f"task={task}", f"run.out_dir={tmp_path / task}", "run.steps=2", "run.prompts_per_step=2",
+                    "run.group_size=2", "run.max_new_tokens=4", "run.progress=false", *extra])
+    return GRPODriver(cfg).run()
+
+
+@pytest.mark.parametrize("task", ["toy", "gsm8k", "txt2sql", "longqa"])
+def test_two_steps_of_each_task_write_metrics(tmp_path, task):
+    extra = ["task.max_prompt_tokens=8000", "run.prompts_per_step=1"] if task == "longqa" else []
+    out = _run(tmp_path, task, *extra)
+    rows = [json.loads(line) for line in open(out["metrics_path"])]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert 0.0 <= r["reward_mean"] <= 1.0 and r["generate_s"] > 0 and "loss" in r and "grad_norm" in r
+
+
+def test_killed_run_resumes_from_latest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "polynya.recipes", f"run.out_dir={out}", "run.steps=1000",
+           "run.checkpoint_every=1", "run.prompts_per_step=2", "run.group_size=2", "run.max_new_tokens=4",
+           "run.progress=false"]
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not list(out.glob("checkpoints/step_000002/driver.json")):
+            assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert list(out.glob("checkpoints/step_000002/driver.json")), "no checkpoint within 240 s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    done = len(open(out / "metrics.jsonl").readlines())
+    latest = max(int(json.load(open(p))["next_step"]) for p in out.glob("checkpoints/*/driver.json"))
+    cfg = _compose([f"run.out_dir={out}", f"run.steps={latest + 1}", "run.prompts_per_step=2",
+                    "run.group_size=2", "run.max_new_tokens=4", "run.progress=false"])
+    result = GRPODriver(cfg).run()
+    assert result["start_step"] == latest and result["steps"] == 1
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(rows) == done + 1 and rows[-1]["step"] == latest
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 4.0])
+    a = group_advantages(r, 2, scale=False, eps=0.0)
+    assert torch.allclose(a, torch.tensor([0.5, -0.5, 0.0, 0.0, -1.0, 1.0]))
+    s = group_advantages(r, 2, scale=True, eps=1e-6)
+    assert torch.allclose(s, torch.tensor([1.0, -1.0, 0.0, 0.0, -1.0, 1.0]), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_toy_task_reward_goes_up(tmp_path):
+    """Seed 0, 20 steps of 8 prompts x 8 samples: the mean reward of the last 5 steps beats the
+    first 5 by more than 0.05 (measured: ~0.03 -> ~0.18)."""
+    cfg = _compose([f"run.out_dir={tmp_path}", "run.steps=20", "run.progress=false", "run.seed=0"])
+    history = GRPODriver(cfg).run()["history"]
+    first = sum(h["reward_mean"] for h in history[:5]) / 5
+    last = sum(h["reward_mean"] for h in history[-5:]) / 5
+    assert last > first + 0.05, (first, last)
