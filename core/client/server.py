@@ -40,24 +40,25 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await _reply(send, 413, f"request body of {int(declared)} bytes exceeds the limit of {self.limit}")
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        body, more = bytearray(), True
+        while more:  # buffered up to the limit, then replayed to the app
             msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge()
-            return msg
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                return await _reply(send, 413, f"request body exceeds the limit of {self.limit} bytes")
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _reply(send, 413, f"request body exceeds the limit of {self.limit} bytes")
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
 
 async def _reply(send, status: int, message: str) -> None:

@@ -1,0 +1,89 @@
+"""The in-process client: RL round trip (colocated and split placement), async API, reference
+log-probs, sleep/wake, save/load."""
+import asyncio
+
+import pytest
+import torch
+
+import polynya
+from polynya import RolloutBatch, SamplingParams
+
+from .common import PROMPTS, greedy_vs_trainer, rl_round_trip, tiny_config
+
+
+@pytest.mark.parametrize("colocate", [True, False], ids=["colocated", "split"])
+def test_local_round_trip(colocate):
+    cfg = tiny_config("local", colocate=colocate, reference_model=True)
+    with polynya.create_rl_client(cfg) as client:
+        ref0 = client.compute_logprobs(RolloutBatch([PROMPTS[0]], [[3, 4, 5]]), model="reference")
+        rl_round_trip(client)
+        # the reference stays frozen; the policy moved
+        ref1 = client.compute_logprobs(RolloutBatch([PROMPTS[0]], [[3, 4, 5]]), model="reference")
+        pol = client.compute_logprobs(RolloutBatch([PROMPTS[0]], [[3, 4, 5]]))
+        assert torch.equal(ref0.logprobs, ref1.logprobs)
+        assert not torch.allclose(pol.logprobs, ref1.logprobs)
+        info = client.sync_weights()  # a second sync of unchanged weights: new version, same checksum
+        assert info["version"] == 2
+    with pytest.raises(RuntimeError, match="shut down"):
+        client.step()
+
+
+def test_local_log_prob_engine_async_and_state(tmp_path):
+    cfg = tiny_config("local", colocate=False, log_prob_gpus=1)
+    client = polynya.create_rl_client(cfg)
+
+    async def run():
+        async with client:
+            params = SamplingParams(n=2, max_tokens=5, seed=1)
+            # concurrent generate calls share the sampler; the loop is never blocked
+            ticks = 0
+
+            async def ticker():
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            t = asyncio.create_task(ticker())
+            outs = await asyncio.gather(*(client.generate_async([p], params) for p in PROMPTS))
+            t.cancel()
+            assert ticks > 1 and [len(o[0]) for o in outs] == [2, 2, 2]
+            batch = RolloutBatch([p for p in PROMPTS for _ in range(2)],
+                                 [s.token_ids for o in outs for s in o[0]], advantages=torch.randn(6))
+            await client.forward_backward_async(batch)
+            await client.step_async()
+            await client.sync_weights_async()
+            sums = await client.weight_checksums_async()
+            assert sums["logprob"] == [sums["trainer"]] == sums["samplers"]
+            lp_engine = await client.compute_logprobs_async(batch)  # the synced log-prob engine
+            lp_trainer = client.trainer.compute_logprobs(batch).logprobs
+            torch.testing.assert_close(lp_engine.logprobs, lp_trainer, atol=1e-5, rtol=1e-5)
+            await client.save_async(str(tmp_path / "ckpt"))
+            saved = sums["trainer"]
+            await client.forward_backward_async(batch)
+            await client.step_async()
+            assert (await client.weight_checksums_async())["trainer"] != saved
+            await client.load_async(str(tmp_path / "ckpt"))
+            assert (await client.weight_checksums_async())["trainer"] == saved
+            await client.sleep_async("sampler")
+            assert client.samplers[0].backend.asleep
+            await client.generate_async([PROMPTS[0]], params)  # generate wakes it
+            assert not client.samplers[0].backend.asleep
+            await client.sleep_async("logprob")
+            await client.wake_async("logprob")
+            with pytest.raises(ValueError, match="engine"):
+                await client.sleep_async("gpu")
+
+    asyncio.run(run())
+
+
+def test_colocated_handover_order():
+    cfg = tiny_config("local", colocate=True)
+    with polynya.create_rl_client(cfg) as client:
+        client.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+        assert client.trainer._offloaded and not client.samplers[0].backend.asleep
+        lp_s, lp_t = greedy_vs_trainer(client)  # compute_logprobs puts the sampler to sleep
+        assert client.samplers[0].backend.asleep and not client.trainer._offloaded
+        torch.testing.assert_close(lp_s, lp_t, atol=2e-4, rtol=1e-4)
+        with pytest.raises(ValueError, match="reference"):
+            client.compute_logprobs(RolloutBatch([[1, 2]], [[3]]), model="reference")

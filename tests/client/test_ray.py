@@ -1,0 +1,62 @@
+"""The Ray client on CPU (custom device resource): colocated (trainer, sampler and log-prob actor
+sharing one bundle; shared-memory sync) and split (two sampler replicas; gloo broadcast sync);
+a killed sampler actor surfaces as ``EngineError`` at the client, not a hang. Kept to two small
+clusters' worth of actors (~220 MB each)."""
+import asyncio
+import os
+import time
+
+import pytest
+import torch
+
+import polynya
+from polynya import RolloutBatch, SamplingParams
+from polynya.client import EngineError
+
+from .common import PROMPTS, rl_round_trip, tiny_config
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", include_dashboard=False, num_cpus=2, resources={"polynya_device": 4},
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_colocated(cluster):
+    cfg = tiny_config("ray", colocate=True, log_prob_gpus=1, reference_model=True,
+                      device_resource="polynya_device")
+    with polynya.create_rl_client(cfg) as client:
+        info = rl_round_trip(client)
+        assert info["method"] == "shared_memory" and info["receivers"] == 2
+        sums = client.weight_checksums()
+        assert sums["logprob"] == [sums["trainer"]]
+        batch = RolloutBatch([PROMPTS[0]], [[3, 4, 5]])
+        ref = client.compute_logprobs(batch, model="reference")
+        pol = client.compute_logprobs(batch)
+        assert not torch.allclose(ref.logprobs, pol.logprobs)  # reference frozen, policy trained
+
+        async def run():
+            outs = await asyncio.gather(*(client.generate_async([p], SamplingParams(max_tokens=3))
+                                          for p in PROMPTS))
+            await client.sleep_async("sampler")
+            await client.wake_async("sampler")
+            return outs
+
+        assert [len(o[0][0].token_ids) for o in asyncio.run(run())] == [3, 3, 3]
+
+
+def test_ray_split_and_dead_actor(cluster):
+    cfg = tiny_config("ray", colocate=False, sampling_gpus=2, device_resource="polynya_device", timeout_s=60)
+    with polynya.create_rl_client(cfg) as client:
+        info = rl_round_trip(client, replicas=2)
+        assert info["method"] == "broadcast" and info["receivers"] == 2
+        ray.kill(client.samplers[1], no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="generate"):
+            client.generate(PROMPTS, SamplingParams(max_tokens=3))
+        assert time.monotonic() - t0 < 30
