@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 import torch
-
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
@@ -57,24 +56,26 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument("--Gs", type=int, nargs="+", default=None, help="cases to run (default: G and 1)")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    cases = args.Gs or [args.G, 1]
     os.makedirs(args.out, exist_ok=True)
 
     engines = {}
     for fca in (True, False):
         cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size, fca=fca,
-                            kv_cache_memory_gb=args.kv_gb, max_num_seqs=max(args.groups * args.G, 8),
+                            kv_cache_memory_gb=args.kv_gb, max_num_seqs=max(args.groups * max(cases), 8),
                             max_model_len=args.prompt_len + args.new_tokens + args.block_size,
                             cuda_graphs=not args.no_graphs)
         engines[fca] = SamplingEngine(cfg)
         vocab = engines[fca].backend.runner.vocab_size
-        for G in (args.G, 1):  # warm-up: capture the graphs of both batch sizes, compile kernels
+        for G in cases:  # warm-up: capture the graphs of both batch sizes, compile kernels
             run_case(engines[fca], make_prompts(args.groups, args.prompt_len, vocab, seed=99 + G), G, 8)
 
     results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    for G in (args.G, 1):
+    for G in cases:
         prompts = make_prompts(args.groups, args.prompt_len, vocab, seed=G)
         row = {}
         for fca in (True, False):
@@ -89,10 +90,10 @@ def main() -> None:
         results[f"G{G}"] = row
     with open(os.path.join(args.out, "bench_sampler.json"), "w") as f:
         json.dump(results, f, indent=2)
-    plot(results, args, os.path.join(args.out, "bench_sampler.png"))
+    plot(results, args, cases, os.path.join(args.out, "bench_sampler.png"))
 
 
-def plot(results: dict, args, path: str) -> None:
+def plot(results: dict, args, cases: list[int], path: str) -> None:
     try:
         import matplotlib
 
@@ -101,10 +102,10 @@ def plot(results: dict, args, path: str) -> None:
     except ImportError:
         print("matplotlib missing: no PNG")
         return
-    labels = [f"G={args.G}", "G=1"]
-    fca = [results[f"G{g}"]["fca"]["ms_per_step"] for g in (args.G, 1)]
-    paged = [results[f"G{g}"]["paged"]["ms_per_step"] for g in (args.G, 1)]
-    x = np.arange(2)
+    labels = [f"G={g}" for g in cases]
+    fca = [results[f"G{g}"]["fca"]["ms_per_step"] for g in cases]
+    paged = [results[f"G{g}"]["paged"]["ms_per_step"] for g in cases]
+    x = np.arange(len(cases))
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar(x - 0.2, paged, 0.4, label="paged decode (no sharing)")
     ax.bar(x + 0.2, fca, 0.4, label="FCA")

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 from polynya.config.sampler import SamplerConfig
 from polynya.types import Sample, SamplingParams, TokenSeq

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-
 from polynya import SamplingParams
 from polynya.engines.sample.native.block_manager import BlockManager
 from polynya.engines.sample.native.scheduler import Scheduler
@@ -99,3 +98,25 @@ def test_scheduler_preempts_newest_and_loses_nothing():
     assert not batch.is_prefill and sch.num_preemptions >= 1
     assert seqs[-1] in sch.waiting and seqs[-1].block_table == []
     assert set(map(id, batch.seqs)) | set(map(id, sch.waiting)) == set(map(id, seqs))
+
+
+def test_shares_pages_detects_forks_and_prefix_hits_only():
+    from polynya.engines.sample.native.model_runner import ModelRunner
+
+    bm = BlockManager(32, BS)
+    a, b = seq(list(range(9))), seq(list(range(100, 109)))
+    bm.allocate(a)
+    bm.allocate(b)
+    assert not ModelRunner.shares_pages([a, b])
+    c = seq(list(range(9)))  # same prompt: its first two pages come from the prefix cache
+    bm.allocate(c)
+    assert ModelRunner.shares_pages([a, b, c])
+    short = seq([1, 2])  # forks of a one-page prompt stop sharing once each copies on write
+    bm.allocate(short)
+    kid = short.fork(1, torch.Generator())
+    bm.fork(short, kid)
+    assert ModelRunner.shares_pages([short, kid])
+    for s in (short, kid):
+        s.token_ids.append(3)
+        bm.append_slot(s)
+    assert not ModelRunner.shares_pages([short, kid])

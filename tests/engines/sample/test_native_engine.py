@@ -12,7 +12,6 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
@@ -145,7 +144,7 @@ def test_bad_inputs_raise_for_that_request_only(qwen):
         "window": ([good, list(range(4, 4 + 1024))], SamplingParams(max_tokens=2)),
     }
     before = qwen.stats()
-    for name, (prompts, p) in bad_cases.items():
+    for prompts, p in bad_cases.values():
         with pytest.raises(ValueError, match=r"prompts\[1\]"):
             qwen.generate(prompts, p)
     with pytest.raises(ValueError):

@@ -9,11 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
-from polynya.models import load_model
 
 pytestmark = pytest.mark.gpu
 MODEL = "random:qwen3-0.6b"
@@ -25,41 +23,48 @@ def prompts() -> list[list[int]]:
     return [g.integers(100, 150000, size=n).tolist() for n in (37, 300, 129, 513)]
 
 
-def hf_greedy(dtype: str) -> list[list[int]]:
-    hf = load_model(MODEL, dtype=dtype, device="cuda")
+def make_engine(dtype: str, fca: bool = True, graphs: bool = True) -> SamplingEngine:
+    return SamplingEngine(SamplerConfig(MODEL, dtype=dtype, device="cuda", fca=fca, cuda_graphs=graphs,
+                                        kv_cache_memory_gb=4, max_num_seqs=64))
+
+
+def hf_greedy(engine: SamplingEngine) -> list[list[int]]:
+    """HF ``generate`` with the engine's own weights (same module, switched to SDPA)."""
+    model = engine.backend.runner.model
+    model.set_attn_implementation("sdpa")
     out = []
-    for p in prompts():
-        ids = torch.tensor([p], device="cuda")
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    del hf
-    torch.cuda.empty_cache()
+    try:
+        for p in prompts():
+            ids = torch.tensor([p], device="cuda")
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    finally:
+        model.set_attn_implementation("polynya_paged")
     return out
 
 
-def engine_greedy(dtype: str, fca: bool, graphs: bool, n: int = 1) -> list[list[list[int]]]:
-    eng = SamplingEngine(SamplerConfig(MODEL, dtype=dtype, device="cuda", fca=fca, cuda_graphs=graphs,
-                                       kv_cache_memory_gb=4, max_num_seqs=64))
-    out = eng.generate(prompts(), SamplingParams(n=n, temperature=0, max_tokens=NEW, stop_token_ids=()))
-    stats = eng.stats()
-    assert stats["prefill_tokens"] == sum(map(len, prompts()))
-    del eng
-    torch.cuda.empty_cache()
+def engine_greedy(engine: SamplingEngine, n: int = 1) -> list[list[list[int]]]:
+    before = engine.stats()["prefill_tokens"]
+    out = engine.generate(prompts(), SamplingParams(n=n, temperature=0, max_tokens=NEW, stop_token_ids=()))
+    assert engine.stats()["prefill_tokens"] - before == sum(map(len, prompts()))  # once per prompt
     return [[s.token_ids for s in o] for o in out]
 
 
 def test_fp32_greedy_equals_hf_generate():
-    ref = hf_greedy("float32")
     for fca, graphs in ((True, True), (False, True), (True, False)):
-        got = engine_greedy("float32", fca, graphs, n=3)
-        for r, samples in zip(ref, got):
+        engine = make_engine("float32", fca, graphs)
+        ref = hf_greedy(engine)
+        for r, samples in zip(ref, engine_greedy(engine, n=3)):
             assert all(s == r for s in samples), (fca, graphs)
+        del engine
+        torch.cuda.empty_cache()
 
 
 def test_bf16_greedy_short_run():
-    ref = hf_greedy("bfloat16")
-    got = [o[0] for o in engine_greedy("bfloat16", True, True)]
+    engine = make_engine("bfloat16")
+    ref = hf_greedy(engine)
+    got = [o[0] for o in engine_greedy(engine, n=2)]
     agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), NEW) for r, g in zip(ref, got)]
     print(f"bf16 greedy agreement with HF generate (tokens of {NEW}): {agree}")
     assert all(r[0] == g[0] for r, g in zip(ref, got)), "the first token comes from the same prefill"

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
 

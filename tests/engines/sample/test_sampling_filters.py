@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from polynya import SamplingParams
 from polynya.engines.sample.native.sampler import SamplingTensors, sample
 

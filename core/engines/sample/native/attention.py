@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from polynya.kernels.fca import fca_decode, paged_decode
 
 NAME = "polynya_paged"

@@ -6,13 +6,14 @@ removes the per-launch CPU cost. Everything a step varies lives in static input 
 the forest plan is built *inside* the graph (``plan_forest`` is capturable: no host sync,
 fixed-capacity outputs), so a replay re-plans from the current block tables.
 
-A batch of ``B`` sequences runs in the smallest bucket ``>= B``; the padding rows decode a
+Graphs are keyed by ``(bucket, fca)``: a step whose sequences share no page runs the plain
+paged graph. A batch of ``B`` sequences runs in the smallest bucket ``>= B``; the padding rows decode a
 dummy token into a scratch page that the block manager never hands out. Block tables are
 padded to the widest table the cache allows, so one graph serves every sequence length.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ class DecodeGraphs:
 
     Args:
         forward: the eager decode step on device tensors ``[1, B]``, ``[1, B]``, ``[B]``,
-            ``[B, width]`` int32, ``[B]`` int32; returns ``[B, V]`` logits.
+            ``[B, width]`` int32, ``[B]`` int32 and the bool ``fca``; returns ``[B, V]`` logits.
         max_batch: largest batch. width: block-table columns. scratch_block: page for padding.
     """
 
@@ -46,13 +47,13 @@ class DecodeGraphs:
         self.tables = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.host = torch.zeros((n, 3 + width + 1), dtype=torch.int64).pin_memory()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def bucket(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        args = (self.ids[:, :b], self.pos[:, :b], self.slots[:b], self.tables[:b], self.lens[:b])
+    def _capture(self, b: int, fca: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        args = (self.ids[:, :b], self.pos[:, :b], self.slots[:b], self.tables[:b], self.lens[:b], fca)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -65,7 +66,7 @@ class DecodeGraphs:
         return graph, out
 
     def run(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            lens: np.ndarray) -> torch.Tensor:
+            lens: np.ndarray, fca: bool) -> torch.Tensor:
         """Fill the buffers (padding rows included) and replay; returns ``[B, V]`` logits.
         The pinned staging buffer is reused: the engine syncs on the sampled tokens every
         step, so the previous step's copy has finished before it is overwritten."""
@@ -87,8 +88,8 @@ class DecodeGraphs:
         self.slots[:b].copy_(dev[:, 2])
         self.tables[:b].copy_(dev[:, 3:3 + w])
         self.lens[:b].copy_(dev[:, 3 + w])
-        if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
-        graph, out = self.graphs[b]
+        if (b, fca) not in self.graphs:
+            self.graphs[(b, fca)] = self._capture(b, fca)
+        graph, out = self.graphs[(b, fca)]
         graph.replay()
         return out[:batch]

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
 
 import torch
-
 from polynya.config.sampler import SamplerConfig
-from polynya.types import Sample, SamplingParams, TokenSeq, as_token_array
+from polynya.types import Sample, SamplingParams, TokenSeq
 
+from ..requests import validate_requests
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, WeightPieces
 from .sampler import SamplingTensors, sample
@@ -64,39 +64,16 @@ class NativeEngine:
         self._lock = threading.RLock()
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
-        self._counts = dict(prefill_tokens=0, decode_tokens=0, cache_hit_tokens=0,
-                            prefill_steps=0, decode_steps=0, requests=0)
-        self._times = dict(prefill_time_s=0.0, decode_time_s=0.0)
+        self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0,
+                        "prefill_steps": 0, "decode_steps": 0, "requests": 0}
+        self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
 
     # ---------------------------------------------------------------- requests
     def validate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams]
                  ) -> tuple[list[list[int]], list[SamplingParams]]:
         """Check every request; raise ``ValueError`` naming the first bad one (nothing queued)."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
-            raise ValueError("prompts must be a list of token-id lists")
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        toks = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist)):
-            arr = as_token_array(prompt, f"prompts[{i}]")
-            if arr.size == 0:
-                raise ValueError(f"prompts[{i}] is empty")
-            if arr.max() >= self.runner.vocab_size:
-                raise ValueError(f"prompts[{i}] has token id {int(arr.max())} >= vocab size "
-                                 f"{self.runner.vocab_size}")
-            if arr.size >= self.max_model_len:
-                raise ValueError(f"prompts[{i}] has {arr.size} tokens; the model window here is "
-                                 f"{self.max_model_len} (prompt + at least one new token)")
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-            if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
-                raise ValueError(f"params[{i}].max_tokens must be >= 1, got {p.max_tokens!r}")
-            if not isinstance(p.n, int) or not 1 <= p.n <= self.config.max_num_seqs:
-                raise ValueError(f"params[{i}].n must be in [1, max_num_seqs={self.config.max_num_seqs}], "
-                                 f"got {p.n!r}")
-            toks.append(arr.tolist())
-        return toks, plist
+        return validate_requests(prompts, params, vocab_size=self.runner.vocab_size,
+                                 max_model_len=self.max_model_len, max_n=self.config.max_num_seqs)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
         if params.seed is not None:

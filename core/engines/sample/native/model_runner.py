@@ -9,11 +9,11 @@ the block tables; every layer reuses it.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
-
 from polynya.config.common import resolve_dtype
 from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
@@ -146,11 +146,18 @@ class ModelRunner:
         slots += pos % self.block_size
         return ids, pos, slots, tables, lens
 
+    @staticmethod
+    def shares_pages(seqs: list[Sequence]) -> bool:
+        """Whether any two sequences share KV pages. Shared prefixes start at page 0, so
+        comparing first pages is exact; with nothing shared FCA has nothing to save and the
+        step takes the plain paged path (no plan, no merge)."""
+        return len({s.block_table[0] for s in seqs}) < len(seqs)
+
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                        tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+                        tables: torch.Tensor, lens: torch.Tensor, fca: bool) -> torch.Tensor:
         """One decode step on device tensors (eager, or being captured into a CUDA graph)."""
         plan = None
-        if self.use_fca:  # once per step; every layer reuses it
+        if fca:  # once per step; every layer reuses it
             plan = plan_forest(tables, lens, self.block_size, validate=False)
         ctx = attention.StepContext(self._caches(), slots, is_prefill=False, block_tables=tables,
                                     seq_lens=lens, plan=plan)
@@ -172,13 +179,14 @@ class ModelRunner:
                              use_cache=False, logits_to_keep=last, **{attention.CTX_KWARG: ctx})
             return out.logits[0]
         ids, pos, slots, tables, lens = self._decode_inputs(seqs)
+        fca = self.use_fca and self.shares_pages(seqs)
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
-            return self.graphs.run(ids, pos, slots, tables, lens)
+            return self.graphs.run(ids, pos, slots, tables, lens, fca)
         return self._decode_forward(self._to_device(ids, torch.int64)[None],
                                     self._to_device(pos, torch.int64)[None],
                                     self._to_device(slots, torch.int64),
                                     self._to_device(tables, torch.int32),
-                                    self._to_device(lens.astype(np.int32), torch.int32))
+                                    self._to_device(lens.astype(np.int32), torch.int32), fca)
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: WeightPieces) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from polynya.types import SamplingParams
 
 
@@ -39,7 +38,7 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list[SamplingParams], uniforms: list[float], vocab_size: int,
-              device: torch.device | str) -> "SamplingTensors":
+              device: torch.device | str) -> SamplingTensors:
         """Gather row settings. ``uniforms``: one U[0, 1) draw per row from the row's own
         generator (ignored for greedy rows)."""
         greedy = [p.temperature == 0 for p in params]

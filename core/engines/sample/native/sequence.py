@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
 from polynya.types import SamplingParams
 
 _ids = itertools.count()
@@ -80,7 +79,7 @@ class Sequence:
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]
 
-    def fork(self, sample_index: int, generator: torch.Generator) -> "Sequence":
+    def fork(self, sample_index: int, generator: torch.Generator) -> Sequence:
         """A copy sharing this sequence's tokens; blocks are shared by the block manager."""
         return Sequence(token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens,
                         params=self.params, stop_ids=self.stop_ids, generator=generator,

@@ -1,0 +1,47 @@
+"""Request validation shared by every sampling backend.
+
+A bad request raises ``ValueError`` naming its index *before* anything is queued, so the other
+requests of the call — and those of concurrent calls — are untouched.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from polynya.types import SamplingParams, TokenSeq, as_token_array
+
+
+def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams],
+                      *, vocab_size: int, max_model_len: int, max_n: int | None = None
+                      ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Check every request.
+
+    Args:
+        prompts: token-id sequences, one per request. params: one for all, or one per prompt.
+        vocab_size: ids must be below it. max_model_len: a prompt must be shorter (room for
+            one new token). max_n: largest ``n`` the backend can run at once (None: no limit).
+    Returns:
+        ``(prompts as lists of ints, one SamplingParams per prompt)``.
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError("prompts must be a list of token-id lists")
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(plist) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+    toks = []
+    for i, (prompt, p) in enumerate(zip(prompts, plist)):
+        arr = as_token_array(prompt, f"prompts[{i}]")
+        if arr.size == 0:
+            raise ValueError(f"prompts[{i}] is empty")
+        if arr.max() >= vocab_size:
+            raise ValueError(f"prompts[{i}] has token id {int(arr.max())} >= vocab size {vocab_size}")
+        if arr.size >= max_model_len:
+            raise ValueError(f"prompts[{i}] has {arr.size} tokens; the model window here is "
+                             f"{max_model_len} (prompt + at least one new token)")
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+            raise ValueError(f"params[{i}].max_tokens must be >= 1, got {p.max_tokens!r}")
+        if not isinstance(p.n, int) or p.n < 1 or (max_n is not None and p.n > max_n):
+            raise ValueError(f"params[{i}].n must be in [1, {max_n}], got {p.n!r}")
+        toks.append(arr.tolist())
+    return toks, plist
