@@ -125,29 +125,32 @@ def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_v
 
 
 @triton.jit
-def _private_unit(u, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                  bt_ptr, s_bt, sl_ptr, pv_row, pv_c0, pv_c1, pv_slot,
-                  ws_o, ws_lse, qk_scale, S, HQ, HKV,
-                  QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Unit (item, kv head): one request's QPK query heads (M padded) over its own blocks."""
-    item = u // HKV
-    head = u % HKV
+def _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                   bt_ptr, s_bt, len_ptr, slot_off_ptr, ws_o, ws_lse, b, head, sp, nsplit,
+                   qk_scale, S, HQ,
+                   QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+                   SLOT_OFF: tl.constexpr):
+    """Request b, kv head, split sp of nsplit (even in blocks): its QPK query heads (M padded)
+    over block-table row b, tokens [0, len[b]); one partial into slot (offset +) sp."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     rowok = offs_m < QPK
-    row = tl.load(pv_row + item)
     qh = head * QPK + tl.where(rowok, offs_m, 0)
-    q = tl.load(q_ptr + row.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
                 mask=rowok[:, None], other=0.0)
-    tok0 = tl.load(pv_c0 + item) * PAGE
-    tok1 = tl.minimum(tl.load(pv_c1 + item) * PAGE, tl.load(sl_ptr + row))
+    n = tl.load(len_ptr + b)
+    cols = tl.cdiv(tl.cdiv(n, PAGE), nsplit)
+    tok0 = sp * cols * PAGE
+    tok1 = tl.minimum(tok0 + cols * PAGE, n)
     acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                            bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
-                            qk_scale, BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
-    req = tl.zeros([BLOCK_M], tl.int32) + row
-    _store_partial(ws_o, ws_lse, req, tl.load(pv_slot + item), qh, rowok,
-                   acc, m_i, l_i, S, HQ, HEAD_D)
+                            bt_ptr + b.to(tl.int64) * s_bt, head, tok0, tok1, qk_scale,
+                            BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+    slot = sp
+    if SLOT_OFF:
+        slot += tl.load(slot_off_ptr + b)
+    req = tl.zeros([BLOCK_M], tl.int32) + b
+    _store_partial(ws_o, ws_lse, req, slot, qh, rowok, acc, m_i, l_i, S, HQ, HEAD_D)
 
 
 @triton.jit
@@ -155,20 +158,23 @@ def _fca_attend_kernel(
         q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
         bt_ptr, s_bt, sl_ptr,
         n_shared_ptr, sh_row, sh_c0, sh_c1, sh_slot, sh_nmem, sh_mem,
-        n_private_ptr, pv_row, pv_c0, pv_c1, pv_slot,
+        pv_bt, s_pv, pv_len, n_sh_slots, B,
         ws_o, ws_lse, counter_ptr, qk_scale, S, HQ, HKV, G,
-        QPK: tl.constexpr, NSUB: tl.constexpr, MSUB: tl.constexpr,
-        BLOCK_M_SH: tl.constexpr, BLOCK_M_PV: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
-        DO_SHARED: tl.constexpr, DO_PRIVATE: tl.constexpr, DYNAMIC: tl.constexpr):
-    """Persistent FCA pass over the plan's work units (shared units first, then private),
-    each writing one partial per member; ``DYNAMIC`` takes units from an atomic counter."""
+        QPK: tl.constexpr, NSUB: tl.constexpr, MSUB: tl.constexpr, NSPLIT: tl.constexpr,
+        BLOCK_M_SH: tl.constexpr, BLOCK_M_PV: tl.constexpr, BLOCK_N_SH: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
+        DOT_PREC: tl.constexpr, DO_SHARED: tl.constexpr, DO_PRIVATE: tl.constexpr,
+        DYNAMIC: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Persistent FCA pass over shared units (item, member sub-tile, kv head) and private
+    units (request, split, kv head) of the plan's virtual private rows; each writes one
+    partial per member. Shared units come first, or spread evenly among the private ones
+    (``INTERLEAVE``); ``DYNAMIC`` takes units from an atomic counter."""
     n_sh = 0
     n_pv = 0
     if DO_SHARED:
         n_sh = tl.load(n_shared_ptr) * (NSUB * HKV)
     if DO_PRIVATE:
-        n_pv = tl.load(n_private_ptr) * HKV
+        n_pv = B * (NSPLIT * HKV)
     n_tot = n_sh + n_pv
     if DYNAMIC:
         w = tl.atomic_add(counter_ptr, 1)
@@ -176,26 +182,38 @@ def _fca_attend_kernel(
         w = tl.program_id(0)
     while w < n_tot:
         if DO_SHARED and DO_PRIVATE:
-            if w < n_sh:
-                _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
+            if INTERLEAVE:  # unit w is shared iff floor(w * n_sh / n_tot) steps up at w
+                s0 = (w.to(tl.int64) * n_sh // n_tot).to(tl.int32)
+                s1 = ((w + 1).to(tl.int64) * n_sh // n_tot).to(tl.int32)
+                is_sh = s1 > s0
+                i_sh = s0
+                u = w - s0
+            else:
+                is_sh = w < n_sh
+                i_sh = w
+                u = w - n_sh
+            if is_sh:
+                _shared_unit(i_sh, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                              s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
                              sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, S, HQ, HKV, G, QPK, NSUB,
-                             MSUB, BLOCK_M_SH, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+                             MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC)
             else:
-                _private_unit(w - n_sh, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh,
-                              s_vb, s_vt, s_vh, bt_ptr, s_bt, sl_ptr, pv_row, pv_c0, pv_c1,
-                              pv_slot, ws_o, ws_lse, qk_scale, S, HQ, HKV, QPK, BLOCK_M_PV,
-                              BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+                _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
+                               s_vh, pv_bt, s_pv, pv_len, n_sh_slots, ws_o, ws_lse,
+                               u // (NSPLIT * HKV), u % HKV, (u // HKV) % NSPLIT, NSPLIT,
+                               qk_scale, S, HQ, QPK, BLOCK_M_PV, BLOCK_N, HEAD_D, PAGE,
+                               DOT_PREC, True)
         elif DO_SHARED:
             _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                          s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
                          sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, S, HQ, HKV, G, QPK, NSUB,
-                         MSUB, BLOCK_M_SH, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+                         MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC)
         else:
-            _private_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh,
-                          s_vb, s_vt, s_vh, bt_ptr, s_bt, sl_ptr, pv_row, pv_c0, pv_c1,
-                          pv_slot, ws_o, ws_lse, qk_scale, S, HQ, HKV, QPK, BLOCK_M_PV,
-                          BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+            _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
+                           s_vh, pv_bt, s_pv, pv_len, n_sh_slots, ws_o, ws_lse,
+                           w // (NSPLIT * HKV), w % HKV, (w // HKV) % NSPLIT, NSPLIT,
+                           qk_scale, S, HQ, QPK, BLOCK_M_PV, BLOCK_N, HEAD_D, PAGE,
+                           DOT_PREC, True)
         if DYNAMIC:
             w = tl.atomic_add(counter_ptr, 1)
         else:
@@ -205,33 +223,32 @@ def _fca_attend_kernel(
 @triton.jit
 def _paged_decode_kernel(
         q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-        bt_ptr, s_bt, sl_ptr, out_ptr, s_ob, s_oh, lse_ptr, ws_o, ws_lse,
-        cols_per_split, qk_scale, HQ,
+        bt_ptr, s_bt, sl_ptr, out_ptr, s_ob, s_oh, lse_ptr, ws_o, ws_lse, slot_off_ptr,
+        qk_scale, S, HQ,
         QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
-        SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Plain paged decode, no sharing: program (request, kv head, split) reads its own blocks;
-    with SPLIT it writes a partial per split (merged by ``_merge_partials_kernel``)."""
+        SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, SLOT_OFF: tl.constexpr):
+    """Plain paged decode, no sharing: program (request, kv head, split) reads its own blocks.
+    With SPLIT it writes a partial per split into slot (offset +) split, for
+    ``_merge_partials_kernel``; FCA runs it on the plan's virtual private rows."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.program_id(2)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_D)
-    rowok = offs_m < QPK
-    qh = head * QPK + tl.where(rowok, offs_m, 0)
-    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
-                mask=rowok[:, None], other=0.0)
-    seq = tl.load(sl_ptr + b)
-    tok0 = sp * cols_per_split * PAGE
-    tok1 = tl.minimum(tok0 + cols_per_split * PAGE, seq)
-    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                            bt_ptr + b.to(tl.int64) * s_bt, head, tok0, tok1, qk_scale,
-                            BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
     if SPLIT:
-        req = tl.zeros([BLOCK_M], tl.int32) + b
-        _store_partial(ws_o, ws_lse, req, sp, qh, rowok, acc, m_i, l_i,
-                       tl.num_programs(2), HQ, HEAD_D)
+        _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                       bt_ptr, s_bt, sl_ptr, slot_off_ptr, ws_o, ws_lse, b, head, sp,
+                       tl.num_programs(2), qk_scale, S, HQ, QPK, BLOCK_M, BLOCK_N, HEAD_D, PAGE,
+                       DOT_PREC, SLOT_OFF)
     else:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        rowok = offs_m < QPK
+        qh = head * QPK + tl.where(rowok, offs_m, 0)
+        q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
+                    mask=rowok[:, None], other=0.0)
+        acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                                bt_ptr + b.to(tl.int64) * s_bt, head, 0, tl.load(sl_ptr + b),
+                                qk_scale, BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
         out = acc / l_i[:, None]
         tl.store(out_ptr + b.to(tl.int64) * s_ob + qh[:, None] * s_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rowok[:, None])
@@ -244,19 +261,19 @@ def _paged_decode_kernel(
 def _merge_partials_kernel(ws_o, ws_lse, n_slots_ptr, out_ptr, s_ob, s_oh, lse_ptr,
                            counter_ptr, S, HQ,
                            QPK: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_D: tl.constexpr,
-                           NSLOT_CONST: tl.constexpr, WRITE_LSE: tl.constexpr,
-                           RESET: tl.constexpr):
-    """out[b, heads of kv head h] = exact log-sum-exp merge of the request's partials."""
+                           HAS_NSLOTS: tl.constexpr, NSLOT_ADD: tl.constexpr,
+                           WRITE_LSE: tl.constexpr, RESET: tl.constexpr):
+    """out[b, heads of kv head h] = exact log-sum-exp merge of the request's partials
+    (slots ``0 .. n_slots[b] + NSLOT_ADD``; empty partials carry lse = -inf)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     if RESET:
         if (b == 0) & (head == 0):
             tl.store(counter_ptr, 0)
             tl.store(counter_ptr + 1, 0)
-    if NSLOT_CONST > 0:
-        n = NSLOT_CONST
-    else:
-        n = tl.load(n_slots_ptr + b)
+    n = NSLOT_ADD
+    if HAS_NSLOTS:
+        n += tl.load(n_slots_ptr + b)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_D)
     hm = offs_h < QPK

@@ -29,16 +29,28 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch knobs (the benchmark sweeps them). None = chosen from the head dim."""
+    """Launch knobs (the benchmark sweeps them). None = chosen from the head dim.
+
+    ``mode`` (FCA only): ``"fused"`` runs shared and private units in one persistent launch;
+    ``"split"`` runs the shared units (persistent) and then the private rows with the paged
+    kernel; ``"streams"`` runs those two launches concurrently on two streams.
+    """
 
     block_n: int | None = None     # KV tokens per tile: 64 (D <= 128) / 32 (D = 256)
     num_warps: int | None = None   # 4 (D <= 128) / 8 (D = 256)
-    num_stages: int | None = None  # software-pipelining depth: 3 (D <= 128) / 2 (D = 256)
-    progs_per_sm: int = 4
-    dynamic: bool = True      # atomic work counter (vs static stride) in the persistent kernel
-    fused: bool = True        # shared + private units in one launch
-    block_m_shared: int = 64  # rows (members x Hq/Hkv) of a shared tile
-    shared_num_warps: int | None = None  # warps of the shared launch when not fused
+    num_stages: int | None = None  # software-pipelining depth: 2
+    progs_per_sm: int = 4          # persistent programs per SM; split-K target for paged
+    dynamic: bool = True           # atomic work counter (vs static stride), persistent kernel
+    mode: str = "fused"
+    block_m_shared: int = 64       # rows (members x Hq/Hkv) of a shared tile
+    block_n_shared: int | None = None  # KV tokens per shared tile (default: block_n)
+    interleave: bool = False       # fused: spread shared units among the private ones
+    shared_num_warps: int | None = None  # warps of the shared launch (split / streams)
+    shared_progs_per_sm: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("fused", "split", "streams"):
+            raise ValueError(f"mode must be 'fused', 'split' or 'streams', got {self.mode!r}")
 
 
 def _resolve(cfg: DecodeConfig | None, d: int) -> DecodeConfig:
@@ -46,7 +58,7 @@ def _resolve(cfg: DecodeConfig | None, d: int) -> DecodeConfig:
     big = d > 128
     return replace(cfg, block_n=cfg.block_n or (32 if big else 64),
                    num_warps=cfg.num_warps or (8 if big else 4),
-                   num_stages=cfg.num_stages or (2 if big else 3))
+                   num_stages=cfg.num_stages or 2)
 
 
 def _next_pow2(x: int) -> int:
@@ -182,46 +194,87 @@ def fca_decode(
                       _resolve(config, q.shape[-1]))
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _num_splits(batch: int, hkv: int, max_tokens: int, device, cfg: DecodeConfig) -> int:
+    """Split-K factor from static shapes: ~2 waves of programs, >= 256 tokens per split."""
+    want = triton_cdiv(2 * _num_sms(device) * cfg.progs_per_sm, batch * hkv)
+    return max(1, min(want, triton_cdiv(max_tokens, 256)))
+
+
 def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: DecodeConfig):
-    from .kernel import _fca_attend_kernel, _merge_partials_kernel
+    from .kernel import _fca_attend_kernel, _merge_partials_kernel, _paged_decode_kernel
 
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     qpk = Hq // Hkv
+    page = plan.block_size
+    MB = plan.pv_bt.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    S = plan.max_slots
+    nsplit = _num_splits(B, Hkv, MB * page, q.device, cfg)
+    S = plan.max_shared_slots + nsplit
     ws_o = torch.empty((B, S, Hq, D), device=q.device, dtype=torch.float32)
     ws_lse = torch.empty((B, S, Hq), device=q.device, dtype=torch.float32)
     block_m_sh = max(cfg.block_m_shared, _next_pow2(qpk))
     msub = block_m_sh // qpk
     nsub = triton_cdiv(plan.max_group, msub)
-    max_units = plan.cap * Hkv * (nsub + 1)
-    nprog = max(1, min(max_units, _num_sms(q.device) * cfg.progs_per_sm))
-    common = dict(QPK=qpk, NSUB=nsub, MSUB=msub, BLOCK_M_SH=block_m_sh,
-                  BLOCK_M_PV=max(16, _next_pow2(qpk)), BLOCK_N=cfg.block_n, HEAD_D=D,
-                  PAGE=plan.block_size, DOT_PREC=_dot_prec(q.dtype), DYNAMIC=cfg.dynamic,
-                  num_stages=cfg.num_stages)
-    args = (q, q.stride(0), q.stride(1), k_cache, v_cache, *_kv_strides(k_cache, v_cache),
-            plan.block_tables, plan.block_tables.stride(0), plan.seq_lens,
-            plan.n_shared, plan.sh_row, plan.sh_c0, plan.sh_c1, plan.sh_slot, plan.sh_nmem,
-            plan.sh_mem, plan.n_private, plan.pv_row, plan.pv_c0, plan.pv_c1, plan.pv_slot,
-            ws_o, ws_lse)
+    block_m_pv = max(16, _next_pow2(qpk))
+    dot_prec = _dot_prec(q.dtype)
+    kv = (q, q.stride(0), q.stride(1), k_cache, v_cache, *_kv_strides(k_cache, v_cache))
+    persist = (*kv, plan.block_tables, plan.block_tables.stride(0), plan.seq_lens,
+               plan.n_shared, plan.sh_row, plan.sh_c0, plan.sh_c1, plan.sh_slot, plan.sh_nmem,
+               plan.sh_mem, plan.pv_bt, plan.pv_bt.stride(0), plan.pv_len, plan.n_sh_slots,
+               B, ws_o, ws_lse)
     tail = (scale * _LOG2E, S, Hq, Hkv, plan.max_group)
-    if cfg.fused:
-        _fca_attend_kernel[(nprog,)](*args, plan.counters, *tail, DO_SHARED=True,
+    common = dict(QPK=qpk, NSUB=nsub, MSUB=msub, NSPLIT=nsplit, BLOCK_M_SH=block_m_sh,
+                  BLOCK_M_PV=block_m_pv, BLOCK_N_SH=cfg.block_n_shared or cfg.block_n,
+                  BLOCK_N=cfg.block_n, HEAD_D=D, PAGE=page, DOT_PREC=dot_prec,
+                  DYNAMIC=cfg.dynamic, INTERLEAVE=cfg.interleave, num_stages=cfg.num_stages)
+    sms = _num_sms(q.device)
+    if cfg.mode == "fused":
+        nprog = sms * cfg.progs_per_sm
+        _fca_attend_kernel[(nprog,)](*persist, plan.counters, *tail, DO_SHARED=True,
                                      DO_PRIVATE=True, num_warps=cfg.num_warps, **common)
     else:
-        _fca_attend_kernel[(nprog,)](*args, plan.counters, *tail, DO_SHARED=True,
-                                     DO_PRIVATE=False,
-                                     num_warps=cfg.shared_num_warps or cfg.num_warps, **common)
-        _fca_attend_kernel[(nprog,)](*args, plan.counters[1:], *tail, DO_SHARED=False,
-                                     DO_PRIVATE=True, num_warps=cfg.num_warps, **common)
+        def shared_pass():
+            nprog = sms * (cfg.shared_progs_per_sm or cfg.progs_per_sm)
+            _fca_attend_kernel[(nprog,)](*persist, plan.counters, *tail, DO_SHARED=True,
+                                         DO_PRIVATE=False,
+                                         num_warps=cfg.shared_num_warps or cfg.num_warps,
+                                         **common)
+
+        def private_pass():
+            _paged_decode_kernel[(B, Hkv, nsplit)](
+                *kv, plan.pv_bt, plan.pv_bt.stride(0), plan.pv_len, q, 0, 0, q, ws_o, ws_lse,
+                plan.n_sh_slots, scale * _LOG2E, S, Hq, QPK=qpk, BLOCK_M=block_m_pv,
+                BLOCK_N=cfg.block_n, HEAD_D=D, PAGE=page, DOT_PREC=dot_prec, SPLIT=True,
+                WRITE_LSE=False, SLOT_OFF=True, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+        if cfg.mode == "split" or not q.is_cuda:
+            shared_pass()
+            private_pass()
+        else:
+            main = torch.cuda.current_stream(q.device)
+            side = _side_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared_pass()
+            private_pass()
+            main.wait_stream(side)  # ws_* are freed on main only after this join
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32) if return_lse else out
     _merge_partials_kernel[(B, Hkv)](
-        ws_o, ws_lse, plan.n_slots, out, out.stride(0), out.stride(1), lse, plan.counters,
-        S, Hq, QPK=qpk, BLOCK_H=_next_pow2(qpk), HEAD_D=D, NSLOT_CONST=0,
-        WRITE_LSE=return_lse, RESET=True, num_warps=4)
+        ws_o, ws_lse, plan.n_sh_slots, out, out.stride(0), out.stride(1), lse, plan.counters,
+        S, Hq, QPK=qpk, BLOCK_H=_next_pow2(qpk), HEAD_D=D, HAS_NSLOTS=True,
+        NSLOT_ADD=nsplit, WRITE_LSE=return_lse, RESET=True, num_warps=4)
     return (out, lse) if return_lse else out
 
 
@@ -277,12 +330,9 @@ def _paged_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, return_lse
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    if num_splits is None:  # fill the chip: ~2 waves of programs, >= 256 tokens per split
-        units = B * Hkv
-        want = triton_cdiv(2 * _num_sms(q.device) * cfg.progs_per_sm, units)
-        num_splits = max(1, min(want, triton_cdiv(MB * page, 256)))
-    cols = triton_cdiv(MB, num_splits)
-    num_splits = triton_cdiv(MB, cols)
+    if num_splits is None:
+        num_splits = _num_splits(B, Hkv, MB * page, q.device, cfg)
+    num_splits = max(1, min(int(num_splits), MB))
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32) if return_lse else out
     split = num_splits > 1
@@ -292,13 +342,14 @@ def _paged_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, return_lse
         if split else out
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, *_kv_strides(k_cache, v_cache),
-        bt, bt.stride(0), sl, out, out.stride(0), out.stride(1), lse, ws_o, ws_lse,
-        cols, scale * _LOG2E, Hq, QPK=qpk, BLOCK_M=max(16, _next_pow2(qpk)),
+        bt, bt.stride(0), sl, out, out.stride(0), out.stride(1), lse, ws_o, ws_lse, sl,
+        scale * _LOG2E, num_splits, Hq, QPK=qpk, BLOCK_M=max(16, _next_pow2(qpk)),
         BLOCK_N=cfg.block_n, HEAD_D=D, PAGE=page, DOT_PREC=_dot_prec(q.dtype), SPLIT=split,
-        WRITE_LSE=return_lse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        WRITE_LSE=return_lse, SLOT_OFF=False, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if split:
         _merge_partials_kernel[(B, Hkv)](
             ws_o, ws_lse, sl, out, out.stride(0), out.stride(1), lse, sl,
-            num_splits, Hq, QPK=qpk, BLOCK_H=_next_pow2(qpk), HEAD_D=D,
-            NSLOT_CONST=num_splits, WRITE_LSE=return_lse, RESET=False, num_warps=4)
+            num_splits, Hq, QPK=qpk, BLOCK_H=_next_pow2(qpk), HEAD_D=D, HAS_NSLOTS=False,
+            NSLOT_ADD=num_splits, WRITE_LSE=return_lse, RESET=False, num_warps=4)
     return (out, lse) if return_lse else out

@@ -18,10 +18,12 @@ How the forest is found (no host synchronisation, static shapes, CUDA-graph capt
   the same ``cnt`` — any depth (system prompt -> prompt -> sample) falls out of this;
 * cost model: a node is *shared* when it has ``>= 2`` members, spans ``>= min_shared_tokens``
   and lies at most ``max_levels`` shared nodes deep; everything else goes to the plain path;
-* each request's columns are cut into *items* (label changes and ``chunk_tokens`` boundaries,
-  for split-K parallelism); a shared item reads its blocks once for a tile of up to
-  ``max_group`` members; a private item serves one request. Every item writes one partial
-  (o, lse) into the request's next *slot*; the merge combines a request's slots exactly.
+* shared columns are cut into *items* (node starts and ``chunk_tokens`` boundaries, for split-K
+  parallelism); a shared item reads its blocks once for a tile of up to ``max_group``
+  members and writes one partial (o, lse) per member into the member's next *slot*;
+* the remaining (private) blocks of each request are compacted into a virtual block-table row
+  that the plain paged kernel reads (split-K at decode time); the merge combines a request's
+  slots exactly by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -37,19 +39,20 @@ class ForestPlan:
     Shared items (capacity ``cap``; the first ``n_shared[0]`` are live): ``sh_row`` (block-table
     row to read ids from), ``sh_c0`` / ``sh_c1`` (column range), ``sh_slot`` (partial slot of
     every member), ``sh_nmem`` and ``sh_mem [cap + 1, max_group]`` (member request ids).
-    Private items: ``pv_row`` / ``pv_c0`` / ``pv_c1`` / ``pv_slot``, ``n_private[0]`` live.
-    ``n_slots [B]`` partials per request (``<= max_slots``); ``counters [2]`` is scratch for the
-    kernels' dynamic scheduler (reset by the merge). ``block_id_range [2]`` is the smallest and
-    largest id any request reads (for the bounds check against a cache).
+    ``n_sh_slots [B]`` shared partials per request (``<= max_shared_slots``). The private part
+    of request b is a virtual block-table row ``pv_bt [B, max_blocks]`` holding its unshared
+    blocks in order, ``pv_len [B]`` tokens long (0 when everything is shared).
+    ``counters [2]`` is scratch for the kernels' dynamic scheduler (reset by the merge);
+    ``block_id_range [2]`` the smallest and largest id any request reads (bounds check).
     """
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     block_size: int
     max_group: int
-    max_slots: int
+    max_shared_slots: int
     cap: int
-    n_slots: torch.Tensor
+    n_sh_slots: torch.Tensor
     n_shared: torch.Tensor
     sh_row: torch.Tensor
     sh_c0: torch.Tensor
@@ -57,11 +60,8 @@ class ForestPlan:
     sh_slot: torch.Tensor
     sh_nmem: torch.Tensor
     sh_mem: torch.Tensor
-    n_private: torch.Tensor
-    pv_row: torch.Tensor
-    pv_c0: torch.Tensor
-    pv_c1: torch.Tensor
-    pv_slot: torch.Tensor
+    pv_bt: torch.Tensor
+    pv_len: torch.Tensor
     counters: torch.Tensor
     block_id_range: torch.Tensor
     checked_num_blocks: int | None = None
@@ -75,9 +75,9 @@ class ForestPlan:
         nsh = int(self.n_shared.item())
         return {
             "shared_items": nsh,
-            "private_items": int(self.n_private.item()),
             "shared_member_rows": int(self.sh_nmem[:nsh].sum().item()),
-            "max_slots_used": int(self.n_slots.max().item()),
+            "max_shared_slots_used": int(self.n_sh_slots.max().item()),
+            "private_tokens": int(self.pv_len.sum().item()),
         }
 
 
@@ -164,7 +164,7 @@ def plan_forest(
         block_size: tokens per KV block (page).
         min_shared_tokens: cost model: shorter shared nodes go to the plain path.
         max_levels: cost model: at most this many shared nodes on a request's path.
-        chunk_tokens: split-K granularity (items never cross a multiple of this).
+        chunk_tokens: split-K granularity of shared nodes (items never cross a multiple).
         max_group: members per shared tile (larger groups get several tiles).
         validate: value checks with one host sync (None: unless capturing a CUDA graph).
 
@@ -179,7 +179,7 @@ def plan_forest(
     sl = seq_lens.to(torch.int32).contiguous()
     B, MB = bt.shape
     C = max(1, chunk_tokens // block_size)
-    max_slots = -(-MB // C) + 2 * max_levels + 1
+    max_slots = -(-MB // C) + max_levels
     cap = B * min(MB, max_slots)
     i32 = torch.int32
 
@@ -201,48 +201,45 @@ def plan_forest(
     level = torch.cumsum((worthy & change).to(i32), dim=1) - 1
     shared = worthy & (level < max_levels)
 
-    # Items: start at label changes and chunk boundaries; one partial slot per start.
+    # Shared items start at node starts and chunk boundaries; one partial slot per start.
     prev_shared = torch.cat([torch.zeros_like(shared[:, :1]), shared[:, :-1]], dim=1)
-    start = valid & ((j % C == 0) | (shared != prev_shared) | (shared & change))
+    start = shared & ((j % C == 0) | ~prev_shared | change)
     slot = (torch.cumsum(start.to(i32), dim=1) - 1).to(i32)
-    n_slots = start.sum(dim=1, dtype=i32)
-    end = _next_true(start, ncols)
+    n_sh_slots = start.sum(dim=1, dtype=i32)
+    end = _next_true(start | ~shared, ncols)
 
     G = max_group
     flat = lambda t: t.reshape(-1)
     jj = j.expand(B, MB)
-    # Shared items: one per (class start cell, tile of G members), numbered by the class's
-    # first member's cell; every member cell scatters itself into its tile.
-    lead = start & shared & (rank == 0)
+    # One item per (class start cell, tile of G members), numbered by the class's first
+    # member's cell; every member cell scatters itself into its tile.
+    lead = start & (rank == 0)
     ntiles = torch.where(lead, (cnt + G - 1) // G, 0)
     base = torch.cumsum(flat(ntiles), 0) - flat(ntiles)
     n_shared = flat(ntiles).sum(dtype=i32).reshape(1)
-    mcell = start & shared
-    item = torch.where(flat(mcell), base[flat(rep).long() * MB + flat(jj).long()]
+    item = torch.where(flat(start), base[flat(rep).long() * MB + flat(jj).long()]
                        + flat(rank // G).long(), cap)
     sh_mem = torch.full(((cap + 1) * G,), -1, device=dev, dtype=i32)
-    sh_mem[item * G + flat(torch.where(mcell, rank % G, 0)).long()] = flat(b_idx).to(i32)
+    sh_mem[item * G + flat(torch.where(start, rank % G, 0)).long()] = flat(b_idx).to(i32)
     sh_mem = sh_mem.view(cap + 1, G)
-    tl_cell = flat(mcell & (rank % G == 0))
-    tl_item = torch.where(tl_cell, item, cap)
+    tl_item = torch.where(flat(start & (rank % G == 0)), item, cap)
     sh_fields = torch.zeros(5, cap + 1, device=dev, dtype=i32)
     vals = torch.stack([flat(b_idx), flat(jj), flat(end), flat(slot),
                         flat(torch.clamp(cnt - (rank // G) * G, max=G))]).to(i32)
     sh_fields[:, tl_item] = vals
-    # Private items: one per remaining start cell.
-    pcell = flat(start & ~shared)
-    pidx = torch.where(pcell, torch.cumsum(pcell.to(i32), 0) - 1, cap).long()
-    n_private = pcell.sum(dtype=i32).reshape(1)
-    pv_fields = torch.zeros(4, cap + 1, device=dev, dtype=i32)
-    pv_fields[:, pidx] = torch.stack([flat(b_idx), flat(jj), flat(end), flat(slot)]).to(i32)
+    # Private blocks: every other valid column, compacted into a virtual block-table row
+    # (the partial last block is never shared, so it stays last).
+    priv = valid & ~shared
+    pos = torch.where(priv, torch.cumsum(priv.to(i32), dim=1) - 1, MB).long()
+    pv_bt = torch.zeros(B, MB + 1, device=dev, dtype=i32).scatter_(1, pos, bt)[:, :MB]
+    pv_len = (sl - block_size * shared.sum(dim=1, dtype=i32)).to(i32)
 
     id_range = torch.stack([torch.where(valid, bt, 0).amin(), torch.where(valid, bt, 0).amax()])
     return ForestPlan(
         block_tables=bt, seq_lens=sl, block_size=block_size, max_group=G,
-        max_slots=max_slots, cap=cap, n_slots=n_slots,
+        max_shared_slots=max_slots, cap=cap, n_sh_slots=n_sh_slots,
         n_shared=n_shared, sh_row=sh_fields[0], sh_c0=sh_fields[1], sh_c1=sh_fields[2],
         sh_slot=sh_fields[3], sh_nmem=sh_fields[4], sh_mem=sh_mem,
-        n_private=n_private, pv_row=pv_fields[0], pv_c0=pv_fields[1], pv_c1=pv_fields[2],
-        pv_slot=pv_fields[3], counters=torch.zeros(2, device=dev, dtype=i32),
+        pv_bt=pv_bt, pv_len=pv_len, counters=torch.zeros(2, device=dev, dtype=i32),
         block_id_range=id_range,
     )

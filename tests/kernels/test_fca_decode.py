@@ -136,10 +136,10 @@ def _interp_cases():
         ([(2, 24), (3, (5, 11))], 4, 4, 2, 16, dict(chunk_tokens=8),
          DecodeConfig(block_n=16, block_m_shared=16, progs_per_sm=1)),
         ([(1, 16), (2, 12), (3, (1, 9))], 8, 8, 1, 32, dict(max_group=4),
-         DecodeConfig(block_n=16, block_m_shared=16, dynamic=False, fused=False)),
-        ([(5, (3, 30))], 4, 2, 2, 16, {}, DecodeConfig(block_n=32, num_stages=1)),
+         DecodeConfig(block_n=16, block_m_shared=16, dynamic=False, mode="split")),
+        ([(5, (3, 30))], 4, 2, 2, 16, {}, DecodeConfig(block_n=32, num_stages=1, mode="streams")),
         ([(2, 13), (2, 7), (2, (1, 6))], 4, 6, 3, 16, dict(chunk_tokens=4),
-         DecodeConfig(block_n=16, block_m_shared=32)),
+         DecodeConfig(block_n=16, block_m_shared=32, interleave=True, block_n_shared=32)),
     ]
     for i, (levels, bs, hq, hkv, d, pkw, cfg) in enumerate(cases):
         q, k, v, bt, sl = make_case(levels, bs, hq, hkv, d, torch.float32, "cpu", 10 + i)
@@ -223,8 +223,10 @@ def test_gpu_matches_reference(dtype, d, bs, hq, hkv, forest):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("cfg", [DecodeConfig(dynamic=False), DecodeConfig(fused=False),
-                                 DecodeConfig(block_n=32, num_stages=2, block_m_shared=128)])
+@pytest.mark.parametrize("cfg", [DecodeConfig(dynamic=False), DecodeConfig(mode="split"),
+                                 DecodeConfig(mode="streams", shared_num_warps=8),
+                                 DecodeConfig(block_n=32, num_stages=3, block_m_shared=128),
+                                 DecodeConfig(interleave=True, block_n_shared=32)])
 def test_gpu_configs(cfg):
     q, k, v, bt, sl = make_case([(1, 500), (5, 200), (8, (1, 200))], 16, 32, 8, 128,
                                 torch.bfloat16, "cuda", 7)
@@ -234,7 +236,8 @@ def test_gpu_configs(cfg):
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_graph_capture_plan_and_decode():
+@pytest.mark.parametrize("mode", ["fused", "streams"])
+def test_cuda_graph_capture_plan_and_decode(mode):
     levels = [(3, (300, 600)), (5, (1, 200))]
     bs, hq, hkv, d = 16, 32, 8, 128
     cases = [make_case(levels, bs, hq, hkv, d, torch.bfloat16, "cuda", s) for s in (20, 21)]
@@ -252,18 +255,20 @@ def test_cuda_graph_capture_plan_and_decode():
     sq, sk, sv, sbt, ssl = (t.clone() for t in (q0, k0, v0, bt0, sl0))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    cfg = DecodeConfig(mode=mode, shared_progs_per_sm=1)
     with torch.cuda.stream(stream):  # warm-up compiles every kernel outside the capture
-        fca_decode(sq, sk, sv, plan_forest(sbt, ssl, bs), return_lse=True)
+        fca_decode(sq, sk, sv, plan_forest(sbt, ssl, bs), return_lse=True, config=cfg)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         plan = plan_forest(sbt, ssl, bs)
-        out, lse = fca_decode(sq, sk, sv, plan, return_lse=True)
+        out, lse = fca_decode(sq, sk, sv, plan, return_lse=True, config=cfg)
     for q, k, v, bt, sl in ((q1, k1, v1, bt1, sl1), (q0, k0, v0, bt0, sl0)):
         for dst, src in zip((sq, sk, sv, sbt, ssl), (q, k, v, bt, sl)):
             dst.copy_(src)
         graph.replay()
-        eager, eager_lse = fca_decode(q, k, v, plan_forest(bt, sl, bs), return_lse=True)
+        eager, eager_lse = fca_decode(q, k, v, plan_forest(bt, sl, bs), return_lse=True,
+                                      config=cfg)
         torch.cuda.synchronize()
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
         torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)

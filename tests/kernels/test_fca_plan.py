@@ -20,63 +20,68 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def plan_items(plan: ForestPlan):
-    """(kind, row, c0, c1, slot, members) for every live item, on the host."""
+    """(row, c0, c1, slot, members) for every live shared item, on the host."""
     items = []
-    nsh, npv = int(plan.n_shared.item()), int(plan.n_private.item())
-    for i in range(nsh):
+    for i in range(int(plan.n_shared.item())):
         n = int(plan.sh_nmem[i])
-        members = plan.sh_mem[i, :n].tolist()
-        items.append(("S", int(plan.sh_row[i]), int(plan.sh_c0[i]), int(plan.sh_c1[i]),
-                      int(plan.sh_slot[i]), members))
-    for i in range(npv):
-        r = int(plan.pv_row[i])
-        items.append(("P", r, int(plan.pv_c0[i]), int(plan.pv_c1[i]), int(plan.pv_slot[i]), [r]))
+        items.append((int(plan.sh_row[i]), int(plan.sh_c0[i]), int(plan.sh_c1[i]),
+                      int(plan.sh_slot[i]), plan.sh_mem[i, :n].tolist()))
     return items
 
 
 def check_invariants(plan: ForestPlan, bt: torch.Tensor, seq_lens: torch.Tensor, bs: int):
+    """Shared items only over blocks all members hold (full); per request, shared columns
+    plus the private virtual row cover every valid column exactly once, in order."""
     bt, seq_lens = bt.cpu(), seq_lens.cpu()
     B, MB = bt.shape
     cover = torch.zeros(B, MB, dtype=torch.int32)
     slots: dict[int, list[int]] = {b: [] for b in range(B)}
-    for kind, row, c0, c1, slot, members in plan_items(plan):
+    for row, c0, c1, slot, members in plan_items(plan):
         assert 0 <= c0 < c1 <= MB
         assert len(members) == len(set(members)) >= 1
-        assert row in members
-        if kind == "S":
-            assert len(members) <= plan.max_group
-            for m in members:  # members hold the same full blocks as the row
-                assert torch.equal(bt[m, c0:c1], bt[row, c0:c1])
-                assert c1 * bs <= int(seq_lens[m])
-        for m in members:
+        assert row in members and len(members) <= plan.max_group
+        for m in members:  # members hold the same full blocks as the row
+            assert torch.equal(bt[m, c0:c1], bt[row, c0:c1])
+            assert c1 * bs <= int(seq_lens[m])
             cover[m, c0:c1] += 1
             slots[m].append(slot)
+    assert int(cover.max()) <= 1
     ncols = (seq_lens + bs - 1) // bs
     valid = torch.arange(MB)[None, :] < ncols[:, None]
-    assert torch.equal(cover, valid.int()), "every valid cell must be covered exactly once"
-    n_slots = plan.n_slots.cpu()
+    assert not bool((cover.bool() & ~valid).any())
+    pv_bt, pv_len, n_sh = plan.pv_bt.cpu(), plan.pv_len.cpu(), plan.n_sh_slots.cpu()
     for b in range(B):
-        assert sorted(slots[b]) == list(range(int(n_slots[b])))
-        assert int(n_slots[b]) <= plan.max_slots
+        assert sorted(slots[b]) == list(range(int(n_sh[b])))
+        assert int(n_sh[b]) <= plan.max_shared_slots
+        priv_cols = [j for j in range(int(ncols[b])) if not cover[b, j]]
+        assert int(pv_len[b]) == int(seq_lens[b]) - bs * int(cover[b].sum())
+        assert -(-int(pv_len[b]) // bs) == len(priv_cols)
+        assert pv_bt[b, :len(priv_cols)].tolist() == bt[b, priv_cols].tolist()
 
 
 def execute_plan(plan: ForestPlan, q, k, v, scale=None):
-    """Run a plan with plain torch: one partial per (item, member), exact LSE merge."""
+    """Run a plan with plain torch: one partial per (item, member), one per private row,
+    exact LSE merge."""
     B, Hq, D = q.shape
     bs, Hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {b: [] for b in range(B)}
-    sl = plan.seq_lens.cpu()
-    for _, row, c0, c1, _, members in plan_items(plan):
+
+    def attend(b, ids, n):
+        kk = k[ids].reshape(-1, Hkv, D).float().repeat_interleave(Hq // Hkv, 1)[:n]
+        vv = v[ids].reshape(-1, Hkv, D).float().repeat_interleave(Hq // Hkv, 1)[:n]
+        s = torch.einsum("hd,thd->ht", q[b].float(), kk) * scale
+        lse = torch.logsumexp(s, -1)
+        parts[b].append((torch.einsum("ht,thd->hd", torch.exp(s - lse[:, None]), vv), lse))
+
+    for row, c0, c1, _, members in plan_items(plan):
         ids = plan.block_tables[row, c0:c1].long().cpu()
-        kk = k[ids].reshape(-1, Hkv, D).float().repeat_interleave(Hq // Hkv, 1)
-        vv = v[ids].reshape(-1, Hkv, D).float().repeat_interleave(Hq // Hkv, 1)
-        n = min(c1 * bs, int(sl[row])) - c0 * bs
-        kk, vv = kk[:n], vv[:n]
         for m in members:
-            s = torch.einsum("hd,thd->ht", q[m].float(), kk) * scale
-            lse = torch.logsumexp(s, -1)
-            parts[m].append((torch.einsum("ht,thd->hd", torch.exp(s - lse[:, None]), vv), lse))
+            attend(m, ids, (c1 - c0) * bs)
+    for b in range(B):
+        n = int(plan.pv_len[b])
+        if n:
+            attend(b, plan.pv_bt[b, :-(-n // bs)].long().cpu(), n)
     out = torch.empty(B, Hq, D)
     for b in range(B):
         lses = torch.stack([p[1] for p in parts[b]])
@@ -86,7 +91,7 @@ def execute_plan(plan: ForestPlan, q, k, v, scale=None):
 
 
 def shared_member_rows(plan: ForestPlan) -> int:
-    return sum(len(it[5]) for it in plan_items(plan) if it[0] == "S")
+    return sum(len(it[4]) for it in plan_items(plan))
 
 
 FORESTS = {
@@ -122,12 +127,12 @@ def test_three_level_forest_is_found():
     bt, sl, _ = build_forest([(1, 8), (3, 6), (2, 5)], bs, shuffle=True, seed=3)
     plan = plan_forest(bt, sl, bs, min_shared_tokens=4, chunk_tokens=1024)
     check_invariants(plan, bt, sl, bs)
-    items = plan_items(plan)
-    shared = sorted((c0, c1, len(m)) for kind, _, c0, c1, _, m in items if kind == "S")
+    shared = sorted((c0, c1, len(m)) for _, c0, c1, _, m in plan_items(plan))
     # root: columns 0..2 for all 6; each prompt: column 2 for its 2 samples (its tail block
     # was copied into the samples' own blocks, so it is not shared).
     assert shared == [(0, 2, 6), (2, 3, 2), (2, 3, 2), (2, 3, 2)]
-    assert plan.n_slots.tolist() == [3] * 6
+    assert plan.n_sh_slots.tolist() == [2] * 6
+    assert plan.pv_len.tolist() == (sl - 12).tolist()
 
 
 def test_cost_model_sends_short_prefixes_and_singletons_to_plain_path():
@@ -152,7 +157,7 @@ def test_max_levels_bounds_slots():
         plan = plan_forest(bt, sl, bs, min_shared_tokens=2, chunk_tokens=1024,
                            max_levels=max_levels)
         check_invariants(plan, bt, sl, bs)
-        assert int(plan.n_slots.max()) <= 2 * max_levels + 1 + 1
+        assert int(plan.n_sh_slots.max()) == min(max_levels, 5)
 
 
 def test_large_groups_split_into_tiles():
@@ -160,7 +165,7 @@ def test_large_groups_split_into_tiles():
     bt, sl, nb = build_forest([(1, 16), (11, (1, 7))], bs, seed=8)
     plan = plan_forest(bt, sl, bs, min_shared_tokens=4, max_group=4)
     check_invariants(plan, bt, sl, bs)
-    sizes = sorted(len(it[5]) for it in plan_items(plan) if it[0] == "S")
+    sizes = sorted(len(it[4]) for it in plan_items(plan))
     assert sizes == [3, 4, 4]
 
 
@@ -219,8 +224,10 @@ def test_plan_gpu_matches_cpu(levels):
     bt, sl, _ = build_forest(levels, bs, seed=12)
     plan_gpu = plan_forest(bt.cuda(), sl.cuda(), bs)
     plan_cpu = plan_forest(bt, sl, bs)
-    for name in ("n_slots", "n_shared", "n_private", "sh_row", "sh_c0", "sh_c1", "sh_slot",
-                 "sh_nmem", "sh_mem", "pv_row", "pv_c0", "pv_c1", "pv_slot"):
-        assert torch.equal(getattr(plan_gpu, name).cpu(), getattr(plan_cpu, name)), name
+    n = int(plan_cpu.n_shared.item())  # entries past n (and the dump slot) are scratch
+    for name in ("n_sh_slots", "n_shared", "sh_row", "sh_c0", "sh_c1", "sh_slot", "sh_nmem",
+                 "sh_mem", "pv_bt", "pv_len"):
+        cut = slice(0, n) if name.startswith("sh_") else slice(None)
+        assert torch.equal(getattr(plan_gpu, name).cpu()[cut], getattr(plan_cpu, name)[cut]), name
     if bt.shape[0] <= 200:
         check_invariants(plan_gpu, bt, sl, bs)
