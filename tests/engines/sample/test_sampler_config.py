@@ -44,3 +44,19 @@ def test_kv_budget_sizes_the_cache():
     per_block = 2 * 2 * 8 * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head dim * fp32
     assert runner.num_blocks == int(0.001 * 2**30) // per_block
     assert engine.stats()["num_blocks"] == runner.num_blocks
+
+
+def test_vllm_weight_pieces_split_by_hf_shapes():
+    import torch
+
+    from polynya.engines.sample.vllm import _pairs
+
+    shapes = {"a": torch.Size([2, 3]), "b": torch.Size([4])}
+    flat = torch.arange(10.0)
+    pairs = dict(_pairs([(["a", "b"], flat), ("c", torch.ones(1))], shapes))
+    assert pairs["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and pairs["b"].tolist() == [6, 7, 8, 9]
+    assert pairs["c"].tolist() == [1.0]
+    with pytest.raises(ValueError, match="flat bucket"):
+        _pairs([(["a", "b"], flat[:-1])], shapes)
+    with pytest.raises(ValueError, match="unknown"):
+        _pairs([(["zz"], flat)], shapes)

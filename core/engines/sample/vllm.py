@@ -1,0 +1,131 @@
+"""The vLLM sampling backend (``SamplerConfig(backend="vllm")``; needs ``pip install polynya[vllm]``).
+
+A thin translation layer: polynya's token-in/token-out requests and ``SamplingParams`` map onto
+``vllm.LLM.generate`` with token prompts; log-probs come back in vLLM's ``processed_logprobs``
+mode, i.e. under the distribution actually sampled from, as the native backend returns them.
+Prefix caching is on, so the ``n`` samples of a prompt share its prefill there too.
+
+Weights load in place through ``LLM.apply_model(model.load_weights)`` (HF parameter names; flat
+buckets are split by the HF shapes), and the prefix cache is reset after every update. vLLM
+loads HF ids / local paths only (save a ``tiny:`` / ``random:`` model first). vLLM cannot be installed on polynya's CPU CI or
+its GPU machine (it pins another torch), so this module is exercised only where vLLM exists.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from polynya.config.common import resolve_dtype
+from polynya.config.sampler import SamplerConfig
+from polynya.models import is_synthetic
+from polynya.types import Sample, SamplingParams, TokenSeq
+
+from .requests import validate_requests
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _pairs(weights: Mapping[str, torch.Tensor] | Iterable[tuple[Any, torch.Tensor]],
+           shapes: dict[str, torch.Size]) -> list[tuple[str, torch.Tensor]]:
+    """``{name: t}``, ``[(name, t)]`` or flat buckets ``[(names, flat)]`` -> ``[(name, t)]``."""
+    out: list[tuple[str, torch.Tensor]] = []
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    for key, tensor in items:
+        if isinstance(key, str):
+            out.append((key, tensor))
+            continue
+        names = list(key)
+        unknown = [n for n in names if n not in shapes]
+        if unknown:
+            raise ValueError(f"load_weights: unknown parameters {unknown[:3]}")
+        sizes = [shapes[n].numel() for n in names]
+        if tensor.dim() != 1 or tensor.numel() != sum(sizes):
+            raise ValueError(f"flat bucket of {tensor.numel()} elements does not hold {sum(sizes)}")
+        out.extend((n, p.view(shapes[n])) for n, p in zip(names, tensor.split(sizes)))
+    return out
+
+
+def _hf_shapes(model: str) -> dict[str, torch.Size]:
+    """HF parameter shapes (by HF name: vLLM fuses some internally) from a meta-device model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    return {n: p.shape for n, p in hf.named_parameters(remove_duplicate=False)}
+
+
+class VLLMEngine:
+    """``SamplingEngine`` backend on ``vllm.LLM`` (one process, one or more GPUs via vLLM)."""
+
+    def __init__(self, config: SamplerConfig) -> None:
+        from vllm import LLM
+
+        if is_synthetic(config.model):
+            raise ValueError(f"backend='vllm' loads an HF id or local path, not {config.model!r}; "
+                             "save the model (model.save_pretrained) and pass the directory")
+        self.config = config
+        self._shapes = _hf_shapes(config.model)
+        self.llm = LLM(model=config.model, dtype=_DTYPE_NAMES[resolve_dtype(config.dtype)],
+                       seed=config.seed, block_size=config.block_size, enable_prefix_caching=True,
+                       max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                       max_num_batched_tokens=config.max_num_batched_tokens,
+                       enforce_eager=not config.cuda_graphs, enable_sleep_mode=True,
+                       logprobs_mode="processed_logprobs")
+        model_config = self.llm.llm_engine.model_config
+        self.vocab_size = model_config.get_vocab_size()
+        self.max_model_len = model_config.max_model_len
+        self.weight_version = 0
+        self._lock = threading.Lock()
+        self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0, "requests": 0}
+
+    def _params(self, p: SamplingParams):
+        from vllm import SamplingParams as VLLMParams
+
+        stop = p.stop_token_ids
+        return VLLMParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                          min_p=p.min_p, max_tokens=p.max_tokens, seed=p.seed, logprobs=0,
+                          stop_token_ids=list(stop or ()), ignore_eos=stop is not None)
+
+    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[list[Sample]]:
+        toks, plist = validate_requests(prompts, params, vocab_size=self.vocab_size,
+                                        max_model_len=self.max_model_len)
+        with self._lock:
+            outs = self.llm.generate([{"prompt_token_ids": t} for t in toks],
+                                     sampling_params=[self._params(p) for p in plist], use_tqdm=False)
+        results = []
+        for t, p, out in zip(toks, plist, outs):
+            cached = getattr(out, "num_cached_tokens", 0) or 0
+            self._counts["prefill_tokens"] += len(t) - cached
+            self._counts["cache_hit_tokens"] += cached
+            self._counts["requests"] += 1
+            samples = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                self._counts["decode_tokens"] += max(len(c.token_ids) - 1, 0)
+                lps = ([d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs)]
+                       if p.logprobs and c.logprobs is not None else None)
+                samples.append(Sample(token_ids=list(c.token_ids), logprobs=lps,
+                                      finish_reason="stop" if c.finish_reason == "stop" else "length"))
+            results.append(samples)
+        return results
+
+    def load_weights(self, weights, version: int | None = None) -> int:
+        with self._lock:
+            pairs = _pairs(weights, self._shapes)
+            self.llm.apply_model(lambda model: model.load_weights(pairs))
+            self.llm.reset_prefix_cache()
+            self.weight_version = self.weight_version + 1 if version is None else int(version)
+            return self.weight_version
+
+    def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self.llm.sleep(level=level)
+
+    def wake(self) -> None:
+        self.llm.wake_up()
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._counts, weight_version=self.weight_version)
