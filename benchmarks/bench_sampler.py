@@ -4,8 +4,10 @@ Workload (issue 5): ``groups`` prompts of ``prompt_len`` random tokens, ``G`` sa
 ``new_tokens`` generated (no stop tokens), temperature 1 — once with G=16 (the samples of a
 prompt share its prefill pages) and once with G=1 (nothing shared). For each it reports decode
 tokens/s, time per decode step, and the prefill tokens actually computed (must equal
-``groups * prompt_len``: one prefill per prompt). Both engines warm up first (CUDA graphs
-captured, Triton kernels compiled) on other prompts, so the timed run measures steady state.
+``groups * prompt_len``: one prefill per prompt). One engine (one copy of the weights) runs
+both arms, FCA switched on the model runner between runs; each arm gets fresh prompts so the
+prefix cache cannot help it. Every (batch, FCA) CUDA graph is captured and every Triton kernel
+compiled in a warm-up on other prompts, so the timed runs measure the steady state.
 
     python benchmarks/bench_sampler.py --out benchmarks/results
     -> results/bench_sampler.json, results/bench_sampler.png
@@ -63,23 +65,25 @@ def main() -> None:
     cases = args.Gs or [args.G, 1]
     os.makedirs(args.out, exist_ok=True)
 
-    engines = {}
-    for fca in (True, False):
-        cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size, fca=fca,
-                            kv_cache_memory_gb=args.kv_gb, max_num_seqs=max(args.groups * max(cases), 8),
-                            max_model_len=args.prompt_len + args.new_tokens + args.block_size,
-                            cuda_graphs=not args.no_graphs)
-        engines[fca] = SamplingEngine(cfg)
-        vocab = engines[fca].backend.runner.vocab_size
-        for G in cases:  # warm-up: capture the graphs of both batch sizes, compile kernels
-            run_case(engines[fca], make_prompts(args.groups, args.prompt_len, vocab, seed=99 + G), G, 8)
+    cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size, fca=True,
+                        kv_cache_memory_gb=args.kv_gb, max_num_seqs=max(args.groups * max(cases), 8),
+                        max_model_len=args.prompt_len + args.new_tokens + args.block_size,
+                        cuda_graphs=not args.no_graphs)
+    engine = SamplingEngine(cfg)
+    runner = engine.backend.runner  # one model for both arms: FCA toggled per run (A/B switch)
+    vocab = runner.vocab_size
+    for fca in (True, False):  # warm-up: capture each (batch, fca) graph, compile the kernels
+        runner.use_fca = fca
+        for G in cases:
+            run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=1000 + 10 * G + fca), G, 8)
 
     results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     for G in cases:
-        prompts = make_prompts(args.groups, args.prompt_len, vocab, seed=G)
         row = {}
-        for fca in (True, False):
-            r = run_case(engines[fca], prompts, G, args.new_tokens)
+        for fca in (True, False):  # fresh prompts per arm: each must compute its own prefill
+            runner.use_fca = fca
+            r = run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=10 * G + fca),
+                         G, args.new_tokens)
             assert r["prefill_tokens"] == args.groups * args.prompt_len, r
             row["fca" if fca else "paged"] = r
             print(f"G={G:3d} fca={fca!s:5}: {r['decode_tok_per_s']:10.0f} tok/s  "
