@@ -64,7 +64,7 @@ def test_greedy_equals_hf_generate_with_preemption(family):
     for prompt, samples in zip(prompts, out):
         ref = hf_greedy(hf, prompt, 16, eos=0)
         assert samples[0].token_ids == ref
-        assert samples[0].finish_reason == ("stop" if ref[-1] == 0 and len(ref) <= 16 and 0 in ref else "length")
+        assert samples[0].finish_reason == ("stop" if ref[-1] == 0 else "length")
 
 
 def test_logprobs_equal_teacher_forced_forward(qwen, hf_qwen):
@@ -230,3 +230,13 @@ def test_concurrent_threads_batch_together(qwen):
     for t in threads:
         t.join()
     assert [results[i] for i in range(3)] == expected
+
+
+def test_stop_tokens_and_default_eos(qwen):
+    prompt = ragged_prompts(11, [6])[0]
+    free = qwen.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=()))[0][0]
+    stop = free.token_ids[3]
+    cut = free.token_ids.index(stop) + 1
+    out = qwen.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=(stop,)))[0][0]
+    assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop"
+    assert qwen.backend.default_stop_ids == frozenset({0})  # tiny models: <|endoftext|>
