@@ -240,3 +240,16 @@ def test_stop_tokens_and_default_eos(qwen):
     out = qwen.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=(stop,)))[0][0]
     assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop"
     assert qwen.backend.default_stop_ids == frozenset({0})  # tiny models: <|endoftext|>
+
+
+def test_forks_survive_preemption_and_recompute():
+    """n forks under a cache too small for all of them: every fork still equals HF greedy."""
+    engine = make_engine(num_blocks=14, max_num_seqs=8)
+    hf = load_model("tiny:qwen3", dtype="float32")
+    prompts = ragged_prompts(12, [10, 7])
+    out = engine.generate(prompts, SamplingParams(n=4, temperature=0, max_tokens=14, stop_token_ids=()))
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["blocks_in_use"] == 0
+    for prompt, samples in zip(prompts, out):
+        ref = hf_greedy(hf, prompt, 14, eos=-1)
+        assert [s.token_ids for s in samples] == [ref] * 4
