@@ -221,6 +221,44 @@ def load_pieces(module: torch.nn.Module, pieces: Iterable) -> int:
     return count
 
 
+def offload_engine(engine, *, pin_memory: bool) -> None:
+    """Move a ZeRO 1-3 training engine's weights, gradients, fp32 master weights and Adam moments
+    to host memory (``engine.offload_states``).
+
+    ZeRO-3's ``offload_states`` refuses master weights and optimizer state unless the optimizer
+    is DeepSpeed's FusedAdam; ``torch.optim.AdamW`` keeps the same state (``exp_avg``,
+    ``exp_avg_sq`` per fp32 partition), so those two are moved here the way DeepSpeed moves them.
+    """
+    from deepspeed.runtime.utils import offload_adam_states
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+    opt = engine.optimizer
+    if not hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO 1/2: DeepSpeed moves everything
+        engine.offload_states(pin_memory=pin_memory)
+        return
+    engine.offload_states(include=[S.lp_params, S.lp_grads, S.contiguous_grad_buffer], pin_memory=pin_memory)
+    if not hasattr(opt, "_polynya_hp_host"):
+        opt._polynya_hp_host = [torch.empty_like(t, device="cpu", pin_memory=pin_memory)
+                                for t in opt.fp32_partitioned_groups_flat]
+    for t, host in zip(opt.fp32_partitioned_groups_flat, opt._polynya_hp_host):
+        host.copy_(t)
+        t.data = host
+    offload_adam_states(opt.optimizer, "cpu", pin_memory=pin_memory)
+    free_accelerator_cache()
+
+
+def reload_engine(engine, device: torch.device) -> None:
+    """Undo ``offload_engine``."""
+    from deepspeed.runtime.utils import reload_adam_states
+
+    opt = engine.optimizer
+    engine.reload_states()
+    if hasattr(opt, "fp32_partitioned_groups_flat"):
+        for t in opt.fp32_partitioned_groups_flat:
+            t.data = t.data.to(device)
+        reload_adam_states(opt.optimizer, device)
+
+
 def free_accelerator_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -220,21 +220,21 @@ class TrainingEngine:
         self._pending = 0
 
     def offload(self) -> dict[str, float]:
-        """Move weights, gradients and optimizer state to host memory (for a colocated sampler).
+        """Move weights, gradients, fp32 master weights and optimizer state to host memory (for a
+        colocated sampler); ``onload()`` brings them back. Needs ZeRO stage >= 1.
 
-        Returns accelerator bytes ``before`` / ``after`` and the ``freed_fraction``. On CPU
-        the states already live in host memory and nothing moves.
+        Returns accelerator bytes ``before`` / ``after`` and the ``freed_fraction`` (0 on CPU,
+        where the same moves run but the states already live in host memory).
         """
         if self._offloaded:
             return {"before": 0.0, "after": 0.0, "freed_fraction": 0.0}
         if self._pending:
             raise RuntimeError("offload() with gradients pending: call step() first")
+        if self.config.zero_stage == 0:
+            raise NotImplementedError("offload() needs ZeRO stage >= 1 (DeepSpeed's offload_states)")
         before = _allocated(self.device)
-        if self.device.type == "cuda":
-            if self.config.zero_stage == 0:
-                raise NotImplementedError("offload() needs ZeRO stage >= 1 (DeepSpeed's offload_states)")
-            self.engine.offload_states(pin_memory=True)
-            dsu.free_accelerator_cache()
+        dsu.offload_engine(self.engine, pin_memory=self.device.type == "cuda")
+        dsu.free_accelerator_cache()
         self._offloaded = True
         after = _allocated(self.device)
         return {"before": before, "after": after,
@@ -244,8 +244,7 @@ class TrainingEngine:
         """Bring the states back after ``offload``."""
         if not self._offloaded:
             return
-        if self.device.type == "cuda":
-            self.engine.reload_states()
+        dsu.reload_engine(self.engine, self.device)
         self._offloaded = False
 
     def _check_onloaded(self) -> None:

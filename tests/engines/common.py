@@ -51,7 +51,8 @@ def optimizer_state(engine) -> list[torch.Tensor]:
     master partitions where the wrapper has them."""
     opt = engine.engine.optimizer
     inner = getattr(opt, "optimizer", opt)
-    out = [t.detach().clone() for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+    out = [st[k].detach().clone() for st in inner.state.values() for k in ("step", "exp_avg", "exp_avg_sq")
+           if torch.is_tensor(st.get(k))]
     for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
         out += [t.detach().clone() for t in getattr(opt, attr, []) or [] if torch.is_tensor(t)]
     return out

@@ -207,10 +207,15 @@ def test_two_forward_backward_calls_add_up():
     assert e3.step()["grad_norm"] == pytest.approx(g1, rel=1e-5)
 
 
-def test_offload_onload_roundtrip_keeps_training():
-    engine = TrainingEngine(train_config(2))
-    twin = TrainingEngine(train_config(2))
-    batch = make_batch(9, old=True)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_onload_roundtrip_keeps_training(stage):
+    """On CPU the same DeepSpeed moves run (into host memory): training must continue exactly."""
+    engine = TrainingEngine(train_config(stage))
+    twin = TrainingEngine(train_config(stage))
+    first, batch = make_batch(9, old=True), make_batch(10, old=True)
+    for e in (engine, twin):  # non-empty optimizer state
+        e.forward_backward(first)
+        e.step()
     info = engine.offload()
     assert set(info) == {"before", "after", "freed_fraction"}
     with pytest.raises(RuntimeError):
@@ -218,3 +223,11 @@ def test_offload_onload_roundtrip_keeps_training():
     engine.onload()
     assert engine.forward_backward(batch)["loss"] == twin.forward_backward(batch)["loss"]
     assert engine.step() == twin.step()
+    assert_same_tensors(full_weights(engine.module), full_weights(twin.module))
+    assert_same_tensors(optimizer_state(engine), optimizer_state(twin))
+
+
+def test_offload_needs_zero():
+    engine = TrainingEngine(train_config(0))
+    with pytest.raises(NotImplementedError):
+        engine.offload()
