@@ -210,9 +210,9 @@ class ModelRunner:
                                  f"{sum(sizes)} elements of {len(names)} named parameters")
             for name, piece in zip(names, tensor.split(sizes)):
                 pairs.append(self._check(params, name, piece.view(params[name].shape)))
-        with torch.no_grad():
-            for param, tensor in pairs:
-                param.copy_(tensor)
+        if pairs:
+            with torch.no_grad():  # one multi-tensor copy (casts / moves where needed)
+                torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
 
     @staticmethod
     def _check(params: dict, name: str, tensor: torch.Tensor):
