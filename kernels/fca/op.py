@@ -14,6 +14,7 @@ once per plan and cache size for ``fca_decode``, on every call of ``paged_decode
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -41,18 +42,19 @@ class DecodeConfig:
     num_stages: int | None = None  # software-pipelining depth: 2
     progs_per_sm: int = 4          # persistent programs per SM; split-K target for paged
     dynamic: bool = True           # atomic work counter (vs static stride), persistent kernel
-    mode: str = "fused"
+    mode: str = "split"
     block_m_shared: int = 64       # rows (members x Hq/Hkv) of a shared tile
     block_n_shared: int | None = None  # KV tokens per shared tile (default: block_n)
     interleave: bool = False       # fused: spread shared units among the private ones
     shared_num_warps: int | None = None  # warps of the shared launch (split / streams)
-    shared_progs_per_sm: int | None = None
+    shared_progs_per_sm: int | None = None  # default: progs_per_sm (split), 1 (streams)
 
     def __post_init__(self):
         if self.mode not in ("fused", "split", "streams"):
             raise ValueError(f"mode must be 'fused', 'split' or 'streams', got {self.mode!r}")
 
 
+@functools.lru_cache(maxsize=64)
 def _resolve(cfg: DecodeConfig | None, d: int) -> DecodeConfig:
     cfg = cfg or DecodeConfig()
     big = d > 128
@@ -65,6 +67,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
@@ -244,7 +247,8 @@ def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: D
                                      DO_PRIVATE=True, num_warps=cfg.num_warps, **common)
     else:
         def shared_pass():
-            nprog = sms * (cfg.shared_progs_per_sm or cfg.progs_per_sm)
+            per_sm = cfg.shared_progs_per_sm or (1 if cfg.mode == "streams" else cfg.progs_per_sm)
+            nprog = sms * per_sm
             _fca_attend_kernel[(nprog,)](*persist, plan.counters, *tail, DO_SHARED=True,
                                          DO_PRIVATE=False,
                                          num_warps=cfg.shared_num_warps or cfg.num_warps,
