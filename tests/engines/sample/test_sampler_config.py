@@ -48,7 +48,6 @@ def test_kv_budget_sizes_the_cache():
 
 def test_vllm_weight_pieces_split_by_hf_shapes():
     import torch
-
     from polynya.engines.sample.vllm import _pairs
 
     shapes = {"a": torch.Size([2, 3]), "b": torch.Size([4])}
