@@ -14,55 +14,11 @@ import math
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from .head import token_stats
 from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
 from .zorro.attention import FLEX_BLOCK, use_zorro_attention, zorro_mask
-
-LOGITS_CHUNK_BYTES = 1 << 28  # fp32 logits per chunk of the LM head (256 MiB)
-
-
-def _chunk_stats(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor,
-                 temperature: float, softcap: float | None, want_entropy: bool):
-    logits = head(hidden).float()
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, target[:, None]).squeeze(-1) - lse
-    if not want_entropy:
-        return logp, None
-    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, ent
-
-
-def token_stats(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
-                temperature: float = 1.0, entropy: bool = False, softcap: float | None = None,
-                chunk_size: int | None = None):
-    """Log-prob of ``target`` and entropy under ``head(hidden) / temperature``, chunk by chunk.
-
-    Args:
-        head: the LM head (called as a module, so ZeRO-3 gathers its weight as usual).
-        hidden: ``[N, H]``; target: ``[N]`` token ids.
-    Returns:
-        ``([N] float32, [N] float32 | None)``. Differentiable; backward recomputes one chunk's
-        logits at a time.
-    """
-    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-    chunk = chunk_size or max(16, LOGITS_CHUNK_BYTES // (4 * vocab))
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    lps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk):
-        args = (head, hidden[s:s + chunk], target[s:s + chunk], temperature, softcap, entropy)
-        lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if entropy else None)
-    return torch.cat(lps), (torch.cat(ents) if entropy else None)
-
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device

@@ -1,0 +1,121 @@
+"""Token log-probs and entropy through the LM head without ``[tokens, vocab]`` logits.
+
+``token_stats(head, hidden, target)`` is the head half of ``polynya.compute_logprobs``. For a
+plain ``nn.Linear`` head (the common case) it runs ``LinearTokenStats``: a custom autograd
+function that walks the tokens in chunks, keeps only the per-token log-sum-exp for backward, and
+in backward recomputes one chunk's logits and turns them into the logit gradient in place
+(about two fp32 chunk buffers alive at once). Any other head — a ZeRO-3 partitioned weight, a
+LoRA or quantised layer, a logit soft-cap — goes through the module itself, one checkpointed
+chunk at a time (the same math through autograd, so ZeRO-3's hooks gather the weight).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+LOGITS_CHUNK_BYTES = 1 << 28  # fp32 logits per chunk of the LM head (256 MiB)
+
+
+def _chunks(n: int, size: int):
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+class LinearTokenStats(torch.autograd.Function):
+    """(hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` | None, target ``[N]``) ->
+    (log-prob ``[N]``, entropy ``[N]`` | None), fp32, logits ``= hidden @ weight.T / T``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, temperature, want_entropy, chunk):
+        n = hidden.shape[0]
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_empty(n, dtype=torch.float32) if want_entropy else None
+        for s, e in _chunks(n, chunk):
+            z = F.linear(hidden[s:e], weight, bias).float().div_(temperature)
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            logp[s:e] = z.gather(-1, target[s:e, None]).squeeze(-1) - lse[s:e]
+            if want_entropy:
+                z.sub_(lse[s:e, None])                      # log p
+                ent[s:e] = -(z.exp() * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, ent)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, target, lse, ent = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        d_hidden = torch.zeros_like(hidden) if need_h else None
+        d_weight = torch.zeros_like(weight) if need_w else None
+        d_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float()
+        for s, e in _chunks(hidden.shape[0], ctx.chunk):
+            h = hidden[s:e]
+            z = F.linear(h, weight, bias).float().div_(ctx.temperature).sub_(lse[s:e, None])  # log p
+            if g_ent is not None and ent is not None:
+                p = z.exp()
+                # d/dz of  g_lp * logp_t + g_ent * H  =  g_lp * onehot_t - p * (g_lp + g_ent * (log p + H))
+                dz = z.add_(ent[s:e, None]).mul_(g_ent[s:e, None].float()).add_(g_logp[s:e, None]).mul_(p).neg_()
+                del p
+            else:
+                dz = z.exp_().mul_(-g_logp[s:e, None])
+            dz.scatter_add_(1, target[s:e, None], g_logp[s:e, None])
+            dz.div_(ctx.temperature)
+            if need_b:
+                d_bias += dz.sum(0)
+            dz = dz.to(hidden.dtype)
+            if need_h:
+                d_hidden[s:e] = dz @ weight
+            if need_w:
+                d_weight.addmm_(dz.t(), h)
+        return (d_hidden, d_weight, None if d_bias is None else d_bias.to(weight.dtype),
+                None, None, None, None)
+
+
+def _module_chunk(head, hidden, target, temperature, softcap, want_entropy):
+    logits = head(hidden).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, target[:, None]).squeeze(-1) - lse
+    if not want_entropy:
+        return logp, None
+    return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def _plain_linear(head: torch.nn.Module) -> bool:
+    w = getattr(head, "weight", None)
+    return (type(head) is torch.nn.Linear and w is not None and w.dim() == 2 and w.numel() > 0
+            and not hasattr(w, "ds_id"))
+
+
+def token_stats(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, *,
+                temperature: float = 1.0, entropy: bool = False, softcap: float | None = None,
+                chunk_size: int | None = None):
+    """Log-prob of ``target`` and entropy under ``head(hidden) / temperature``, chunk by chunk.
+
+    Args:
+        head: the LM head module. hidden: ``[N, H]``. target: ``[N]`` token ids.
+        softcap: the model's final logit soft-cap, if any (applied before the temperature).
+        chunk_size: tokens per chunk (default: ~256 MiB of fp32 logits).
+    Returns:
+        ``([N] float32, [N] float32 | None)``, differentiable w.r.t. ``hidden`` and the head.
+    """
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    chunk = chunk_size or max(16, LOGITS_CHUNK_BYTES // (4 * vocab))
+    if hidden.shape[0] == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if entropy else None)
+    if _plain_linear(head) and not softcap:
+        return LinearTokenStats.apply(hidden, head.weight, head.bias, target, float(temperature),
+                                      entropy, chunk)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    lps, ents = [], []
+    for s, e in _chunks(hidden.shape[0], chunk):
+        args = (head, hidden[s:e], target[s:e], temperature, softcap, entropy)
+        lp, ent = checkpoint(_module_chunk, *args, use_reentrant=False) if grad else _module_chunk(*args)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
