@@ -48,6 +48,25 @@ def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_token
     return d
 
 
+ATTENTION_KERNELS = ("_fca_attend_kernel", "_paged_decode_kernel", "_merge_partials_kernel",
+                     "_fca_classes_kernel")
+
+
+def attention_ms_per_step(engine: SamplingEngine, prompts: list[list[int]], G: int, steps: int = 16) -> float:
+    """GPU time of the decode-attention kernels (FCA / paged / merge / planner) per decode step,
+    from a profiled short run (prefill uses SDPA kernels, which are not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        r = run_case(engine, prompts, G, steps + 1)
+    total_us = 0.0
+    for e in prof.key_averages():
+        if any(k in e.key for k in ATTENTION_KERNELS):
+            total_us += getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+    return total_us / 1e3 / r["decode_steps"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-0.6b")
@@ -60,6 +79,8 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=24.0)
     ap.add_argument("--Gs", type=int, nargs="+", default=None, help="cases to run (default: G and 1)")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time the decode attention kernels per step (torch.profiler)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     cases = args.Gs or [args.G, 1]
@@ -92,6 +113,13 @@ def main() -> None:
         row["speedup"] = row["fca"]["decode_tok_per_s"] / row["paged"]["decode_tok_per_s"]
         print(f"G={G}: FCA decode speedup {row['speedup']:.2f}x", flush=True)
         results[f"G{G}"] = row
+        if args.profile:
+            for fca in (True, False):
+                runner.use_fca = fca
+                prompts = make_prompts(args.groups, args.prompt_len, vocab, seed=2000 + 10 * G + fca)
+                attn = attention_ms_per_step(engine, prompts, G, steps=min(16, args.new_tokens - 1))
+                row["fca" if fca else "paged"]["attention_ms_per_step"] = attn
+                print(f"G={G:3d} fca={fca!s:5}: decode attention kernels {attn:.3f} ms/step", flush=True)
     with open(os.path.join(args.out, "bench_sampler.json"), "w") as f:
         json.dump(results, f, indent=2)
     plot(results, args, cases, os.path.join(args.out, "bench_sampler.png"))
