@@ -5,12 +5,15 @@ Random-init Qwen3-0.6B-shaped model, bf16, gradient checkpointing, one micro-bat
 For each P/R/G shape (``--groups`` prompts x G responses):
 
 - *bare*: ``compute_logprobs`` + backward on a plain HF model (what ``bench_zorro.py`` times),
-  naive vs ZoRRo -> the bare speedup;
+  naive vs ZoRRo -> the bare speedup, measured right before the engines on the same batch;
 - *engine*: ``TrainingEngine.forward_backward`` + ``step`` (GRPO loss, AdamW) under ZeRO-2 and
   ZeRO-3, naive vs ZoRRo -> the engine speedup; target: >= 90% of the bare speedup.
 
-Then ``offload()`` / ``onload()`` (target: >= 90% of the engine's device memory freed) and a
-check that the log-probs after ``onload`` equal those before. Same process, same shapes.
+Memory is the step's peak above what was allocated before it (weights, optimizer state and the
+other engine stay resident). Then ``offload()`` / ``onload()`` of each engine alone on the
+device (target: >= 90% of its memory freed) and a check that its log-probs after ``onload``
+equal those before. ``--profile`` prints the top ops and sync counts of one ZoRRo step, bare vs
+engine.
 
     python benchmarks/bench_engine.py --out benchmarks/results
 """
@@ -47,9 +50,11 @@ def _sync() -> None:
 
 
 def timed(fn, iters: int) -> tuple[float, float]:
-    """(median seconds, peak bytes) over ``iters`` runs after one warm-up run."""
+    """(median seconds, peak bytes above what was allocated before) over ``iters`` runs after
+    one warm-up run (other engines stay resident, so the step's own memory is the peak above)."""
     fn()
     _sync()
+    base = float(torch.cuda.memory_allocated()) if CUDA else 0.0
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -58,7 +63,7 @@ def timed(fn, iters: int) -> tuple[float, float]:
         fn()
         _sync()
         times.append(time.perf_counter() - t0)
-    return median(times), float(torch.cuda.max_memory_allocated()) if CUDA else 0.0
+    return median(times), float(torch.cuda.max_memory_allocated()) - base if CUDA else 0.0
 
 
 def _free() -> None:
@@ -80,27 +85,28 @@ def guarded(what: str, fn, *args):
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def bare_speedups(model_spec: str, shapes, groups: int, iters: int) -> dict[str, float]:
+def bare_model(model_spec: str):
     model = load_model(model_spec, dtype="bfloat16", device=DEVICE)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    out = {}
-    for P, R, G in shapes:
-        batch = make_batch(P, R, G, groups, model.config.vocab_size, seed=P + R + G)
+    return model.train()
 
-        def run(zorro):
-            def fn():
-                st = polynya.compute_logprobs(model, batch, zorro=zorro)
-                adv = batch.advantages.to(st.logprobs.device)[:, None]
-                (-(st.logprobs * adv).sum() / st.mask.sum()).backward()
-            return fn
-        t = {z: timed(run(z), iters)[0] for z in (False, True)}
+
+def bare_step(model, batch, zorro: bool):
+    """What bench_zorro.py times: compute_logprobs + backward, no optimizer."""
+    def fn():
+        st = polynya.compute_logprobs(model, batch, zorro=zorro)
+        adv = batch.advantages.to(st.logprobs.device)[:, None]
+        (-(st.logprobs * adv).sum() / st.mask.sum()).backward()
         model.zero_grad(set_to_none=True)
-        out[f"P{P}/R{R}/G{G}"] = t[False] / t[True]
-        print(f"bare P{P}/R{R}/G{G}: naive {t[False]*1e3:.0f} ms, zorro {t[True]*1e3:.0f} ms", flush=True)
-    del model
-    _free()
-    return out
+    return fn
+
+
+def engine_step(engine, cfg, batch, zorro: bool):
+    def fn():
+        engine.config = dataclasses.replace(cfg, zorro=zorro)
+        engine.forward_backward(batch)
+        engine.step()
+    return fn
 
 
 def sanity(engine, vocab: int) -> dict:
@@ -127,47 +133,62 @@ def engine_full_shape(p):
     return full_shape(p)
 
 
-def engine_rows(model_spec: str, stage: int, shapes, groups: int, iters: int, bare: dict) -> tuple[list, dict]:
-    from polynya.engines import TrainingEngine
+def engine_config(model_spec: str, stage: int) -> TrainConfig:
+    return TrainConfig(model_spec, dtype="bfloat16", zero_stage=stage, lr=1e-5, loss="grpo",
+                       gradient_checkpointing=True, log_entropy=False, micro_batch_tokens=1 << 20,
+                       optim=OptimConfig(grad_clip=1.0))
 
-    cfg = TrainConfig(model_spec, dtype="bfloat16", zero_stage=stage, lr=1e-5, loss="grpo",
-                      gradient_checkpointing=True, log_entropy=False, micro_batch_tokens=1 << 20,
-                      optim=OptimConfig(grad_clip=1.0))
-    engine = TrainingEngine(cfg)
-    mcfg = engine.module.config
-    extra = {"sanity": guarded("sanity", sanity, engine, mcfg.vocab_size)}
-    print(f"ZeRO-{stage} sanity: {extra['sanity']}", flush=True)
+
+def shape_rows(model, engines: dict, shape, groups: int, iters: int) -> list[dict]:
+    """Bare and every engine, naive and ZoRRo, back to back on one batch (same compile state)."""
+    P, R, G = shape
+    mcfg = model.config
+    batch = make_batch(P, R, G, groups, mcfg.vocab_size, seed=P + R + G)
+    bare = {z: timed(bare_step(model, batch, z), iters) for z in (False, True)}
+    name = f"P{P}/R{R}/G{G}"
+    print(f"bare {name}: naive {bare[False][0]*1e3:.0f} ms, zorro {bare[True][0]*1e3:.0f} ms", flush=True)
+    bare_speedup = bare[False][0] / bare[True][0]
+    fz, fn_ = (model_flops(mcfg, P, R, G, groups, z) for z in (True, False))
+    sample_tokens = groups * G * (P + R)
     rows = []
-    for P, R, G in shapes:
-        batch = make_batch(P, R, G, groups, mcfg.vocab_size, seed=P + R + G)
-        res = {}
-        for zorro in (False, True):
-            engine.config = dataclasses.replace(cfg, zorro=zorro)
-
-            def fn():
-                engine.forward_backward(batch)
-                engine.step()
-            res[zorro] = timed(fn, iters)
+    for stage, (engine, cfg) in engines.items():
+        res = {z: timed(engine_step(engine, cfg, batch, z), iters) for z in (False, True)}
+        engine.config = cfg
         (tn, pn), (tz, pz) = res[False], res[True]
-        shape = f"P{P}/R{R}/G{G}"
-        fz, fn_ = (model_flops(mcfg, P, R, G, groups, z) for z in (True, False))
-        sample_tokens = groups * G * (P + R)
-        speedup = tn / tz
         pn, pz = max(pn, 1.0), max(pz, 1.0)
-        rows.append(dict(stage=stage, shape=shape, naive_ms=round(tn * 1e3, 1), zorro_ms=round(tz * 1e3, 1),
-                         speedup=round(speedup, 2), bare_speedup=round(bare[shape], 2),
-                         kept=round(speedup / bare[shape], 3),
+        speedup = tn / tz
+        rows.append(dict(stage=stage, shape=name, naive_ms=round(tn * 1e3, 1), zorro_ms=round(tz * 1e3, 1),
+                         speedup=round(speedup, 2), bare_naive_ms=round(bare[False][0] * 1e3, 1),
+                         bare_zorro_ms=round(bare[True][0] * 1e3, 1), bare_speedup=round(bare_speedup, 2),
+                         kept=round(speedup / bare_speedup, 3),
                          naive_tok_s=round(sample_tokens / tn), zorro_tok_s=round(sample_tokens / tz),
                          naive_mfu=round(fn_ / tn / H200_BF16_FLOPS, 3), zorro_mfu=round(fz / tz / H200_BF16_FLOPS, 3),
-                         naive_peak_gb=round(pn / 2**30, 2), zorro_peak_gb=round(pz / 2**30, 2),
+                         naive_step_gb=round(pn / 2**30, 2), zorro_step_gb=round(pz / 2**30, 2),
                          mem_ratio=round(pz / pn, 3)))
         print(rows[-1], flush=True)
-    engine.config = cfg
-    extra["offload"] = guarded("offload", offload_check, engine, mcfg.vocab_size)
-    print(f"ZeRO-{stage} offload: {extra['offload']}", flush=True)
-    del engine
-    _free()
-    return rows, extra
+    return rows
+
+
+def profile(model, engines: dict, shape, groups: int) -> None:
+    """One ZoRRo step, bare vs each engine: top ops and host-device syncs (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    P, R, G = shape
+    batch = make_batch(P, R, G, groups, model.config.vocab_size, seed=P + R + G)
+    runs = {"bare": bare_step(model, batch, True)}
+    runs.update({f"zero{s}": engine_step(e, c, batch, True) for s, (e, c) in engines.items()})
+    for name, fn in runs.items():
+        fn()
+        _sync()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+        with tprofile(activities=acts) as prof:
+            fn()
+            _sync()
+        table = prof.key_averages()
+        syncs = sum(e.count for e in table if "Synchronize" in e.key)
+        print(f"--- profile {name} P{P}/R{R}/G{G}: {syncs} synchronize calls", flush=True)
+        sort = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
+        print(table.table(sort_by=sort, row_limit=12, max_name_column_width=60), flush=True)
 
 
 def offload_check(engine, vocab: int) -> dict:
@@ -188,19 +209,40 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--shapes", default=",".join(f"{p}/{r}/{g}" for p, r, g in SHAPES))
+    ap.add_argument("--profile", action="store_true", help="profile one ZoRRo step (first shape)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("/"))) for s in args.shapes.split(",")]
 
-    bare = bare_speedups(args.model, shapes, args.groups, args.iters)
-    rows, extras = [], {}
+    model = bare_model(args.model)
+    engines, extras = {}, {}
     for stage in map(int, args.stages.split(",")):
-        got = guarded(f"ZeRO-{stage}", engine_rows, args.model, stage, shapes, args.groups, args.iters, bare)
-        if isinstance(got, dict):
-            extras[f"zero{stage}"] = {"sanity": got, "offload": got}
+        from polynya.engines import TrainingEngine
+
+        cfg = engine_config(args.model, stage)
+        engine = guarded(f"ZeRO-{stage} init", TrainingEngine, cfg)
+        if isinstance(engine, dict):
+            extras[f"zero{stage}"] = {"init": engine}
             continue
-        rows += got[0]
-        extras[f"zero{stage}"] = got[1]
+        engines[stage] = (engine, cfg)
+        extras[f"zero{stage}"] = {"sanity": guarded("sanity", sanity, engine, model.config.vocab_size)}
+        print(f"ZeRO-{stage} sanity: {extras[f'zero{stage}']['sanity']}", flush=True)
+    rows = []
+    for shape in shapes:
+        got = guarded(f"shape {shape}", shape_rows, model, engines, shape, args.groups, args.iters)
+        rows += got if isinstance(got, list) else []
+    if args.profile:
+        guarded("profile", profile, model, engines, shapes[0], args.groups)
+    vocab = model.config.vocab_size
+    del model
+    _free()
+    for engine, _ in engines.values():  # each engine's offload is measured with the others away
+        guarded("offload", engine.offload)
+    for stage, (engine, _) in engines.items():
+        engine.onload()
+        extras[f"zero{stage}"]["offload"] = guarded("offload", offload_check, engine, vocab)
+        print(f"ZeRO-{stage} offload: {extras[f'zero{stage}']['offload']}", flush=True)
+        guarded("offload", engine.offload)
     save(dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16",
               gradient_checkpointing=True, rows=rows, **extras), args.out, "bench_engine")
     try:
@@ -220,14 +262,15 @@ def main() -> None:
     except ImportError:
         pass
     for key, extra in extras.items():
-        print(f"{key}: sanity {extra['sanity']} offload {extra['offload']}")
+        print(f"{key}: {extra}")
     print(markdown_table(rows, [("stage", "ZeRO"), ("shape", "P/R/G"), ("naive_ms", "naive ms"),
                                 ("zorro_ms", "ZoRRo ms"), ("speedup", "speedup"),
+                                ("bare_naive_ms", "bare naive ms"), ("bare_zorro_ms", "bare ZoRRo ms"),
                                 ("bare_speedup", "bare speedup"), ("kept", "kept"),
                                 ("naive_tok_s", "naive tok/s"), ("zorro_tok_s", "ZoRRo tok/s"),
                                 ("naive_mfu", "naive MFU"), ("zorro_mfu", "ZoRRo MFU"),
-                                ("naive_peak_gb", "naive peak GB"), ("zorro_peak_gb", "ZoRRo peak GB"),
-                                ("mem_ratio", "peak ratio")]))
+                                ("naive_step_gb", "naive step GB"), ("zorro_step_gb", "ZoRRo step GB"),
+                                ("mem_ratio", "step-mem ratio")]))
 
 
 if __name__ == "__main__":
