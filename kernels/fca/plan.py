@@ -151,7 +151,7 @@ def plan_forest(
     *,
     min_shared_tokens: int = 64,
     max_levels: int = 4,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = 2048,
     max_group: int = 16,
     validate: bool | None = None,
 ) -> ForestPlan:
