@@ -67,6 +67,33 @@ def attention_ms_per_step(engine: SamplingEngine, prompts: list[list[int]], G: i
     return total_us / 1e3 / r["decode_steps"]
 
 
+def greedy_check(engine: SamplingEngine, vocab: int, tokens: int) -> dict:
+    """Greedy tokens of the engine (n=2 forks, FCA on and off) vs HF ``generate`` on the same
+    module switched to SDPA: per prompt, how many leading tokens agree."""
+    runner = engine.backend.runner
+    g = np.random.default_rng(7)
+    longest = engine.backend.max_model_len - tokens - 1
+    prompts = [g.integers(100, vocab - 100, size=min(n, longest)).tolist() for n in (37, 300, 129, 513)]
+    runner.model.set_attn_implementation("sdpa")
+    ref = []
+    for p in prompts:
+        ids = torch.tensor([p], device=runner.device)
+        out = runner.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref.append(out[0, len(p):].tolist())
+    runner.model.set_attn_implementation("polynya_paged")
+    report = {}
+    for fca in (True, False):
+        runner.use_fca = fca
+        out = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=tokens, stop_token_ids=()))
+        report["fca" if fca else "paged"] = [
+            [next((i for i, (a, b) in enumerate(zip(r, s.token_ids)) if a != b), tokens) for s in o]
+            for r, o in zip(ref, out)]
+    print(f"greedy agreement with HF generate (leading tokens of {tokens}, per prompt x fork): {report}",
+          flush=True)
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-0.6b")
@@ -79,6 +106,8 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=24.0)
     ap.add_argument("--Gs", type=int, nargs="+", default=None, help="cases to run (default: G and 1)")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--check-greedy", type=int, default=0, metavar="TOKENS",
+                    help="first compare greedy tokens with HF generate on the same weights")
     ap.add_argument("--profile", action="store_true",
                     help="also time the decode attention kernels per step (torch.profiler)")
     ap.add_argument("--out", default="benchmarks/results")
@@ -93,12 +122,14 @@ def main() -> None:
     engine = SamplingEngine(cfg)
     runner = engine.backend.runner  # one model for both arms: FCA toggled per run (A/B switch)
     vocab = runner.vocab_size
+    results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    if args.check_greedy:
+        results["greedy_check"] = greedy_check(engine, vocab, args.check_greedy)
     for fca in (True, False):  # warm-up: capture each (batch, fca) graph, compile the kernels
         runner.use_fca = fca
         for G in cases:
             run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=1000 + 10 * G + fca), G, 8)
 
-    results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     for G in cases:
         row = {}
         for fca in (True, False):  # fresh prompts per arm: each must compute its own prefill
