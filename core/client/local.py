@@ -23,6 +23,7 @@ import torch
 
 from ..cluster.routing import merge_routed, route_prompts
 from ..sync import StagedUpdate, apply_update, build_manifest, engine_checksum
+from ..sync.manifest import flat_spans
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
 from .api import ThreadedAsync, check_engine, check_logprob_model
 from .config import RLClientConfig
@@ -85,7 +86,8 @@ class LocalClient(ThreadedAsync):
             for s in self.samplers:
                 s.wake()
             self._sampler_awake = True
-        if self.config.colocate and self._trainer_on and not getattr(self.trainer, "_pending", 0):
+        if (self.config.colocate and self._trainer_on and not getattr(self.trainer, "_pending", 0)
+                and self.config.train.zero_stage > 0):  # ZeRO-0 cannot offload: it stays resident
             self.trainer.offload()
             self._trainer_on = False
 
@@ -152,19 +154,23 @@ class LocalClient(ThreadedAsync):
             self._to_trainer()
             t0 = time.perf_counter()
             bb = self.config.bucket_bytes
-            manifest = build_manifest(self.trainer, version=self.version + 1, bucket_bytes=bb)
+            manifest = build_manifest(self.trainer, version=self.version + 1, bucket_bytes=bb, layout="spans")
             t_manifest = time.perf_counter() - t0
             receivers = list(self.samplers) + ([self.logprob] if self.logprob is not None else [])
             staged = [StagedUpdate(manifest) for _ in receivers]
             devices = [_engine_device(r) for r in receivers]
-            for i, (_, flat) in enumerate(self.trainer.export_weights(bb)):
+            spans = flat_spans(self.trainer.module) if manifest.buckets[0].offsets is not None else None
+            buckets = ((span for span, _ in spans) if spans is not None
+                       else (flat for _, flat in self.trainer.export_weights(bb)))
+            for i, flat in enumerate(buckets):  # spans: the trainer's own storage, no packing
                 for st, dev in zip(staged, devices):
                     st.put(i, flat.to(dev))
             for r, st in zip(receivers, staged):
                 apply_update(r, st, verify=self.config.verify_sync)
             self.version = manifest.version
             return {"version": manifest.version, "checksum": manifest.checksum, "bytes": manifest.nbytes,
-                    "buckets": len(manifest.buckets), "receivers": len(receivers), "method": "direct",
+                    "buckets": len(manifest.buckets), "receivers": len(receivers),
+                    "method": "direct_spans" if spans is not None else "direct",
                     "manifest_s": t_manifest, "seconds": time.perf_counter() - t0}
 
     def sleep(self, engine: str = "sampler", level: int = 1) -> None:

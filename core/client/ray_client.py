@@ -134,7 +134,8 @@ class RayClient:
         if not self._sampler_awake:
             yield [s.wake.remote() for s in self.samplers]
             self._sampler_awake = True
-        if self.config.colocate and self._trainer_on and not self._pending:
+        if (self.config.colocate and self._trainer_on and not self._pending
+                and self.config.train.zero_stage > 0):  # ZeRO-0 cannot offload: it stays resident
             yield [t.offload.remote() for t in self.trainers]
             self._trainer_on = False
 
@@ -176,7 +177,8 @@ class RayClient:
         cfg, bb = self.config, self.config.bucket_bytes
         yield from self._plan_to_trainer()
         t0 = time.perf_counter()
-        manifests = yield [t.manifest.remote(self.version + 1, bb) for t in self.trainers]
+        layout = "spans" if cfg.colocate else "packed"  # shared: the trainer's flat storages as they are
+        manifests = yield [t.manifest.remote(self.version + 1, bb, layout) for t in self.trainers]
         manifest = manifests[0]
         receivers = self.samplers + self.logprobs
         if cfg.colocate:

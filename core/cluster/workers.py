@@ -121,8 +121,8 @@ class TrainerWorker:
     def weight_checksum(self) -> str:
         return self.engine.weight_checksum()
 
-    def manifest(self, version: int, bucket_bytes: int) -> SyncManifest:
-        return build_manifest(self.engine, version=version, bucket_bytes=bucket_bytes)
+    def manifest(self, version: int, bucket_bytes: int, layout: str = "packed") -> SyncManifest:
+        return build_manifest(self.engine, version=version, bucket_bytes=bucket_bytes, layout=layout)
 
     def export_shared(self, manifest: SyncManifest, bucket_bytes: int, share: bool = True) -> list:
         self.release_shared()

@@ -66,6 +66,8 @@ def send_weights(group: SyncGroup, trainer, manifest: SyncManifest, bucket_bytes
 
     Returns bytes this rank sent. ``corrupt`` (tests only) may alter a bucket before sending.
     """
+    if any(b.offsets is not None for b in manifest.buckets):
+        raise ValueError("broadcast sync needs a packed manifest (build_manifest(layout='packed'))")
     src_of = lambda i: i % num_senders  # noqa: E731
     pending, sent = None, 0
     count = 0

@@ -35,23 +35,40 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """One flat bucket: ``names`` in order, their ``shapes``; ``numel`` elements in all."""
+    """One flat bucket: ``names`` in order with their ``shapes``.
+
+    Packed layout (``offsets is None``): the tensors back to back, ``numel`` elements in all.
+    Span layout: the bucket is a span of ``length`` elements of the trainer's own flat storage
+    (ZeRO-1/2 keep every weight as a view of one flat buffer); tensor ``k`` starts at
+    ``offsets[k]``; gaps (alignment padding) are ignored.
+    """
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...] | None = None
+    length: int | None = None
 
     @property
     def numel(self) -> int:
-        total = 0
-        for s in self.shapes:
-            n = 1
-            for d in s:
-                n *= d
-            total += n
-        return total
+        return self.length if self.length is not None else sum(self.sizes())
 
     def sizes(self) -> list[int]:
         return [int(torch.Size(s).numel()) for s in self.shapes]
+
+    def starts(self) -> list[int]:
+        """Element offset of every tensor inside the bucket."""
+        if self.offsets is not None:
+            return list(self.offsets)
+        out, pos = [], 0
+        for n in self.sizes():
+            out.append(pos)
+            pos += n
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` views into ``flat`` (no copy)."""
+        return [(name, flat[o:o + n].view(shape))
+                for name, shape, o, n in zip(self.names, self.shapes, self.starts(), self.sizes())]
 
 
 @dataclass(frozen=True)
@@ -74,25 +91,35 @@ class SyncManifest:
     @property
     def nbytes(self) -> int:
         elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return sum(b.numel for b in self.buckets) * elem
+        return sum(sum(b.sizes()) for b in self.buckets) * elem  # weight bytes (no span padding)
 
     def to_dict(self) -> dict:
+        def bucket(b: BucketSpec) -> dict:
+            d = {"names": list(b.names), "shapes": [list(s) for s in b.shapes]}
+            if b.offsets is not None:
+                d.update(offsets=list(b.offsets), length=b.length)
+            return d
+
         return {"version": self.version, "dtype": self.dtype, "checksum": self.checksum,
-                "buckets": [{"names": list(b.names), "shapes": [list(s) for s in b.shapes]}
-                            for b in self.buckets]}
+                "buckets": [bucket(b) for b in self.buckets]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SyncManifest":
         try:
             buckets = tuple(BucketSpec(tuple(str(n) for n in b["names"]),
-                                       tuple(tuple(int(x) for x in s) for s in b["shapes"]))
+                                       tuple(tuple(int(x) for x in s) for s in b["shapes"]),
+                                       None if b.get("offsets") is None else tuple(int(o) for o in b["offsets"]),
+                                       None if b.get("length") is None else int(b["length"]))
                             for b in d["buckets"])
             out = cls(int(d["version"]), str(d["dtype"]), str(d["checksum"]), buckets)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed sync manifest: {exc}") from None
         for b in out.buckets:
-            if len(b.names) != len(b.shapes):
-                raise ValueError("malformed sync manifest: names and shapes differ in length")
+            if len(b.names) != len(b.shapes) or (b.offsets is not None and len(b.offsets) != len(b.names)):
+                raise ValueError("malformed sync manifest: names, shapes and offsets differ in length")
+            if b.offsets is not None and any(o < 0 or o + n > (b.length or 0)
+                                             for o, n in zip(b.offsets, b.sizes())):
+                raise ValueError("malformed sync manifest: a tensor lies outside its bucket span")
         dtype_from_name(out.dtype)
         return out
 
@@ -117,20 +144,65 @@ def plan_buckets(named_shapes: list[tuple[str, tuple[int, ...]]], element_size: 
     return tuple(out)
 
 
-def build_manifest(trainer, *, version: int, bucket_bytes: int, checksum: str | None = None
-                   ) -> SyncManifest:
-    """The manifest of ``trainer``'s current weights (a ``TrainingEngine`` or any object with
-    ``module`` and ``weight_checksum``). Every trainer rank must call it (ZeRO-3 gathers)."""
-    from ..engines._deepspeed import full_shape
+def flat_spans(module: torch.nn.Module) -> list[tuple[torch.Tensor, BucketSpec]] | None:
+    """The module's weights as spans of the flat storages they are views of, or ``None`` when
+    they are not (ZeRO-0 / ZeRO-3 keep one storage per tensor). Each span tensor is a view."""
+    from ..engines._deepspeed import is_zero3
 
+    params = list(module.named_parameters())
+    if not params or any(is_zero3(p) or not p.is_contiguous() for _, p in params):
+        return None
+    groups: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, p in params:
+        groups.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
+    if len(groups) > max(4, len(params) // 8):
+        return None
+    out = []
+    for members in groups.values():
+        members.sort(key=lambda np_: np_[1].storage_offset())
+        lo = members[0][1].storage_offset()
+        hi = max(p.storage_offset() + p.numel() for _, p in members)
+        first = members[0][1]
+        with torch.no_grad():
+            span = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+                first.untyped_storage(), lo, (hi - lo,))
+        ends = [p.storage_offset() + p.numel() for _, p in members]
+        if any(e > members[k + 1][1].storage_offset() for k, e in enumerate(ends[:-1])):
+            return None  # overlapping views (tied weights stored twice?): pack instead
+        spec = BucketSpec(tuple(n for n, _ in members), tuple(tuple(p.shape) for _, p in members),
+                          tuple(p.storage_offset() - lo for _, p in members), hi - lo)
+        out.append((span, spec))
+    return out
+
+
+def build_manifest(trainer, *, version: int, bucket_bytes: int, layout: str = "packed",
+                   checksum: str | None = None) -> SyncManifest:
+    """The manifest of ``trainer``'s current weights (a ``TrainingEngine`` or any object with
+    ``module``, ``export_weights`` and ``weight_checksum``).
+
+    ``layout="packed"``: buckets as ``export_weights(bucket_bytes)`` packs them (every trainer
+    rank must call this under ZeRO-3). ``layout="spans"``: the trainer's own flat storages, no
+    packing (falls back to packed when the weights are not views of flat buffers).
+    """
+    from ..engines._deepspeed import full_shape
+    from .digest import checksum_views
+
+    if layout not in ("packed", "spans"):
+        raise ValueError(f"layout must be 'packed' or 'spans', got {layout!r}")
     params = list(trainer.module.named_parameters())
     if not params:
         raise ValueError("the trainer has no parameters")
     dtype = params[0][1].dtype
     if any(p.dtype != dtype for _, p in params):
         raise ValueError("weight sync needs every parameter in one dtype")
-    named_shapes = [(n, tuple(full_shape(p))) for n, p in params]
-    buckets = plan_buckets(named_shapes, params[0][1].element_size(), bucket_bytes)
-    if checksum is None:
-        checksum = trainer.weight_checksum(bucket_bytes)
+    spans = flat_spans(trainer.module) if layout == "spans" else None
+    if spans is not None:
+        buckets = tuple(spec for _, spec in spans)
+        if checksum is None:  # the same digest as weight_checksum(), read from the spans in place
+            checksum = checksum_views([v for span, spec in spans for v in spec.views(span)])
+    else:
+        named_shapes = [(n, tuple(full_shape(p))) for n, p in params]
+        buckets = plan_buckets(named_shapes, params[0][1].element_size(), bucket_bytes)
+        if checksum is None:
+            checksum = trainer.weight_checksum(bucket_bytes)
     return SyncManifest(version=int(version), dtype=str(dtype), checksum=checksum, buckets=buckets)

@@ -19,6 +19,7 @@ none (it reads the mapped buckets).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -31,15 +32,33 @@ from .staging import StagedUpdate
 _CREATED: set[str] = set()  # segments this process created (it alone unlinks them)
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """Map an existing segment without handing it to this process's resource tracker (which
-    would unlink the trainer's segment when this process exits)."""
-    seg = shared_memory.SharedMemory(name=name)
-    if name not in _CREATED:
-        from multiprocessing import resource_tracker
+class _Attached:
+    """A mapped segment created by another process. Mapped directly (``shm_open`` + ``mmap``)
+    so that this process's resource tracker never learns of it: it must not unlink the
+    trainer's segment when this process exits."""
 
-        resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
-    return seg
+    def __init__(self, name: str):
+        import mmap
+
+        import _posixshmem
+
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+
+def _attach(name: str):
+    if name in _CREATED:  # our own segment (same process): reuse the normal path
+        return shared_memory.SharedMemory(name=name)
+    return _Attached(name)
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,8 @@ class SharedExport:
         """Export ``trainer``'s weights bucket by bucket (every trainer rank calls it under
         ZeRO-3; ``share=False`` consumes the buckets without sharing them)."""
         out = cls(manifest)
+        if manifest.buckets and manifest.buckets[0].offsets is not None:
+            return out._share_spans(trainer, share)
         for i, (names, flat) in enumerate(trainer.export_weights(bucket_bytes)):
             if i >= len(manifest.buckets) or tuple(names) != manifest.buckets[i].names:
                 out.release()
@@ -96,6 +117,21 @@ class SharedExport:
         if share and out.handles and out.handles[0].kind == "cuda_ipc":
             torch.cuda.synchronize()  # receivers read on their own streams
         return out
+
+    def _share_spans(self, trainer, share: bool) -> "SharedExport":
+        """Span manifests: share the trainer's flat storages themselves (no packing on CUDA)."""
+        from .manifest import flat_spans
+
+        spans = flat_spans(trainer.module)
+        if spans is None or tuple(spec for _, spec in spans) != self.manifest.buckets:
+            raise SyncError("the trainer's flat weight storages changed since the manifest was built")
+        for span, _ in spans if share else ():
+            handle, keep = _share(span)
+            self.handles.append(handle)
+            self._keep.append(keep)
+        if self.handles and self.handles[0].kind == "cuda_ipc":
+            torch.cuda.synchronize()
+        return self
 
     def release(self) -> None:
         for keep in self._keep:
@@ -116,7 +152,7 @@ class SharedExport:
 class OpenedBuckets:
     """Mapped buckets on the receiver side; ``close()`` unmaps them (after ``apply_update``)."""
 
-    def __init__(self, staged: StagedUpdate, segments: list[shared_memory.SharedMemory]):
+    def __init__(self, staged: StagedUpdate, segments: list):
         self.staged = staged
         self._segments = segments
 
@@ -136,7 +172,7 @@ def open_shared(manifest: SyncManifest, handles: list[BucketHandle],
     staged = StagedUpdate(manifest)
     if len(handles) > len(manifest.buckets):
         raise SyncError(f"{len(handles)} handles for a manifest of {len(manifest.buckets)} buckets")
-    segments: list[shared_memory.SharedMemory] = []
+    segments: list = []
     opened = OpenedBuckets(staged, segments)
     try:
         for i, h in enumerate(handles):

@@ -19,7 +19,8 @@ from typing import Iterator
 
 import torch
 
-from ..distributed import checksum_named_tensors, combine_signatures, tensor_signature
+from ..distributed import checksum_named_tensors
+from .digest import checksum_views
 from .manifest import SyncError, SyncManifest
 
 
@@ -49,11 +50,11 @@ class StagedUpdate:
 
     def named_views(self) -> Iterator[tuple[str, torch.Tensor]]:
         for spec, flat in zip(self.manifest.buckets, self.flats):
-            for name, shape, piece in zip(spec.names, spec.shapes, flat.split(spec.sizes())):
-                yield name, piece.view(shape)
+            yield from spec.views(flat)
 
     def checksum(self) -> str:
-        return combine_signatures(tensor_signature(n, t) for n, t in self.named_views())
+        """The trainer-checksum digest of the staged bytes (``polynya.sync.digest``)."""
+        return checksum_views(list(self.named_views()))
 
     def verify(self) -> None:
         """``SyncError`` unless every bucket is staged and the checksum matches the trainer's."""
@@ -66,7 +67,11 @@ class StagedUpdate:
             raise SyncError(f"checksum mismatch for version {self.manifest.version}: staged weights "
                             f"hash to {got}, the trainer's weight_checksum() is {self.manifest.checksum}")
 
-    def pieces(self) -> list[tuple[list[str], torch.Tensor]]:
+    def pieces(self) -> list:
+        """What ``load_weights`` takes: ``(names, flat)`` buckets, or ``(name, view)`` pairs for
+        span buckets (whose tensors are not back to back)."""
+        if any(s.offsets is not None for s in self.manifest.buckets):
+            return list(self.named_views())
         return [(list(s.names), f) for s, f in zip(self.manifest.buckets, self.flats)]
 
 
@@ -96,6 +101,8 @@ def apply_update(engine, staged: StagedUpdate, *, verify: bool = True) -> int:
             staged.verify()
         elif staged.missing():
             raise SyncError(f"partial sync: buckets {staged.missing()[:8]} never arrived")
+        if _fast_copy(engine, staged, version):
+            return version
         pieces = staged.pieces()
         try:
             if _takes_version(engine):
@@ -106,6 +113,30 @@ def apply_update(engine, staged: StagedUpdate, *, verify: bool = True) -> int:
         except ValueError as exc:  # names / shapes that do not fit the engine: nothing was copied
             raise SyncError(f"sync of version {version} does not fit the engine: {exc}") from exc
         return version
+
+
+def _fast_copy(engine, staged: StagedUpdate, version: int) -> bool:
+    """Native sampler on one device: copy every tensor with one ``_foreach_copy_`` (a few kernel
+    launches instead of one per tensor) under the engine's lock, then drop its prefix cache and
+    set the version, as ``NativeEngine.load_weights`` does. ``False`` when not applicable."""
+    backend = getattr(engine, "backend", None)
+    runner = getattr(backend, "runner", None)
+    if runner is None or not all(hasattr(backend, a) for a in ("_lock", "block_manager", "weight_version")):
+        return False
+    params = dict(runner.model.named_parameters(remove_duplicate=False))
+    views = list(staged.named_views())
+    for name, t in views:
+        p = params.get(name)
+        if p is None or p.shape != t.shape:
+            raise SyncError(f"sync of version {version} does not fit the sampler: "
+                            f"{name} {tuple(t.shape)} vs {None if p is None else tuple(p.shape)}")
+        if p.dtype != t.dtype or p.device != t.device:
+            return False
+    with backend._lock, torch.no_grad():  # noqa: SLF001
+        torch._foreach_copy_([params[n] for n, _ in views], [t for _, t in views])
+        backend.block_manager.reset_prefix_cache()
+        backend.weight_version = version
+    return True
 
 
 def _takes_version(engine) -> bool:

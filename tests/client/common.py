@@ -13,7 +13,7 @@ FIXED_PROMPT = [17, 3, 99, 250, 7, 64]
 
 def tiny_config(protocol: str, **kw) -> polynya.RLClientConfig:
     base = dict(dtype="float32", comm_protocol=protocol, bucket_bytes=1 << 16, timeout_s=120,
-                train=dict(lr=2e-2, zero_stage=0, micro_batch_tokens=4096),
+                train=dict(lr=2e-2, zero_stage=2, micro_batch_tokens=4096),
                 sampling=dict(num_blocks=64, block_size=8, max_num_seqs=32))
     base.update(kw)
     return polynya.RLClientConfig(MODEL, **base)

@@ -181,3 +181,53 @@ def test_bad_syncs_keep_old_version(trainer):
         export.release()
     assert engine_checksum(sampler) == v1_sum and sampler.stats()["weight_version"] == 1
     assert greedy(sampler) == v1_tokens
+
+
+def test_span_layout_shares_trainer_storage():
+    """ZeRO-2 bf16 keeps the weights as views of one flat buffer: the manifest describes that
+    buffer as it is, the shared-memory export copies it once, the sampler gets an exact copy."""
+    t = TrainingEngine(TrainConfig(MODEL, dtype="bfloat16", zero_stage=2, lr=5e-2, seed=1))
+    t.forward_backward(RolloutBatch([[5, 6, 7]] * 2, [[8, 9, 10], [11]], advantages=torch.tensor([1.0, -1.0])))
+    t.step()
+    m = build_manifest(t, version=1, bucket_bytes=BUCKET, layout="spans")
+    assert len(m.buckets) == 1 and m.buckets[0].offsets is not None  # one flat storage, not packed
+    assert m.checksum == t.weight_checksum()
+    assert SyncManifest.from_dict(m.to_dict()) == m
+    sampler = SamplingEngine(SamplerConfig(MODEL, dtype="bfloat16", device="cpu", num_blocks=32, block_size=8))
+    export = SharedExport.from_trainer(t, m, BUCKET)
+    try:
+        opened = open_shared(m, export.handles)
+        assert apply_update(sampler, opened.staged) == 1
+        opened.close()
+    finally:
+        export.release()
+    assert_exact_copy(t, sampler)
+    packed = build_manifest(t, version=2, bucket_bytes=BUCKET)  # the same checksum either way
+    assert packed.checksum == m.checksum and len(packed.buckets) > 1
+
+
+_DIGEST_CHECK = """
+import torch
+from polynya.distributed import tensor_digest
+from polynya.sync import digest
+g = torch.Generator().manual_seed(3)
+for dtype in (torch.bfloat16, torch.float32):
+    flat = (torch.randn(21000, generator=g) * 100).to(dtype)
+    starts, lens = [0, 4096, 4097, 11000, 20999], [4096, 1, 6903, 9999, 1]
+    want = [tensor_digest(flat[s:s + n]) for s, n in zip(starts, lens)]
+    assert digest.digests_in_storage(flat, starts, lens) == want, dtype
+print("digest ok")
+"""
+
+
+def test_triton_digest_matches_reference():
+    """The one-launch Triton digest equals ``tensor_digest`` (interpreter, in a child process
+    since ``TRITON_INTERPRET`` must be set before Triton is imported)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _DIGEST_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "digest ok" in out.stdout, out.stderr[-2000:]

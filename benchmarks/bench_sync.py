@@ -1,0 +1,282 @@
+"""Weight sync trainer -> sampler on one GPU, and the colocated RL step of the local client.
+
+1. *HBM copy*: ``dst.copy_(src)`` of the model's bytes (the reference bandwidth).
+2. *CUDA-IPC sync* of a Qwen3-0.6B-shaped model (bf16, ZeRO-2 training engine) to a native
+   sampler in another process: the trainer builds the manifest (its checksum via the Triton
+   digest), shares its flat weight storage (span layout: one handle per storage, no packing);
+   the sampler process maps it, verifies the checksum of what it mapped and copies it into its
+   parameters. Timed per phase; GB/s = weight bytes / time; target: end-to-end >= 50% of the
+   HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, and
+   the sampler's own ``load_weights`` (per-tensor copies) against the ``_foreach_copy_`` path.
+3. *RL step*: the local client, colocated on one GPU (ZeRO-2 trainer offloaded while the sampler
+   generates; sampler asleep while training): generate / logprobs / train / sync seconds.
+
+    python benchmarks/bench_sync.py --out benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import cuda_median_ms, environment, markdown_table, median, save  # noqa: E402
+
+MODEL = "random:qwen3-0.6b"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run (shared memory, tiny model)
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def sampler_process(conn, model: str, device: str) -> None:
+    """The sampler side: build the engine, then serve sync requests from the pipe."""
+    from polynya.config import SamplerConfig
+    from polynya.engines import SamplingEngine
+    from polynya.sync import apply_update, engine_checksum, open_shared
+
+    engine = SamplingEngine(SamplerConfig(model, dtype="bfloat16", device=device, num_blocks=256,
+                                          cuda_graphs=False))
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "checksum":
+            conn.send(engine_checksum(engine))
+            continue
+        _, manifest, handles, official = msg
+        try:
+            _sync()
+            t0 = time.perf_counter()
+            opened = open_shared(manifest, handles)
+            _sync()
+            t1 = time.perf_counter()
+            opened.staged.verify()
+            _sync()
+            t2 = time.perf_counter()
+            if official:  # the engine's own load_weights (one copy per tensor)
+                engine.load_weights(opened.staged.pieces(), version=manifest.version)
+            else:
+                apply_update(engine, opened.staged, verify=False)
+            _sync()
+            t3 = time.perf_counter()
+            opened.close()
+            conn.send({"open_s": t1 - t0, "verify_s": t2 - t1, "copy_s": t3 - t2,
+                       "version": engine.stats()["weight_version"]})
+        except Exception:
+            conn.send({"error": traceback.format_exc()})
+
+
+def hbm_copy(nbytes: int) -> dict:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    if DEVICE == "cuda":
+        ms = median(cuda_median_ms(lambda: dst.copy_(src), warmup=3, iters=20))
+    else:
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        ms = (time.perf_counter() - t0) / 5 * 1e3
+    del src, dst
+    return {"bytes": nbytes, "ms": ms, "GBps": nbytes / ms / 1e6}
+
+
+def one_sync(trainer, conn, version: int, layout: str, official: bool) -> dict:
+    from polynya.sync import SharedExport, build_manifest
+
+    bb = 1 << 28
+    _sync()
+    t0 = time.perf_counter()
+    manifest = build_manifest(trainer, version=version, bucket_bytes=bb, layout=layout)
+    _sync()
+    t1 = time.perf_counter()
+    export = SharedExport.from_trainer(trainer, manifest, bb)
+    t2 = time.perf_counter()
+    conn.send(("sync", manifest, export.handles, official))
+    reply = conn.recv()
+    t3 = time.perf_counter()
+    export.release()
+    if "error" in reply:
+        raise RuntimeError(reply["error"])
+    assert reply["version"] == version
+    return {"layout": layout, "buckets": len(manifest.buckets), "bytes": manifest.nbytes,
+            "trainer_checksum_s": t1 - t0, "export_s": t2 - t1, "end_to_end_s": t3 - t0,
+            **{k: reply[k] for k in ("open_s", "verify_s", "copy_s")}}
+
+
+def bench_ipc(iters: int, model: str) -> dict:
+    from polynya.config import TrainConfig
+    from polynya.engines import TrainingEngine
+    from polynya import RolloutBatch
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=sampler_process, args=(child, model, DEVICE), daemon=True)
+    proc.start()
+    trainer = TrainingEngine(TrainConfig(model, dtype="bfloat16", zero_stage=2, lr=1e-5, device=DEVICE))
+    vocab = trainer.module.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    batch = RolloutBatch([torch.randint(0, vocab, (64,), generator=g).tolist()] * 2,
+                         [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(2)],
+                         advantages=torch.tensor([1.0, -1.0]))
+    trainer.forward_backward(batch)
+    trainer.step()  # weights now differ from the sampler's (same-seed) initial ones
+    assert parent.recv() == "ready"
+    parent.send(("checksum",))
+    before = parent.recv()
+    out: dict = {"hbm_copy": None, "runs": {}}
+    nbytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters())
+    out["hbm_copy"] = hbm_copy(nbytes)
+    version = 0
+    for name, layout, official in [("spans", "spans", False), ("spans_load_weights", "spans", True),
+                                   ("packed", "packed", False)]:
+        runs = []
+        for _ in range(iters + 1):  # the first one warms up (IPC open, Triton compile)
+            version += 1
+            runs.append(one_sync(trainer, parent, version, layout, official))
+        keys = [k for k in runs[0] if k.endswith("_s")]
+        row = {k: median([r[k] for r in runs[1:]]) for k in keys}
+        row.update(layout=layout, buckets=runs[0]["buckets"], bytes=runs[0]["bytes"])
+        for k in ("end_to_end_s", "copy_s"):
+            row[k.replace("_s", "_GBps")] = row["bytes"] / row[k] / 1e9
+        row["end_to_end_vs_hbm"] = row["end_to_end_GBps"] / out["hbm_copy"]["GBps"]
+        row["transfer_vs_hbm"] = row["bytes"] / (row["open_s"] + row["copy_s"]) / 1e9 / out["hbm_copy"]["GBps"]
+        out["runs"][name] = row
+        print(name, {k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    parent.send(("checksum",))
+    after = parent.recv()
+    out["checksum_changed"] = before != after
+    out["checksum_matches_trainer"] = after == trainer.weight_checksum()
+    parent.send(("stop",))
+    proc.join(30)
+    del trainer
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_rl_step(model: str, steps: int, prompts: int, group: int, prompt_len: int, max_tokens: int) -> dict:
+    import polynya
+    from polynya import RolloutBatch, SamplingParams
+
+    cfg = polynya.RLClientConfig(model, dtype="bfloat16", comm_protocol="local", colocate=True,
+                                 train=dict(zero_stage=2, lr=1e-6, micro_batch_tokens=1 << 15,
+                                            gradient_checkpointing=True),
+                                 sampling=dict(kv_cache_memory_gb=16 if DEVICE == "cuda" else 0.05,
+                                               max_num_seqs=256))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    with polynya.create_rl_client(cfg) as client:
+        for step in range(steps):
+            vocab = client.trainer.module.config.vocab_size
+            ps = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
+            t = {}
+            t0 = time.perf_counter()
+            out = client.generate(ps, SamplingParams(n=group, max_tokens=max_tokens, temperature=1.0))
+            _sync()
+            t["generate_s"] = time.perf_counter() - t0
+            batch = RolloutBatch([p for p in ps for _ in range(group)], [s.token_ids for o in out for s in o],
+                                 group_ids=[i for i in range(prompts) for _ in range(group)],
+                                 advantages=torch.randn(prompts * group, generator=g))
+            t0 = time.perf_counter()
+            batch.old_logprobs = client.compute_logprobs(batch).logprobs
+            _sync()
+            t["logprobs_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            client.forward_backward(batch)
+            client.step()
+            _sync()
+            t["train_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            info = client.sync_weights()
+            _sync()
+            t["sync_s"] = time.perf_counter() - t0
+            t["sync_inner_s"] = info["seconds"]
+            t["sync_method"] = info["method"]
+            t["response_tokens"] = sum(len(s.token_ids) for o in out for s in o)
+            rows.append(t)
+            print("rl step", step, t, flush=True)
+        sums = client.weight_checksums()
+    keep = rows[1:] or rows
+    res = {k: median([r[k] for r in keep]) for k in keep[0] if k.endswith("_s")}
+    total = sum(res[k] for k in ("generate_s", "logprobs_s", "train_s", "sync_s"))
+    res.update(step_s=total, sync_fraction=res["sync_s"] / total, method=keep[0]["sync_method"],
+               shape=f"{prompts}x{group} P{prompt_len} R<={max_tokens}", synced=sums["samplers"] == [sums["trainer"]],
+               response_tokens=keep[0]["response_tokens"])
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args()
+    results = {"env": environment(), "model": a.model, "device": DEVICE}
+    for name, fn in [("ipc", lambda: bench_ipc(a.iters, a.model)),
+                     ("rl_step", lambda: None if a.skip_step else
+                      bench_rl_step(a.model, a.steps, a.prompts, a.group, a.prompt_len, a.max_tokens))]:
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            print(results[name]["error"], flush=True)
+    path = save(results, a.out, "bench_sync")
+    ipc = results.get("ipc") or {}
+    if "runs" in ipc:
+        rows = [{"run": k, "ms": f"{v['end_to_end_s'] * 1e3:.2f}", "GBps": f"{v['end_to_end_GBps']:.0f}",
+                 "vs": f"{v['end_to_end_vs_hbm']:.0%}", "copy": f"{v['copy_s'] * 1e3:.2f}",
+                 "verify": f"{(v['verify_s'] + v['trainer_checksum_s']) * 1e3:.2f}"} for k, v in ipc["runs"].items()]
+        print(f"HBM copy {ipc['hbm_copy']['GBps']:.0f} GB/s")
+        print(markdown_table(rows, [("run", "sync"), ("ms", "end-to-end ms"), ("GBps", "GB/s"),
+                                    ("vs", "vs HBM copy"), ("copy", "copy ms"), ("verify", "checksums ms")]))
+    print("wrote", path)
+    _plot(results, a.out)
+
+
+def _plot(results: dict, out: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ipc, step = results.get("ipc") or {}, results.get("rl_step") or {}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if "runs" in ipc:
+        names = list(ipc["runs"])
+        phases = ["trainer_checksum_s", "export_s", "open_s", "verify_s", "copy_s"]
+        bottom = [0.0] * len(names)
+        for ph in phases:
+            vals = [ipc["runs"][n][ph] * 1e3 for n in names]
+            axes[0].bar(names, vals, bottom=bottom, label=ph[:-2])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        axes[0].axhline(ipc["hbm_copy"]["ms"], color="k", ls="--", label="HBM copy")
+        axes[0].set_ylabel("ms")
+        axes[0].legend(fontsize=7)
+        axes[0].set_title("CUDA-IPC sync, Qwen3-0.6B bf16")
+    if "step_s" in step:
+        parts = ["generate_s", "logprobs_s", "train_s", "sync_s"]
+        axes[1].bar(parts, [step[p] for p in parts])
+        axes[1].set_ylabel("s")
+        axes[1].set_title(f"colocated RL step ({step['shape']})")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "bench_sync.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
