@@ -136,7 +136,7 @@ def _classes(bt: torch.Tensor, seq_lens: torch.Tensor, full: torch.Tensor, block
 
 def _next_true(mask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """For each column j: the smallest j' > j with mask[:, j'], else ``limit`` (per row)."""
-    B, MB = mask.shape
+    _B, MB = mask.shape
     j = torch.arange(MB, device=mask.device, dtype=torch.int32)
     pos = torch.where(mask, j[None, :], MB)
     shifted = torch.cat([pos[:, 1:], torch.full_like(pos[:, :1], MB)], dim=1)

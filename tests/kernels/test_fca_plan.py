@@ -162,7 +162,7 @@ def test_max_levels_bounds_slots():
 
 def test_large_groups_split_into_tiles():
     bs = 4
-    bt, sl, nb = build_forest([(1, 16), (11, (1, 7))], bs, seed=8)
+    bt, sl, _nb = build_forest([(1, 16), (11, (1, 7))], bs, seed=8)
     plan = plan_forest(bt, sl, bs, min_shared_tokens=4, max_group=4)
     check_invariants(plan, bt, sl, bs)
     sizes = sorted(len(it[4]) for it in plan_items(plan))
@@ -198,7 +198,7 @@ def test_classes_match_bruteforce():
 @pytest.mark.parametrize("bad", ["seq0", "seqbig", "shape", "dtype", "bs", "rows"])
 def test_plan_errors(bad):
     bt, sl, _ = build_forest([(2, 8), (2, 3)], 4, seed=11)
-    kw = dict(block_tables=bt, seq_lens=sl, block_size=4)
+    kw = {"block_tables": bt, "seq_lens": sl, "block_size": 4}
     if bad == "seq0":
         sl[1] = 0
     elif bad == "seqbig":
