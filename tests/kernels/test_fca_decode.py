@@ -166,8 +166,8 @@ def _interp_cases():
 
 def test_triton_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, __file__, "interp"], env=env, capture_output=True, check=False,
-                         text=True, timeout=240)
+    res = subprocess.run([sys.executable, __file__, "interp"], env=env, capture_output=True,
+                         check=False, text=True, timeout=240)
     assert res.returncode == 0 and "INTERP OK" in res.stdout, res.stdout + res.stderr[-4000:]
 
 
