@@ -9,8 +9,8 @@ configs on the first shape; its winner is "FCA" on every shape (the default conf
 best of the first shape's top configs per shape are reported too).
 FlashInfer's numbers quoted in issue 3 (same H200, flashinfer 0.7.2) are reported as reference.
 Times: ``triton.testing.do_bench`` median (L2 flushed between runs) of a CUDA-graph replay
-(how a decode step runs; eager times, which include Python launch overhead, are kept too). Unique bytes: every KV
-token the batch needs read once + q + out. Writes JSON + PNG under ``--out``, prints a table.
+(how a decode step runs; eager times, with Python launch overhead, are kept too).
+Unique bytes: every KV token the batch needs read once + q + out. Writes JSON + PNG under ``--out``, prints a table.
 
     python benchmarks/bench_fca.py --out benchmarks/results
 """

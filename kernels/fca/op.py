@@ -240,7 +240,8 @@ def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: D
     common = {"QPK": qpk, "NSUB": nsub, "MSUB": msub, "NSPLIT": nsplit, "BLOCK_M_SH": block_m_sh,
                   "BLOCK_M_PV": block_m_pv, "BLOCK_N_SH": cfg.block_n_shared or cfg.block_n,
                   "BLOCK_N": cfg.block_n, "HEAD_D": D, "PAGE": page, "DOT_PREC": dot_prec,
-                  "DYNAMIC": cfg.dynamic, "INTERLEAVE": cfg.interleave, "num_stages": cfg.num_stages}
+                  "DYNAMIC": cfg.dynamic, "INTERLEAVE": cfg.interleave,
+                  "num_stages": cfg.num_stages}
     sms = _num_sms(q.device)
     if cfg.mode == "fused":
         nprog = sms * cfg.progs_per_sm
