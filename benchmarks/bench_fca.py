@@ -10,7 +10,8 @@ best of the first shape's top configs per shape are reported too).
 FlashInfer's numbers quoted in issue 3 (same H200, flashinfer 0.7.2) are reported as reference.
 Times: ``triton.testing.do_bench`` median (L2 flushed between runs) of a CUDA-graph replay
 (how a decode step runs; eager times, with Python launch overhead, are kept too).
-Unique bytes: every KV token the batch needs read once + q + out. Writes JSON + PNG under ``--out``, prints a table.
+Unique bytes: every KV token the batch needs read once + q + out. Writes JSON + PNG under
+``--out``, prints a table.
 
     python benchmarks/bench_fca.py --out benchmarks/results
 """

@@ -134,6 +134,10 @@ def _classes(bt: torch.Tensor, seq_lens: torch.Tensor, full: torch.Tensor, block
     return _classes_torch(bt, full)
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1)
+
+
 def _next_true(mask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """For each column j: the smallest j' > j with mask[:, j'], else ``limit`` (per row)."""
     _B, MB = mask.shape
@@ -209,23 +213,22 @@ def plan_forest(
     end = _next_true(start | ~shared, ncols)
 
     G = max_group
-    flat = lambda t: t.reshape(-1)
     jj = j.expand(B, MB)
     # One item per (class start cell, tile of G members), numbered by the class's first
     # member's cell; every member cell scatters itself into its tile.
     lead = start & (rank == 0)
     ntiles = torch.where(lead, (cnt + G - 1) // G, 0)
-    base = torch.cumsum(flat(ntiles), 0) - flat(ntiles)
-    n_shared = flat(ntiles).sum(dtype=i32).reshape(1)
-    item = torch.where(flat(start), base[flat(rep).long() * MB + flat(jj).long()]
-                       + flat(rank // G).long(), cap)
+    base = torch.cumsum(_flat(ntiles), 0) - _flat(ntiles)
+    n_shared = _flat(ntiles).sum(dtype=i32).reshape(1)
+    item = torch.where(_flat(start), base[_flat(rep).long() * MB + _flat(jj).long()]
+                       + _flat(rank // G).long(), cap)
     sh_mem = torch.full(((cap + 1) * G,), -1, device=dev, dtype=i32)
-    sh_mem[item * G + flat(torch.where(start, rank % G, 0)).long()] = flat(b_idx).to(i32)
+    sh_mem[item * G + _flat(torch.where(start, rank % G, 0)).long()] = _flat(b_idx).to(i32)
     sh_mem = sh_mem.view(cap + 1, G)
-    tl_item = torch.where(flat(start & (rank % G == 0)), item, cap)
+    tl_item = torch.where(_flat(start & (rank % G == 0)), item, cap)
     sh_fields = torch.zeros(5, cap + 1, device=dev, dtype=i32)
-    vals = torch.stack([flat(b_idx), flat(jj), flat(end), flat(slot),
-                        flat(torch.clamp(cnt - (rank // G) * G, max=G))]).to(i32)
+    vals = torch.stack([_flat(b_idx), _flat(jj), _flat(end), _flat(slot),
+                        _flat(torch.clamp(cnt - (rank // G) * G, max=G))]).to(i32)
     sh_fields[:, tl_item] = vals
     # Private blocks: every other valid column, compacted into a virtual block-table row
     # (the partial last block is never shared, so it stays last).
