@@ -4,8 +4,8 @@
 
 - under ``torchrun`` / Ray / a DeepSpeed launcher the usual ``RANK``, ``WORLD_SIZE``,
   ``MASTER_ADDR`` and ``MASTER_PORT`` are set and are used as they are;
-- in a plain Python process nothing is set: the missing variables default to a single rank
-  (``RANK=0``, ``WORLD_SIZE=1``, ``LOCAL_RANK=0``, ``MASTER_ADDR=127.0.0.1`` and a free port).
+- in a plain Python process nothing is set: a single-rank group is made on a free local port
+  (only ``LOCAL_RANK=0`` is written to the environment, for DeepSpeed).
 
 The backend is NCCL on CUDA and gloo on CPU. ``checksum_named_tensors`` gives a short digest of
 a model's weights that two engines (trainer and sampler) compare after a weight sync.
@@ -31,23 +31,28 @@ def free_port() -> int:
 
 
 def ensure_process_group(device: torch.device) -> tuple[int, int]:
-    """Initialise ``torch.distributed`` if needed; return ``(rank, world_size)``."""
+    """Initialise ``torch.distributed`` if needed; return ``(rank, world_size)``.
+
+    With a launcher's ``WORLD_SIZE`` > 1 the ``env://`` variables are used. Without one, a
+    single-rank group is made on a free local port; the environment is left alone except for
+    ``LOCAL_RANK=0``, which DeepSpeed reads (so child processes started later by other code do
+    not inherit a fake ``RANK`` / ``WORLD_SIZE`` / ``MASTER_PORT``).
+    """
     if not dist.is_initialized():
-        env = os.environ
-        if "WORLD_SIZE" not in env or env["WORLD_SIZE"] == "1":
-            env.setdefault("RANK", "0")
-            env.setdefault("WORLD_SIZE", "1")
-            env.setdefault("LOCAL_RANK", "0")
-            env.setdefault("MASTER_ADDR", "127.0.0.1")
-            env.setdefault("MASTER_PORT", str(free_port()))
-        env.setdefault("LOCAL_RANK", env.get("RANK", "0"))
-        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]
-        if missing:
-            raise RuntimeError(f"WORLD_SIZE={env['WORLD_SIZE']} but {missing} are not set: start the "
-                               "ranks with torchrun (or set the variables yourself)")
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, init_method="env://", **kwargs)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            if missing:
+                raise RuntimeError(f"WORLD_SIZE={world} but {missing} are not set: start the ranks "
+                                   "with torchrun (or set the variables yourself)")
+            os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+            dist.init_process_group(backend, init_method="env://", **kwargs)
+        else:
+            os.environ.setdefault("LOCAL_RANK", "0")
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                    world_size=1, **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
 
