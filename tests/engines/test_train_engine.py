@@ -231,3 +231,27 @@ def test_offload_needs_zero():
     engine = TrainingEngine(train_config(0))
     with pytest.raises(NotImplementedError):
         engine.offload()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_checkpointing_same_step(stage):
+    batch = make_batch(11, old=True)
+    out = []
+    for ckpt in (False, True):
+        engine = TrainingEngine(train_config(stage, gradient_checkpointing=ckpt))
+        out.append((engine.forward_backward(batch)["loss"], engine.step()["grad_norm"]))
+    assert out[1][0] == pytest.approx(out[0][0], rel=1e-6)
+    assert out[1][1] == pytest.approx(out[0][1], rel=1e-5)
+
+
+def test_lr_schedule_reported_by_step():
+    cfg = train_config(1, lr=1e-3, optim={"eps": 1e-3, "schedule": "warmup_cosine", "warmup_steps": 2,
+                                          "total_steps": 6, "min_lr_ratio": 0.1})
+    engine = TrainingEngine(cfg)
+    batch = make_batch(12, old=True)
+    lrs = []
+    for _ in range(7):
+        engine.forward_backward(batch)
+        lrs.append(engine.step()["lr"])
+    assert lrs == pytest.approx([1e-3 * cfg.optim.lr_factor(s) for s in range(7)], rel=1e-9)
+    assert lrs[0] < lrs[2] and lrs[-1] == pytest.approx(1e-4)
