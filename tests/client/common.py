@@ -8,7 +8,7 @@ from polynya import RolloutBatch, SamplingParams
 
 MODEL = "tiny:qwen3"
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [5, 6, 7, 8, 9, 10, 11]]
-FIXED_PROMPT = [17, 3, 99, 250, 7, 64]
+FIXED_PROMPTS = [[17, 3, 99, 250, 7, 64], [300, 301, 5]]
 
 
 def tiny_config(protocol: str, **kw) -> polynya.RLClientConfig:
@@ -28,11 +28,15 @@ def rollout_batch(out, prompts) -> RolloutBatch:
 
 
 def greedy_vs_trainer(client) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's log-probs of its greedy continuation of ``FIXED_PROMPT`` (model distribution,
-    temperature 1) and the trainer's log-probs of the same tokens."""
-    s = client.generate([FIXED_PROMPT], SamplingParams(temperature=0.0, max_tokens=8, logprobs=True))[0][0]
-    stats = client.compute_logprobs(RolloutBatch([FIXED_PROMPT], [s.token_ids]), temperature=1.0)
-    return torch.tensor(s.logprobs), stats.logprobs[0, :len(s.token_ids)]
+    """The sampler's log-probs of its greedy continuations of ``FIXED_PROMPTS`` (model
+    distribution, temperature 1) and the trainer's log-probs of the same tokens, flattened.
+    Two prompts: a data-parallel trainer needs at least one prompt group per rank."""
+    out = client.generate(FIXED_PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=True))
+    samples = [g[0] for g in out]
+    stats = client.compute_logprobs(RolloutBatch(FIXED_PROMPTS, [s.token_ids for s in samples]), temperature=1.0)
+    sampler = torch.cat([torch.tensor(s.logprobs) for s in samples])
+    trainer = torch.cat([stats.logprobs[i, :len(s.token_ids)] for i, s in enumerate(samples)])
+    return sampler, trainer
 
 
 def rl_round_trip(client, *, replicas: int = 1) -> dict:

@@ -1,7 +1,7 @@
 """The Ray client on CPU (custom device resource): colocated (trainer, sampler and log-prob actor
-sharing one bundle; shared-memory sync) and split (two sampler replicas; gloo broadcast sync);
-a killed sampler actor surfaces as ``EngineError`` at the client, not a hang. Kept to two small
-clusters' worth of actors (~220 MB each)."""
+sharing one bundle; shared-memory sync) and split (two training ranks, two sampler replicas; gloo broadcast sync);
+a killed sampler actor surfaces as ``EngineError`` at the client, not a hang. One small cluster,
+at most four actors at a time (~220 MB each)."""
 import asyncio
 import os
 import time
@@ -51,10 +51,13 @@ def test_ray_colocated(cluster):
 
 
 def test_ray_split_and_dead_actor(cluster):
-    cfg = tiny_config("ray", colocate=False, sampling_gpus=2, device_resource="polynya_device", timeout_s=60)
+    """Two DeepSpeed training ranks (data parallel, each sending half of the buckets) and two
+    sampler replicas on four bundles."""
+    cfg = tiny_config("ray", colocate=False, training_gpus=2, sampling_gpus=2,
+                      device_resource="polynya_device", timeout_s=60)
     with polynya.create_rl_client(cfg) as client:
         info = rl_round_trip(client, replicas=2)
-        assert info["method"] == "broadcast" and info["receivers"] == 2
+        assert info["method"] == "broadcast" and info["receivers"] == 2 and info["buckets"] > 2
         ray.kill(client.samplers[1], no_restart=True)
         t0 = time.monotonic()
         with pytest.raises(EngineError, match="generate"):
