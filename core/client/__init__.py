@@ -16,6 +16,7 @@
 Protocols: ``local`` (``LocalClient``), ``ray`` (``RayClient``, ``polynya[ray]``), ``http``
 (``HTTPClient`` against ``polynya.client.server``, ``polynya[http]``).
 """
+
 from __future__ import annotations
 
 from .. import config as _engine_configs  # noqa: F401  (first: it re-exports RLClientConfig)

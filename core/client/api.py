@@ -5,6 +5,7 @@ block on local work an ``async`` twin of each that runs it on a worker thread
 (``asyncio.to_thread``), so the event loop never blocks. ``ENGINES`` names what ``sleep`` /
 ``wake`` act on.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,10 +36,17 @@ def check_logprob_model(model: str) -> str:
 class RLClient(Protocol):
     """What ``polynya.create_rl_client`` returns (every protocol; ``*_async`` twins too)."""
 
-    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[list[Sample]]: ...
-    def compute_logprobs(self, batch: RolloutBatch, *, model: str = "policy", entropy: bool = False,
-                         temperature: float | None = None) -> TokenStats: ...
+    def generate(
+        self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[Sample]]: ...
+    def compute_logprobs(
+        self,
+        batch: RolloutBatch,
+        *,
+        model: str = "policy",
+        entropy: bool = False,
+        temperature: float | None = None,
+    ) -> TokenStats: ...
     def forward_backward(self, batch: RolloutBatch) -> dict[str, float]: ...
     def step(self) -> dict[str, float]: ...
     def sync_weights(self) -> dict[str, Any]: ...

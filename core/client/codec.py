@@ -9,6 +9,7 @@ Batch tensors (safetensors, metadata ``{"format": "polynya.batch.v1"}``): ``prom
 Token statistics: ``logprobs`` float32 ``[B, Rmax]``, ``mask`` bool ``[B, Rmax]``, optional
 ``entropy`` float32 ``[B, Rmax]``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,10 +28,12 @@ _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def encode_batch(batch: RolloutBatch) -> bytes:
-    t = {"prompt_ids": torch.from_numpy(_cat(batch.prompts)),
-         "prompt_lens": torch.tensor([p.size for p in batch.prompts], dtype=torch.int64),
-         "response_ids": torch.from_numpy(_cat(batch.responses)),
-         "response_lens": torch.tensor([r.size for r in batch.responses], dtype=torch.int64)}
+    t = {
+        "prompt_ids": torch.from_numpy(_cat(batch.prompts)),
+        "prompt_lens": torch.tensor([p.size for p in batch.prompts], dtype=torch.int64),
+        "response_ids": torch.from_numpy(_cat(batch.responses)),
+        "response_lens": torch.tensor([r.size for r in batch.responses], dtype=torch.int64),
+    }
     if batch.group_ids is not None:
         t["group_ids"] = torch.tensor(batch.group_ids, dtype=torch.int64)
     for name in ("advantages", "old_logprobs", "ref_logprobs"):
@@ -55,16 +58,22 @@ def _load(data: bytes, what: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"body is not valid safetensors ({what}): {exc}") from None
 
 
-def _get(t: dict, name: str, dtypes, ndim: int | None, required: bool = True) -> torch.Tensor | None:
+def _get(
+    t: dict, name: str, dtypes, ndim: int | None, required: bool = True
+) -> torch.Tensor | None:
     if name not in t:
         if required:
             raise ValueError(f"missing tensor {name!r}")
         return None
     x = t[name]
     if x.dtype not in dtypes:
-        raise ValueError(f"tensor {name!r} has dtype {x.dtype}; expected one of {[str(d) for d in dtypes]}")
+        raise ValueError(
+            f"tensor {name!r} has dtype {x.dtype}; expected one of {[str(d) for d in dtypes]}"
+        )
     if ndim is not None and x.dim() != ndim:
-        raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}; expected {ndim} dimension(s)")
+        raise ValueError(
+            f"tensor {name!r} has shape {tuple(x.shape)}; expected {ndim} dimension(s)"
+        )
     return x
 
 
@@ -72,20 +81,32 @@ def _split(flat: torch.Tensor, lens: torch.Tensor, what: str) -> list[torch.Tens
     if (lens < 0).any():
         raise ValueError(f"{what}_lens has negative entries")
     if int(lens.sum()) != flat.numel():
-        raise ValueError(f"{what}_lens sum to {int(lens.sum())} but {what}_ids holds {flat.numel()} tokens")
+        raise ValueError(
+            f"{what}_lens sum to {int(lens.sum())} but {what}_ids holds {flat.numel()} tokens"
+        )
     return list(flat.to(torch.int64).split(lens.tolist()))
 
 
 def decode_batch(data: bytes) -> RolloutBatch:
     t = _load(data, "a RolloutBatch")
-    unknown = set(t) - {"prompt_ids", "prompt_lens", "response_ids", "response_lens", "group_ids",
-                        "advantages", "old_logprobs", "ref_logprobs"}
+    unknown = set(t) - {
+        "prompt_ids",
+        "prompt_lens",
+        "response_ids",
+        "response_lens",
+        "group_ids",
+        "advantages",
+        "old_logprobs",
+        "ref_logprobs",
+    }
     if unknown:
         raise ValueError(f"unknown tensors {sorted(unknown)}")
     p_lens = _get(t, "prompt_lens", _INT, 1)
     r_lens = _get(t, "response_lens", _INT, 1)
     if p_lens.numel() != r_lens.numel():
-        raise ValueError(f"prompt_lens has {p_lens.numel()} samples, response_lens {r_lens.numel()}")
+        raise ValueError(
+            f"prompt_lens has {p_lens.numel()} samples, response_lens {r_lens.numel()}"
+        )
     prompts = _split(_get(t, "prompt_ids", _INT, 1), p_lens, "prompt")
     responses = _split(_get(t, "response_ids", _INT, 1), r_lens, "response")
     groups = _get(t, "group_ids", _INT, 1, required=False)
@@ -96,8 +117,10 @@ def decode_batch(data: bytes) -> RolloutBatch:
 
 
 def encode_stats(stats: TokenStats) -> bytes:
-    t = {"logprobs": stats.logprobs.detach().float().cpu().contiguous(),
-         "mask": stats.mask.detach().cpu().contiguous()}
+    t = {
+        "logprobs": stats.logprobs.detach().float().cpu().contiguous(),
+        "mask": stats.mask.detach().cpu().contiguous(),
+    }
     if stats.entropy is not None:
         t["entropy"] = stats.entropy.detach().float().cpu().contiguous()
     return st_save(t, metadata={"format": STATS_FORMAT})
@@ -131,17 +154,25 @@ def params_to_json(p: SamplingParams) -> dict:
 
 
 def sample_to_json(s: Sample) -> dict:
-    return {"token_ids": list(s.token_ids), "logprobs": s.logprobs, "finish_reason": s.finish_reason}
+    return {
+        "token_ids": list(s.token_ids),
+        "logprobs": s.logprobs,
+        "finish_reason": s.finish_reason,
+    }
 
 
 def sample_from_json(d: dict) -> Sample:
-    return Sample(token_ids=list(d["token_ids"]), logprobs=d.get("logprobs"), finish_reason=d["finish_reason"])
+    return Sample(
+        token_ids=list(d["token_ids"]), logprobs=d.get("logprobs"), finish_reason=d["finish_reason"]
+    )
 
 
 def prompts_from_json(prompts: Any) -> list[list[int]]:
     if not isinstance(prompts, list) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     for i, p in enumerate(prompts):
-        if not isinstance(p, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        if not isinstance(p, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in p
+        ):
             raise ValueError(f"prompts[{i}] must be a list of integer token ids")
     return prompts

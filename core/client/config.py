@@ -11,6 +11,7 @@ Engine settings come from ``train`` / ``logprob`` / ``sampling`` (the engine dat
 dicts of their fields); ``model_name``, ``dtype``, ``zorro_train`` and ``zorro_inference`` (FCA)
 are written over them so the engines always agree on the model. Validated in ``__post_init__``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,9 @@ def _as(cls, value, name: str, **fixed):
         return cls(**{**value, **fixed})
     if isinstance(value, cls):
         return dataclasses.replace(value, **fixed)
-    raise ValueError(f"RLClientConfig.{name} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+    raise ValueError(
+        f"RLClientConfig.{name} must be a {cls.__name__} or a dict, got {type(value).__name__}"
+    )
 
 
 @dataclass
@@ -92,38 +95,77 @@ class RLClientConfig:
     def __post_init__(self) -> None:
         check_model_spec(self.model_name, "RLClientConfig.model_name")
         if self.dtype not in ENGINE_DTYPES:
-            raise ValueError(f"RLClientConfig.dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
+            raise ValueError(
+                f"RLClientConfig.dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}"
+            )
         if self.comm_protocol not in PROTOCOLS:
-            raise ValueError(f"RLClientConfig.comm_protocol must be one of {PROTOCOLS}, got {self.comm_protocol!r}")
+            raise ValueError(
+                f"RLClientConfig.comm_protocol must be one of {PROTOCOLS}, got {self.comm_protocol!r}"
+            )
         check_positive(self.training_gpus, "RLClientConfig.training_gpus", integer=True)
         check_positive(self.sampling_gpus, "RLClientConfig.sampling_gpus", integer=True)
-        check_positive(self.log_prob_gpus, "RLClientConfig.log_prob_gpus", allow_zero=True, integer=True)
-        for name in ("colocate", "zorro_train", "zorro_inference", "reference_model", "verify_sync"):
+        check_positive(
+            self.log_prob_gpus, "RLClientConfig.log_prob_gpus", allow_zero=True, integer=True
+        )
+        for name in (
+            "colocate",
+            "zorro_train",
+            "zorro_inference",
+            "reference_model",
+            "verify_sync",
+        ):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RLClientConfig.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"RLClientConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                )
         if self.sampler not in SAMPLERS:
-            raise ValueError(f"RLClientConfig.sampler must be one of {SAMPLERS}, got {self.sampler!r}")
+            raise ValueError(
+                f"RLClientConfig.sampler must be one of {SAMPLERS}, got {self.sampler!r}"
+            )
         if self.colocate and self.sampling_gpus != self.training_gpus:
-            raise ValueError(f"colocate=True puts one sampler replica on each training GPU: sampling_gpus "
-                             f"({self.sampling_gpus}) must equal training_gpus ({self.training_gpus})")
+            raise ValueError(
+                f"colocate=True puts one sampler replica on each training GPU: sampling_gpus "
+                f"({self.sampling_gpus}) must equal training_gpus ({self.training_gpus})"
+            )
         if self.colocate and self.log_prob_gpus not in (0, self.training_gpus):
             raise ValueError("colocate=True: log_prob_gpus must be 0 or equal to training_gpus")
         if self.device is not None and self.device not in ("cpu", "cuda"):
-            raise ValueError(f"RLClientConfig.device must be 'cpu', 'cuda' or None, got {self.device!r}")
+            raise ValueError(
+                f"RLClientConfig.device must be 'cpu', 'cuda' or None, got {self.device!r}"
+            )
         check_positive(self.bucket_bytes, "RLClientConfig.bucket_bytes", integer=True)
         check_positive(self.timeout_s, "RLClientConfig.timeout_s")
         check_positive(self.max_body_bytes, "RLClientConfig.max_body_bytes", integer=True)
-        if self.server_url is not None and not str(self.server_url).startswith(("http://", "https://")):
-            raise ValueError(f"RLClientConfig.server_url must start with http:// or https://, got {self.server_url!r}")
+        if self.server_url is not None and not str(self.server_url).startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                f"RLClientConfig.server_url must start with http:// or https://, got {self.server_url!r}"
+            )
         if not isinstance(self.device_resource, str) or not self.device_resource:
             raise ValueError("RLClientConfig.device_resource must be a resource name")
         common = dict(model=self.model_name, dtype=self.dtype)
         dev = {} if self.device is None else {"device": self.device}
         self.train = _as(TrainConfig, self.train, "train", zorro=self.zorro_train, **common, **dev)
-        self.logprob = _as(LogProbConfig, self.logprob, "logprob", zorro=self.zorro_train,
-                           seed=self.train.seed, **common, **dev)
-        self.sampling = _as(SamplerConfig, self.sampling, "sampling", backend=self.sampler,
-                            fca=self.zorro_inference, seed=self.train.seed, **common, **dev)
+        self.logprob = _as(
+            LogProbConfig,
+            self.logprob,
+            "logprob",
+            zorro=self.zorro_train,
+            seed=self.train.seed,
+            **common,
+            **dev,
+        )
+        self.sampling = _as(
+            SamplerConfig,
+            self.sampling,
+            "sampling",
+            backend=self.sampler,
+            fca=self.zorro_inference,
+            seed=self.train.seed,
+            **common,
+            **dev,
+        )
 
     def replace(self, **changes) -> "RLClientConfig":
         """A copy with ``changes`` (validated again)."""

@@ -25,7 +25,16 @@ from ..sync import SyncError, SyncGroup
 from ..sync.manifest import dtype_from_name
 from ..types import SamplingParams
 
-_PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop_token_ids", "seed")
+_PARAM_KEYS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "stop_token_ids",
+    "seed",
+)
 
 
 def _params(d: dict, want_logprobs: bool) -> SamplingParams:
@@ -38,8 +47,11 @@ def _params(d: dict, want_logprobs: bool) -> SamplingParams:
 def _prompt_lists(prompt) -> list[list[int]]:
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(isinstance(x, int) for x in p)
-                                                   for p in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, list) and p and all(isinstance(x, int) for x in p) for p in prompt)
+    ):
         return prompt
     raise ValueError("prompt must be token ids: a list of ints or a list of lists of ints")
 
@@ -57,10 +69,14 @@ class WeightTransfer:
             host, port = str(info["master_address"]), int(info["master_port"])
             offset, world = int(info.get("rank_offset", 1)), int(info["world_size"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"init_info needs master_address, master_port, world_size: {exc}") from None
+            raise ValueError(
+                f"init_info needs master_address, master_port, world_size: {exc}"
+            ) from None
         device = _device(self.samplers[0])
-        self.groups = [SyncGroup(host, port, rank=offset + i, world_size=world, device=device)
-                       for i in range(len(self.samplers))[:1]]
+        self.groups = [
+            SyncGroup(host, port, rank=offset + i, world_size=world, device=device)
+            for i in range(len(self.samplers))[:1]
+        ]
 
     def update(self, info: dict) -> None:
         if self.staged is None:
@@ -138,14 +154,34 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
         for group in out:
             for s in group:
                 text = tokenizer.decode(s.token_ids) if tokenizer is not None else ""
-                lp = {"token_logprobs": s.logprobs, "tokens": [f"token_id:{t}" for t in s.token_ids]} if want_lp else None
-                choices.append({"index": len(choices), "text": text, "token_ids": s.token_ids, "logprobs": lp,
-                                "finish_reason": s.finish_reason})
+                lp = (
+                    {"token_logprobs": s.logprobs, "tokens": [f"token_id:{t}" for t in s.token_ids]}
+                    if want_lp
+                    else None
+                )
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": text,
+                        "token_ids": s.token_ids,
+                        "logprobs": lp,
+                        "finish_reason": s.finish_reason,
+                    }
+                )
         n_prompt = sum(len(p) for p in prompts)
         n_out = sum(len(c["token_ids"]) for c in choices)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": body.get("model"), "choices": choices,
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out,
+            },
+        }
 
     @app.post("/inference/v1/generate")
     async def generate(request: Request) -> dict:
@@ -156,14 +192,31 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
             raise ValueError("sampling_params must be an object")
         want_lp = sp.get("logprobs") is not None
         out = await gen(prompts, _params(sp, want_lp))
-        choices = [{"index": i, "token_ids": s.token_ids, "finish_reason": s.finish_reason,
-                    "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
-                                             for t, lp in zip(s.token_ids, s.logprobs)]} if want_lp else None}
-                   for i, s in enumerate(x for g in out for x in g)]
+        choices = [
+            {
+                "index": i,
+                "token_ids": s.token_ids,
+                "finish_reason": s.finish_reason,
+                "logprobs": {
+                    "content": [
+                        {"token": f"token_id:{t}", "logprob": lp}
+                        for t, lp in zip(s.token_ids, s.logprobs)
+                    ]
+                }
+                if want_lp
+                else None,
+            }
+            for i, s in enumerate(x for g in out for x in g)
+        ]
         n_prompt = sum(len(p) for p in prompts)
-        return {"request_id": body.get("request_id") or uuid.uuid4().hex, "choices": choices,
-                "usage": {"prompt_tokens": n_prompt,
-                          "completion_tokens": sum(len(c["token_ids"]) for c in choices)}}
+        return {
+            "request_id": body.get("request_id") or uuid.uuid4().hex,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": sum(len(c["token_ids"]) for c in choices),
+            },
+        }
 
     @app.post("/init_weight_transfer_engine")
     async def init_transfer(request: Request) -> dict:
@@ -224,4 +277,6 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
 
     @app.get("/get_world_size")
     async def get_world_size() -> dict:
-        return {"world_size": 1}  # one receiving rank per server (rank_offset), whatever its replicas
+        return {
+            "world_size": 1
+        }  # one receiving rank per server (rank_offset), whatever its replicas

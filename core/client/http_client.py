@@ -7,6 +7,7 @@ one request description per call, so they behave the same. Errors map back to Py
 ``ValueError`` (401 → ``PermissionError``, 409 → ``RuntimeError`` / ``SyncError``), 5xx and
 network failures or timeouts → ``EngineError``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,11 +53,18 @@ class _EmbeddedServer:
         from .server import create_app
 
         self.client = LocalClient(config.replace(comm_protocol="local"))
-        app = create_app(self.client, api_token=config.api_token, max_body_bytes=config.max_body_bytes,
-                         tokenizer=load_tokenizer(config.model_name))
+        app = create_app(
+            self.client,
+            api_token=config.api_token,
+            max_body_bytes=config.max_body_bytes,
+            tokenizer=load_tokenizer(config.model_name),
+        )
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, name="polynya-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -110,7 +118,9 @@ class HTTPClient:
         if self._closed:
             raise RuntimeError("the client is shut down")
         try:
-            resp = self._http.request(req.method, req.path, json=req.json, content=req.content, params=req.params)
+            resp = self._http.request(
+                req.method, req.path, json=req.json, content=req.content, params=req.params
+            )
         except self.httpx.HTTPError as exc:
             raise EngineError(f"{req.path}: {type(exc).__name__}: {exc}") from exc
         return self._result(req, resp)
@@ -120,8 +130,9 @@ class HTTPClient:
             raise RuntimeError("the client is shut down")
         try:
             async with self.httpx.AsyncClient(**self._ahttp_args) as http:
-                resp = await http.request(req.method, req.path, json=req.json, content=req.content,
-                                          params=req.params)
+                resp = await http.request(
+                    req.method, req.path, json=req.json, content=req.content, params=req.params
+                )
         except self.httpx.HTTPError as exc:
             raise EngineError(f"{req.path}: {type(exc).__name__}: {exc}") from exc
         return self._result(req, resp)
@@ -129,10 +140,15 @@ class HTTPClient:
     # ------------------------------------------------------------------ requests
     @staticmethod
     def _generate_req(prompts, params) -> _Req:
-        plist = ([params_to_json(params)] if isinstance(params, SamplingParams)
-                 else [params_to_json(p) for p in params])
-        body = {"prompts": [as_token_array(p, f"prompts[{i}]").tolist() for i, p in enumerate(prompts)],
-                "params": plist[0] if isinstance(params, SamplingParams) else plist}
+        plist = (
+            [params_to_json(params)]
+            if isinstance(params, SamplingParams)
+            else [params_to_json(p) for p in params]
+        )
+        body = {
+            "prompts": [as_token_array(p, f"prompts[{i}]").tolist() for i, p in enumerate(prompts)],
+            "params": plist[0] if isinstance(params, SamplingParams) else plist,
+        }
         decode = lambda r: [[sample_from_json(s) for s in g] for g in r.json()["samples"]]  # noqa: E731
         return _Req("POST", "/rl/generate", json=body, decode=decode)
 
@@ -142,16 +158,28 @@ class HTTPClient:
         params = {"model": model, "entropy": str(bool(entropy)).lower()}
         if temperature is not None:
             params["temperature"] = temperature
-        return _Req("POST", "/rl/compute_logprobs", content=encode_batch(batch), params=params,
-                    decode=lambda r: decode_stats(r.content))
+        return _Req(
+            "POST",
+            "/rl/compute_logprobs",
+            content=encode_batch(batch),
+            params=params,
+            decode=lambda r: decode_stats(r.content),
+        )
 
     # ------------------------------------------------------------------ sync API
-    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[Sample]]:
         return self._send(self._generate_req(prompts, params))
 
-    def compute_logprobs(self, batch: RolloutBatch, *, model: str = "policy", entropy: bool = False,
-                         temperature: float | None = None) -> TokenStats:
+    def compute_logprobs(
+        self,
+        batch: RolloutBatch,
+        *,
+        model: str = "policy",
+        entropy: bool = False,
+        temperature: float | None = None,
+    ) -> TokenStats:
         return self._send(self._logprobs_req(batch, model, entropy, temperature))
 
     def forward_backward(self, batch: RolloutBatch) -> dict[str, float]:
@@ -182,7 +210,9 @@ class HTTPClient:
     async def generate_async(self, prompts, params) -> list[list[Sample]]:
         return await self._asend(self._generate_req(prompts, params))
 
-    async def compute_logprobs_async(self, batch, *, model="policy", entropy=False, temperature=None):
+    async def compute_logprobs_async(
+        self, batch, *, model="policy", entropy=False, temperature=None
+    ):
         return await self._asend(self._logprobs_req(batch, model, entropy, temperature))
 
     async def forward_backward_async(self, batch) -> dict[str, float]:
@@ -195,7 +225,9 @@ class HTTPClient:
         return await self._asend(_Req("POST", "/rl/sync_weights"))
 
     async def sleep_async(self, engine: str = "sampler", level: int = 1) -> None:
-        await self._asend(_Req("POST", "/rl/sleep", json={"engine": check_engine(engine), "level": level}))
+        await self._asend(
+            _Req("POST", "/rl/sleep", json={"engine": check_engine(engine), "level": level})
+        )
 
     async def wake_async(self, engine: str = "sampler") -> None:
         await self._asend(_Req("POST", "/rl/wake", json={"engine": check_engine(engine)}))

@@ -11,6 +11,7 @@ split = trainer on ``cuda:0``, samplers and log-prob engine on the following GPU
 (no transport in one process), verifies them against the trainer's ``weight_checksum()`` and
 applies them under a new version (``polynya.sync``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,16 +38,20 @@ def local_devices(cfg: RLClientConfig) -> tuple[str, list[str], str]:
         return "cuda:0", ["cuda:0"] * cfg.sampling_gpus, "cuda:0"
     need = 1 + cfg.sampling_gpus + (1 if cfg.log_prob_gpus else 0)
     if torch.cuda.device_count() < need:
-        raise ValueError(f"colocate=False needs {need} GPUs here (trainer, {cfg.sampling_gpus} samplers"
-                         f"{', log-prob' if cfg.log_prob_gpus else ''}); {torch.cuda.device_count()} visible")
+        raise ValueError(
+            f"colocate=False needs {need} GPUs here (trainer, {cfg.sampling_gpus} samplers"
+            f"{', log-prob' if cfg.log_prob_gpus else ''}); {torch.cuda.device_count()} visible"
+        )
     samplers = [f"cuda:{1 + i}" for i in range(cfg.sampling_gpus)]
     return "cuda:0", samplers, f"cuda:{1 + cfg.sampling_gpus}"
 
 
 def to_cpu_stats(stats: TokenStats) -> TokenStats:
-    return TokenStats(stats.logprobs.detach().cpu(),
-                      None if stats.entropy is None else stats.entropy.detach().cpu(),
-                      stats.mask.detach().cpu())
+    return TokenStats(
+        stats.logprobs.detach().cpu(),
+        None if stats.entropy is None else stats.entropy.detach().cpu(),
+        stats.mask.detach().cpu(),
+    )
 
 
 def split_params(params, idx: list[int]):
@@ -60,20 +65,30 @@ class LocalClient(ThreadedAsync):
         from ..engines import LogProbEngine, SamplingEngine, TrainingEngine
 
         if config.training_gpus != 1:
-            raise ValueError("comm_protocol='local' runs one training rank; use 'ray' for training_gpus > 1")
+            raise ValueError(
+                "comm_protocol='local' runs one training rank; use 'ray' for training_gpus > 1"
+            )
         self.config = config
         t_dev, s_devs, l_dev = local_devices(config)
         self.trainer = TrainingEngine(dataclasses.replace(config.train, device=t_dev))
-        self.samplers = [SamplingEngine(dataclasses.replace(config.sampling, device=d)) for d in s_devs]
+        self.samplers = [
+            SamplingEngine(dataclasses.replace(config.sampling, device=d)) for d in s_devs
+        ]
         lp_cfg = dataclasses.replace(config.logprob, device=l_dev)
         self.logprob = LogProbEngine(lp_cfg) if config.log_prob_gpus else None
-        self.reference = LogProbEngine(dataclasses.replace(lp_cfg, device=t_dev)) if config.reference_model else None
+        self.reference = (
+            LogProbEngine(dataclasses.replace(lp_cfg, device=t_dev))
+            if config.reference_model
+            else None
+        )
         self.version = 0
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._generating = 0
         self._trainer_on, self._sampler_awake = True, True
-        self._pool = ThreadPoolExecutor(max(1, len(self.samplers)), thread_name_prefix="polynya-local")
+        self._pool = ThreadPoolExecutor(
+            max(1, len(self.samplers)), thread_name_prefix="polynya-local"
+        )
         self._closed = False
 
     # ------------------------------------------------------------------ hand-over
@@ -86,8 +101,12 @@ class LocalClient(ThreadedAsync):
             for s in self.samplers:
                 s.wake()
             self._sampler_awake = True
-        if (self.config.colocate and self._trainer_on and not getattr(self.trainer, "_pending", 0)
-                and self.config.train.zero_stage > 0):  # ZeRO-0 cannot offload: it stays resident
+        if (
+            self.config.colocate
+            and self._trainer_on
+            and not getattr(self.trainer, "_pending", 0)
+            and self.config.train.zero_stage > 0
+        ):  # ZeRO-0 cannot offload: it stays resident
             self.trainer.offload()
             self._trainer_on = False
 
@@ -103,8 +122,9 @@ class LocalClient(ThreadedAsync):
             self._trainer_on = True
 
     # ------------------------------------------------------------------ API
-    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[Sample]]:
         """``n`` samples per prompt, prompt groups routed to one replica each."""
         with self._lock:
             self._check_open()
@@ -114,8 +134,11 @@ class LocalClient(ThreadedAsync):
             if len(self.samplers) == 1:
                 return self.samplers[0].generate(prompts, params)
             routes = route_prompts(prompts, params, len(self.samplers))
-            futs = [self._pool.submit(s.generate, [prompts[i] for i in idx], split_params(params, idx))
-                    for s, idx in zip(self.samplers, routes) if idx]
+            futs = [
+                self._pool.submit(s.generate, [prompts[i] for i in idx], split_params(params, idx))
+                for s, idx in zip(self.samplers, routes)
+                if idx
+            ]
             results = [f.result() for f in futs]
             return merge_routed([r for r in routes if r], results, len(prompts))
         finally:
@@ -123,8 +146,14 @@ class LocalClient(ThreadedAsync):
                 self._generating -= 1
                 self._idle.notify_all()
 
-    def compute_logprobs(self, batch: RolloutBatch, *, model: str = "policy", entropy: bool = False,
-                         temperature: float | None = None) -> TokenStats:
+    def compute_logprobs(
+        self,
+        batch: RolloutBatch,
+        *,
+        model: str = "policy",
+        entropy: bool = False,
+        temperature: float | None = None,
+    ) -> TokenStats:
         """Old-policy (``"policy"``: log-prob engine, else the trainer) or ``"reference"`` log-probs."""
         check_logprob_model(model)
         if model == "reference" and self.reference is None:
@@ -133,7 +162,9 @@ class LocalClient(ThreadedAsync):
         with self._lock:
             self._check_open()
             self._to_trainer()
-            return to_cpu_stats(engine.compute_logprobs(batch, entropy=entropy, temperature=temperature))
+            return to_cpu_stats(
+                engine.compute_logprobs(batch, entropy=entropy, temperature=temperature)
+            )
 
     def forward_backward(self, batch: RolloutBatch) -> dict[str, float]:
         with self._lock:
@@ -154,24 +185,37 @@ class LocalClient(ThreadedAsync):
             self._to_trainer()
             t0 = time.perf_counter()
             bb = self.config.bucket_bytes
-            manifest = build_manifest(self.trainer, version=self.version + 1, bucket_bytes=bb, layout="spans")
+            manifest = build_manifest(
+                self.trainer, version=self.version + 1, bucket_bytes=bb, layout="spans"
+            )
             t_manifest = time.perf_counter() - t0
             receivers = list(self.samplers) + ([self.logprob] if self.logprob is not None else [])
             staged = [StagedUpdate(manifest) for _ in receivers]
             devices = [_engine_device(r) for r in receivers]
-            spans = flat_spans(self.trainer.module) if manifest.buckets[0].offsets is not None else None
-            buckets = ((span for span, _ in spans) if spans is not None
-                       else (flat for _, flat in self.trainer.export_weights(bb)))
+            spans = (
+                flat_spans(self.trainer.module) if manifest.buckets[0].offsets is not None else None
+            )
+            buckets = (
+                (span for span, _ in spans)
+                if spans is not None
+                else (flat for _, flat in self.trainer.export_weights(bb))
+            )
             for i, flat in enumerate(buckets):  # spans: the trainer's own storage, no packing
                 for st, dev in zip(staged, devices):
                     st.put(i, flat.to(dev))
             for r, st in zip(receivers, staged):
                 apply_update(r, st, verify=self.config.verify_sync)
             self.version = manifest.version
-            return {"version": manifest.version, "checksum": manifest.checksum, "bytes": manifest.nbytes,
-                    "buckets": len(manifest.buckets), "receivers": len(receivers),
-                    "method": "direct_spans" if spans is not None else "direct",
-                    "manifest_s": t_manifest, "seconds": time.perf_counter() - t0}
+            return {
+                "version": manifest.version,
+                "checksum": manifest.checksum,
+                "bytes": manifest.nbytes,
+                "buckets": len(manifest.buckets),
+                "receivers": len(receivers),
+                "method": "direct_spans" if spans is not None else "direct",
+                "manifest_s": t_manifest,
+                "seconds": time.perf_counter() - t0,
+            }
 
     def sleep(self, engine: str = "sampler", level: int = 1) -> None:
         check_engine(engine)
@@ -221,11 +265,13 @@ class LocalClient(ThreadedAsync):
         with self._lock:
             self._check_open()
             self._to_trainer()
-            return {"trainer": self.trainer.weight_checksum(),
-                    "samplers": [engine_checksum(s) for s in self.samplers],
-                    "logprob": [engine_checksum(self.logprob)] if self.logprob is not None else [],
-                    "versions": [s.stats()["weight_version"] for s in self.samplers],
-                    "version": self.version}
+            return {
+                "trainer": self.trainer.weight_checksum(),
+                "samplers": [engine_checksum(s) for s in self.samplers],
+                "logprob": [engine_checksum(self.logprob)] if self.logprob is not None else [],
+                "versions": [s.stats()["weight_version"] for s in self.samplers],
+                "version": self.version,
+            }
 
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, "samplers": [s.stats() for s in self.samplers]}

@@ -12,6 +12,7 @@ receives their values. ``_run`` drives a plan with ``ray.get`` (sync API) and ``
 CUDA-IPC / shared-memory buckets, each replica reading the ones of its own GPU; split = a
 broadcast group (trainer ranks + every receiver) set up on the first sync.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,7 @@ import os
 import time
 from typing import Any, Generator, Sequence
 
-from ..cluster.placement import actor_options, create_placement_group, plan_layout
+from ..cluster.placement import create_placement_group, plan_layout, start_actors
 from ..cluster.routing import merge_routed, route_prompts
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
 from .api import EngineError, check_engine, check_logprob_model
@@ -37,50 +38,19 @@ def _import_ray():
     return ray
 
 
-def _address() -> tuple[str, int]:
-    import socket
-
-    import ray
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-
 class RayClient:
     """Client over Ray actors (module docstring)."""
 
     def __init__(self, config: RLClientConfig):
         ray = self.ray = _import_ray()
-        from ..cluster import workers
-
         self.config = cfg = config
         if not ray.is_initialized():
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False)
-        kind = "cpu" if cfg.device == "cpu" or cfg.device_resource != "GPU" else "cuda"
-        self.layout = plan_layout(cfg.training_gpus, cfg.sampling_gpus, cfg.log_prob_gpus, cfg.colocate,
-                                  cfg.device_resource)
+        self.layout = plan_layout(cfg.training_gpus, cfg.sampling_gpus, cfg.log_prob_gpus,
+                                  cfg.colocate, cfg.device_resource)
         self.pg = create_placement_group(self.layout, cfg.timeout_s)
-        opts = lambda b, **kw: actor_options(self.pg, b, self.layout.share, cfg.device_resource, **kw)  # noqa: E731
-        addr_task = ray.remote(_address).options(**opts(self.layout.trainer[0]))
-        t_addr, t_port = ray.get(addr_task.remote(), timeout=cfg.timeout_s)
-        ref_cfg = cfg.logprob if cfg.reference_model and not cfg.log_prob_gpus else None
-        Trainer = ray.remote(workers.TrainerWorker)
-        self.trainers = [Trainer.options(**opts(b)).remote(cfg.train, ref_cfg, r, cfg.training_gpus, t_addr,
-                                                           t_port, kind)
-                         for r, b in enumerate(self.layout.trainer)]
-        Sampler = ray.remote(workers.SamplerWorker)
-        self.samplers = [Sampler.options(**opts(b, max_concurrency=4)).remote(cfg.sampling, kind)
-                         for b in self.layout.sampler]
-        self.logprobs = []
-        if cfg.log_prob_gpus:
-            l_addr, l_port = ray.get(ray.remote(_address).options(**opts(self.layout.logprob[0])).remote(),
-                                     timeout=cfg.timeout_s)
-            LogProb = ray.remote(workers.LogProbWorker)
-            self.logprobs = [LogProb.options(**opts(b)).remote(cfg.logprob, cfg.reference_model, r,
-                                                               cfg.log_prob_gpus, l_addr, l_port, kind)
-                             for r, b in enumerate(self.layout.logprob)]
+        self.trainers, self.samplers, self.logprobs = start_actors(cfg, self.layout, self.pg)
         self.version = 0
         self._pending = False
         self._trainer_on, self._sampler_awake = True, True
@@ -91,8 +61,9 @@ class RayClient:
     # ------------------------------------------------------------------ driving plans
     def _wrap(self, exc: BaseException, what: str) -> BaseException:
         ray = self.ray
-        if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
-                            asyncio.TimeoutError, ray.exceptions.WorkerCrashedError)):
+        dead = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                ray.exceptions.WorkerCrashedError, asyncio.TimeoutError)
+        if isinstance(exc, dead):
             return EngineError(f"{what} failed: {type(exc).__name__}: {exc}")
         return exc
 
@@ -134,8 +105,12 @@ class RayClient:
         if not self._sampler_awake:
             yield [s.wake.remote() for s in self.samplers]
             self._sampler_awake = True
-        if (self.config.colocate and self._trainer_on and not self._pending
-                and self.config.train.zero_stage > 0):  # ZeRO-0 cannot offload: it stays resident
+        if (
+            self.config.colocate
+            and self._trainer_on
+            and not self._pending
+            and self.config.train.zero_stage > 0
+        ):  # ZeRO-0 cannot offload: it stays resident
             yield [t.offload.remote() for t in self.trainers]
             self._trainer_on = False
 
@@ -151,8 +126,10 @@ class RayClient:
         yield from self._plan_to_sampler()
         routes = route_prompts(prompts, params, len(self.samplers))
         used = [(s, idx) for s, idx in zip(self.samplers, routes) if idx]
-        results = yield [s.generate.remote([prompts[i] for i in idx], split_params(params, idx))
-                         for s, idx in used]
+        results = yield [
+            s.generate.remote([prompts[i] for i in idx], split_params(params, idx))
+            for s, idx in used
+        ]
         return merge_routed([idx for _, idx in used], results, len(prompts))
 
     def _plan_logprobs(self, batch, model, entropy, temperature) -> Plan:
@@ -177,17 +154,25 @@ class RayClient:
         cfg, bb = self.config, self.config.bucket_bytes
         yield from self._plan_to_trainer()
         t0 = time.perf_counter()
-        layout = "spans" if cfg.colocate else "packed"  # shared: the trainer's flat storages as they are
+        layout = (
+            "spans" if cfg.colocate else "packed"
+        )  # shared: the trainer's flat storages as they are
         manifests = yield [t.manifest.remote(self.version + 1, bb, layout) for t in self.trainers]
         manifest = manifests[0]
         receivers = self.samplers + self.logprobs
         if cfg.colocate:
-            method = "shared_memory" if cfg.device_resource != "GPU" or cfg.device == "cpu" else "cuda_ipc"
+            method = (
+                "shared_memory"
+                if cfg.device_resource != "GPU" or cfg.device == "cpu"
+                else "cuda_ipc"
+            )
             handles = yield [t.export_shared.remote(manifest, bb) for t in self.trainers]
             try:
                 rank_of = list(range(len(self.samplers))) + list(range(len(self.logprobs)))
-                yield [r.receive_shared.remote(manifest, handles[g], cfg.verify_sync)
-                       for r, g in zip(receivers, rank_of)]
+                yield [
+                    r.receive_shared.remote(manifest, handles[g], cfg.verify_sync)
+                    for r, g in zip(receivers, rank_of)
+                ]
             finally:
                 yield [t.release_shared.remote() for t in self.trainers]
         else:
@@ -195,18 +180,28 @@ class RayClient:
             if not self._group_ready:
                 yield from self._plan_group(receivers)
             n = len(self.trainers)
-            yield ([t.send_weights.remote(manifest, bb, n) for t in self.trainers]
-                   + [r.receive_broadcast.remote(manifest, n, cfg.verify_sync) for r in receivers])
+            yield (
+                [t.send_weights.remote(manifest, bb, n) for t in self.trainers]
+                + [r.receive_broadcast.remote(manifest, n, cfg.verify_sync) for r in receivers]
+            )
         self.version = manifest.version
-        return {"version": manifest.version, "checksum": manifest.checksum, "bytes": manifest.nbytes,
-                "buckets": len(manifest.buckets), "receivers": len(receivers), "method": method,
-                "seconds": time.perf_counter() - t0}
+        return {
+            "version": manifest.version,
+            "checksum": manifest.checksum,
+            "bytes": manifest.nbytes,
+            "buckets": len(manifest.buckets),
+            "receivers": len(receivers),
+            "method": method,
+            "seconds": time.perf_counter() - t0,
+        }
 
     def _plan_group(self, receivers) -> Plan:
-        (host, port), = yield [self.trainers[0].sync_address.remote()]
+        ((host, port),) = yield [self.trainers[0].sync_address.remote()]
         members = self.trainers + receivers
-        yield [m.init_sync_group.remote(host, port, r, len(members), self.config.timeout_s)
-               for r, m in enumerate(members)]
+        yield [
+            m.init_sync_group.remote(host, port, r, len(members), self.config.timeout_s)
+            for r, m in enumerate(members)
+        ]
         self._group_ready = True
 
     def _plan_sleep(self, engine: str, level: int) -> Plan:
@@ -240,17 +235,31 @@ class RayClient:
         s = yield [a.weight_checksum.remote() for a in self.samplers]
         lp = (yield [a.weight_checksum.remote() for a in self.logprobs]) if self.logprobs else []
         st = yield [a.stats.remote() for a in self.samplers]
-        return {"trainer": t[0], "samplers": s, "logprob": lp,
-                "versions": [x["weight_version"] for x in st], "version": self.version}
+        return {
+            "trainer": t[0],
+            "samplers": s,
+            "logprob": lp,
+            "versions": [x["weight_version"] for x in st],
+            "version": self.version,
+        }
 
     # ------------------------------------------------------------------ sync API
-    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[Sample]]:
         return self._run(self._plan_generate(prompts, params), "generate")
 
-    def compute_logprobs(self, batch: RolloutBatch, *, model: str = "policy", entropy: bool = False,
-                         temperature: float | None = None) -> TokenStats:
-        return self._run(self._plan_logprobs(batch, model, entropy, temperature), "compute_logprobs")
+    def compute_logprobs(
+        self,
+        batch: RolloutBatch,
+        *,
+        model: str = "policy",
+        entropy: bool = False,
+        temperature: float | None = None,
+    ) -> TokenStats:
+        return self._run(
+            self._plan_logprobs(batch, model, entropy, temperature), "compute_logprobs"
+        )
 
     def forward_backward(self, batch: RolloutBatch) -> dict[str, float]:
         return self._run(self._plan_train("forward_backward", batch), "forward_backward")
@@ -280,8 +289,12 @@ class RayClient:
     async def generate_async(self, prompts, params) -> list[list[Sample]]:
         return await self._arun(self._plan_generate(prompts, params), "generate")
 
-    async def compute_logprobs_async(self, batch, *, model="policy", entropy=False, temperature=None):
-        return await self._arun(self._plan_logprobs(batch, model, entropy, temperature), "compute_logprobs")
+    async def compute_logprobs_async(
+        self, batch, *, model="policy", entropy=False, temperature=None
+    ):
+        return await self._arun(
+            self._plan_logprobs(batch, model, entropy, temperature), "compute_logprobs"
+        )
 
     async def forward_backward_async(self, batch) -> dict[str, float]:
         return await self._arun(self._plan_train("forward_backward", batch), "forward_backward")

@@ -18,14 +18,16 @@ import json
 from typing import Any
 
 from .api import EngineError
-from .codec import (decode_batch, encode_stats, params_from_json, prompts_from_json, sample_to_json)
+from .codec import decode_batch, encode_stats, params_from_json, prompts_from_json, sample_to_json
 
 
 def _fastapi():
     try:
         import fastapi  # noqa: F401
     except ImportError as exc:
-        raise ImportError("the HTTP server needs FastAPI and uvicorn: pip install 'polynya[http]'") from exc
+        raise ImportError(
+            "the HTTP server needs FastAPI and uvicorn: pip install 'polynya[http]'"
+        ) from exc
 
 
 class BodyLimit:
@@ -39,7 +41,11 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _reply(send, 413, f"request body of {int(declared)} bytes exceeds the limit of {self.limit}")
+            return await _reply(
+                send,
+                413,
+                f"request body of {int(declared)} bytes exceeds the limit of {self.limit}",
+            )
         body, more = bytearray(), True
         while more:  # buffered up to the limit, then replayed to the app
             msg = await receive()
@@ -48,7 +54,9 @@ class BodyLimit:
             body += msg.get("body", b"")
             more = msg.get("more_body", False)
             if len(body) > self.limit:
-                return await _reply(send, 413, f"request body exceeds the limit of {self.limit} bytes")
+                return await _reply(
+                    send, 413, f"request body exceeds the limit of {self.limit} bytes"
+                )
         replayed = False
 
         async def replay():
@@ -63,8 +71,16 @@ class BodyLimit:
 
 async def _reply(send, status: int, message: str) -> None:
     body = json.dumps({"error": message}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -81,7 +97,9 @@ async def read_json(request) -> dict:
     return body
 
 
-def create_app(client, *, api_token: str | None = None, max_body_bytes: int = 1 << 30, tokenizer=None):
+def create_app(
+    client, *, api_token: str | None = None, max_body_bytes: int = 1 << 30, tokenizer=None
+):
     """A FastAPI app serving ``client`` (a ``LocalClient``; the ecosystem routes use its samplers)."""
     _fastapi()
     from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -94,16 +112,22 @@ def create_app(client, *, api_token: str | None = None, max_body_bytes: int = 1 
         if api_token is None or request.url.path == "/health":
             return
         if request.headers.get("authorization", "") != f"Bearer {api_token}":
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+            )
 
     app = FastAPI(title="polynya", dependencies=[Depends(auth)])
     app.state.client = client
 
     def err(status: int):
-        return lambda request, exc: JSONResponse({"error": str(exc), "kind": type(exc).__name__}, status)
+        return lambda request, exc: JSONResponse(
+            {"error": str(exc), "kind": type(exc).__name__}, status
+        )
 
-    app.add_exception_handler(HTTPException, lambda r, e: JSONResponse({"error": e.detail}, e.status_code,
-                                                                       headers=e.headers))
+    app.add_exception_handler(
+        HTTPException,
+        lambda r, e: JSONResponse({"error": e.detail}, e.status_code, headers=e.headers),
+    )
     app.add_exception_handler(ValueError, err(400))
     app.add_exception_handler(SyncError, err(409))
     app.add_exception_handler(NotImplementedError, err(501))
@@ -119,16 +143,25 @@ def create_app(client, *, api_token: str | None = None, max_body_bytes: int = 1 
         body = await read_json(request)
         prompts = prompts_from_json(body.get("prompts"))
         raw = body.get("params", {})
-        params = ([params_from_json(p, f"params[{i}]") for i, p in enumerate(raw)] if isinstance(raw, list)
-                  else params_from_json(raw))
+        params = (
+            [params_from_json(p, f"params[{i}]") for i, p in enumerate(raw)]
+            if isinstance(raw, list)
+            else params_from_json(raw)
+        )
         out = await client.generate_async(prompts, params)
         return {"samples": [[sample_to_json(s) for s in g] for g in out]}
 
     @app.post("/rl/compute_logprobs")
-    async def compute_logprobs(request: Request, model: str = "policy", entropy: bool = False,
-                               temperature: float | None = None) -> Response:
+    async def compute_logprobs(
+        request: Request,
+        model: str = "policy",
+        entropy: bool = False,
+        temperature: float | None = None,
+    ) -> Response:
         batch = decode_batch(await request.body())
-        stats = await client.compute_logprobs_async(batch, model=model, entropy=entropy, temperature=temperature)
+        stats = await client.compute_logprobs_async(
+            batch, model=model, entropy=entropy, temperature=temperature
+        )
         return Response(encode_stats(stats), media_type="application/octet-stream")
 
     @app.post("/rl/forward_backward")
@@ -204,13 +237,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-colocate", action="store_true")
     ap.add_argument("--config-json", default="{}", help="extra RLClientConfig fields as JSON")
     a = ap.parse_args(argv)
-    cfg = RLClientConfig(a.model, dtype=a.dtype, comm_protocol="local", sampling_gpus=a.sampling_gpus,
-                         colocate=not a.no_colocate, **json.loads(a.config_json))
+    cfg = RLClientConfig(
+        a.model,
+        dtype=a.dtype,
+        comm_protocol="local",
+        sampling_gpus=a.sampling_gpus,
+        colocate=not a.no_colocate,
+        **json.loads(a.config_json),
+    )
     client = LocalClient(cfg)
     from ..models import load_tokenizer
 
-    app = create_app(client, api_token=a.token, max_body_bytes=a.max_body_bytes,
-                     tokenizer=load_tokenizer(cfg.model_name))
+    app = create_app(
+        client,
+        api_token=a.token,
+        max_body_bytes=a.max_body_bytes,
+        tokenizer=load_tokenizer(cfg.model_name),
+    )
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     finally:

@@ -5,6 +5,7 @@
   layouts (imports Ray lazily).
 - ``workers``: the Ray actor classes (trainer rank, sampler replica, log-prob rank).
 """
+
 from .routing import merge_routed, route_prompts
 
 __all__ = ["merge_routed", "route_prompts"]

@@ -7,6 +7,7 @@
 
 On a CPU-only cluster a custom resource (``RLClientConfig.device_resource``) stands for a device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,12 +24,19 @@ class Layout:
     share: float  # fraction of a bundle's device each actor asks for
 
 
-def plan_layout(training: int, sampling: int, log_prob: int, colocate: bool, resource: str) -> Layout:
+def plan_layout(
+    training: int, sampling: int, log_prob: int, colocate: bool, resource: str
+) -> Layout:
     if colocate:
         parts = 2 + (1 if log_prob else 0)
         idx = list(range(training))
-        return Layout([{resource: 1.0} for _ in idx], idx, list(idx), idx if log_prob else [],
-                      share=round(1.0 / parts - 1e-4, 4))
+        return Layout(
+            [{resource: 1.0} for _ in idx],
+            idx,
+            list(idx),
+            idx if log_prob else [],
+            share=round(1.0 / parts - 1e-4, 4),
+        )
     n = training + sampling + log_prob
     t = list(range(training))
     s = list(range(training, training + sampling))
@@ -46,8 +54,10 @@ def create_placement_group(layout: Layout, timeout_s: float):
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
-        raise TimeoutError(f"the Ray cluster cannot place {layout.bundles} within {timeout_s:.0f} s "
-                           "(too few GPUs / device resources?)") from None
+        raise TimeoutError(
+            f"the Ray cluster cannot place {layout.bundles} within {timeout_s:.0f} s "
+            "(too few GPUs / device resources?)"
+        ) from None
     return pg
 
 
@@ -55,10 +65,58 @@ def actor_options(pg, bundle: int, share: float, resource: str, **extra) -> dict
     """``.options(...)`` for an actor on ``bundle`` holding ``share`` of its device."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=bundle
+    )
     opts = dict(num_cpus=0, scheduling_strategy=strategy, **extra)
     if resource == "GPU":
         opts["num_gpus"] = share
     else:
         opts["resources"] = {resource: share}
     return opts
+
+
+def _address() -> tuple[str, int]:
+    """(node IP, a free port) where this task runs: the rendezvous of a group of ranks."""
+    import socket
+
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def start_actors(cfg, layout: Layout, pg) -> tuple[list, list, list]:
+    """Trainer ranks, sampler replicas and log-prob ranks of ``cfg`` (an ``RLClientConfig``) on
+    ``layout``'s bundles. Each rank group rendezvous at an address found on its first bundle."""
+    import ray
+
+    from . import workers
+
+    kind = "cpu" if cfg.device == "cpu" or cfg.device_resource != "GPU" else "cuda"
+
+    def opts(bundle: int, **kw) -> dict:
+        return actor_options(pg, bundle, layout.share, cfg.device_resource, **kw)
+
+    def rendezvous(bundle: int) -> tuple[str, int]:
+        task = ray.remote(_address).options(**opts(bundle))
+        return ray.get(task.remote(), timeout=cfg.timeout_s)
+
+    addr, port = rendezvous(layout.trainer[0])
+    ref_cfg = cfg.logprob if cfg.reference_model and not cfg.log_prob_gpus else None
+    trainer = ray.remote(workers.TrainerWorker)
+    trainers = [trainer.options(**opts(b)).remote(cfg.train, ref_cfg, r, cfg.training_gpus,
+                                                  addr, port, kind)
+                for r, b in enumerate(layout.trainer)]
+    sampler = ray.remote(workers.SamplerWorker)
+    samplers = [sampler.options(**opts(b, max_concurrency=4)).remote(cfg.sampling, kind)
+                for b in layout.sampler]
+    logprobs = []
+    if cfg.log_prob_gpus:
+        addr, port = rendezvous(layout.logprob[0])
+        logprob = ray.remote(workers.LogProbWorker)
+        logprobs = [logprob.options(**opts(b)).remote(cfg.logprob, cfg.reference_model, r,
+                                                      cfg.log_prob_gpus, addr, port, kind)
+                    for r, b in enumerate(layout.logprob)]
+    return trainers, samplers, logprobs

@@ -4,6 +4,7 @@ A prompt and its ``n`` samples always go to one replica (its forks share the pro
 pages), and identical prompts in one call go to the same replica (the prefix cache hits).
 Groups are placed greedily on the replica with the fewest tokens so far, largest first.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -11,8 +12,9 @@ from typing import Sequence
 from ..types import SamplingParams, as_token_array
 
 
-def route_prompts(prompts: Sequence, params: SamplingParams | Sequence[SamplingParams],
-                  num_replicas: int) -> list[list[int]]:
+def route_prompts(
+    prompts: Sequence, params: SamplingParams | Sequence[SamplingParams], num_replicas: int
+) -> list[list[int]]:
     """Prompt indices per replica (each list in the caller's order).
 
     Args:
@@ -27,8 +29,10 @@ def route_prompts(prompts: Sequence, params: SamplingParams | Sequence[SamplingP
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(tuple(as_token_array(p, f"prompts[{i}]").tolist()), []).append(i)
-    cost = {key: sum(len(key) + plist[i].n * plist[i].max_tokens for i in idx)
-            for key, idx in groups.items()}
+    cost = {
+        key: sum(len(key) + plist[i].n * plist[i].max_tokens for i in idx)
+        for key, idx in groups.items()
+    }
     load = [0] * num_replicas
     out: list[list[int]] = [[] for _ in range(num_replicas)]
     for key in sorted(groups, key=lambda k: -cost[k]):
@@ -43,7 +47,9 @@ def merge_routed(routes: list[list[int]], results: list[list], total: int) -> li
     out: list = [None] * total
     for idx, res in zip(routes, results):
         if len(idx) != len(res):
-            raise RuntimeError(f"a sampler replica answered {len(res)} prompts, {len(idx)} were sent")
+            raise RuntimeError(
+                f"a sampler replica answered {len(res)} prompts, {len(idx)} were sent"
+            )
         for i, r in zip(idx, res):
             out[i] = r
     return out

@@ -9,6 +9,7 @@ imports Ray. Each runs one engine in its own process; results cross back as plai
 - sampler and log-prob ranks: ``receive_shared`` / ``receive_broadcast`` through a
   ``WeightReceiver`` (stage, verify against the trainer's checksum, apply).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,17 @@ import socket
 import torch
 
 from ..distributed import free_port
-from ..sync import (SharedExport, SyncGroup, SyncManifest, apply_update, build_manifest, engine_checksum,
-                    open_shared, recv_weights, send_weights)
+from ..sync import (
+    SharedExport,
+    SyncGroup,
+    SyncManifest,
+    apply_update,
+    build_manifest,
+    engine_checksum,
+    open_shared,
+    recv_weights,
+    send_weights,
+)
 from ..types import TokenStats
 
 
@@ -43,13 +53,21 @@ def node_address() -> tuple[str, int]:
 
 
 def _cpu(stats: TokenStats) -> TokenStats:
-    return TokenStats(stats.logprobs.cpu(), None if stats.entropy is None else stats.entropy.cpu(),
-                      stats.mask.cpu())
+    return TokenStats(
+        stats.logprobs.cpu(),
+        None if stats.entropy is None else stats.entropy.cpu(),
+        stats.mask.cpu(),
+    )
 
 
 def _set_rank_env(rank: int, world: int, addr: str, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=addr,
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK="0",
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
 
 
 class WeightReceiver:
@@ -60,7 +78,9 @@ class WeightReceiver:
         self.group: SyncGroup | None = None
 
     def init_group(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        self.group = SyncGroup(host, port, rank=rank, world_size=world, device=self.device, timeout_s=timeout_s)
+        self.group = SyncGroup(
+            host, port, rank=rank, world_size=world, device=self.device, timeout_s=timeout_s
+        )
 
     def receive_shared(self, manifest: SyncManifest, handles: list, verify: bool) -> int:
         opened = open_shared(manifest, handles, device=self.device)
@@ -79,14 +99,19 @@ class WeightReceiver:
 class TrainerWorker:
     """One DeepSpeed training rank (plus an optional frozen reference ``LogProbEngine``)."""
 
-    def __init__(self, train_cfg, reference_cfg, rank: int, world: int, addr: str, port: int, kind: str):
+    def __init__(
+        self, train_cfg, reference_cfg, rank: int, world: int, addr: str, port: int, kind: str
+    ):
         from ..engines import LogProbEngine, TrainingEngine
 
         _set_rank_env(rank, world, addr, port)
         self.device = actor_device(kind)
         self.engine = TrainingEngine(dataclasses.replace(train_cfg, device=self.device))
-        self.reference = (LogProbEngine(dataclasses.replace(reference_cfg, device=self.device))
-                          if reference_cfg is not None else None)
+        self.reference = (
+            LogProbEngine(dataclasses.replace(reference_cfg, device=self.device))
+            if reference_cfg is not None
+            else None
+        )
         self._export: SharedExport | None = None
         self._group: SyncGroup | None = None
         self.rank = rank
@@ -122,7 +147,9 @@ class TrainerWorker:
         return self.engine.weight_checksum()
 
     def manifest(self, version: int, bucket_bytes: int, layout: str = "packed") -> SyncManifest:
-        return build_manifest(self.engine, version=version, bucket_bytes=bucket_bytes, layout=layout)
+        return build_manifest(
+            self.engine, version=version, bucket_bytes=bucket_bytes, layout=layout
+        )
 
     def export_shared(self, manifest: SyncManifest, bucket_bytes: int, share: bool = True) -> list:
         self.release_shared()
@@ -139,13 +166,19 @@ class TrainerWorker:
     def sync_address(self) -> tuple[str, int]:
         return node_address()
 
-    def init_sync_group(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        self._group = SyncGroup(host, port, rank=rank, world_size=world, device=self.device, timeout_s=timeout_s)
+    def init_sync_group(
+        self, host: str, port: int, rank: int, world: int, timeout_s: float
+    ) -> None:
+        self._group = SyncGroup(
+            host, port, rank=rank, world_size=world, device=self.device, timeout_s=timeout_s
+        )
 
     def send_weights(self, manifest: SyncManifest, bucket_bytes: int, num_senders: int) -> int:
         if self._group is None:
             raise RuntimeError("init_sync_group was never called on this trainer rank")
-        return send_weights(self._group, self.engine, manifest, bucket_bytes, num_senders=num_senders)
+        return send_weights(
+            self._group, self.engine, manifest, bucket_bytes, num_senders=num_senders
+        )
 
 
 class SamplerWorker:
@@ -192,7 +225,9 @@ class SamplerWorker:
 class LogProbWorker:
     """One log-prob rank: the synced old-policy engine, plus an optional frozen reference."""
 
-    def __init__(self, logprob_cfg, reference: bool, rank: int, world: int, addr: str, port: int, kind: str):
+    def __init__(
+        self, logprob_cfg, reference: bool, rank: int, world: int, addr: str, port: int, kind: str
+    ):
         from ..engines import LogProbEngine
 
         _set_rank_env(rank, world, addr, port)

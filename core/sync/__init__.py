@@ -10,11 +10,27 @@
 - ``broadcast``: split transport — ``SyncGroup`` (NCCL / gloo, its own store) with
   ``send_weights`` / ``recv_weights``; trainer ranks share the sending, packing overlaps sending.
 """
+
 from .broadcast import SyncGroup, recv_weights, send_weights
 from .manifest import BucketSpec, SyncError, SyncManifest, build_manifest, plan_buckets
 from .shared import BucketHandle, SharedExport, open_shared
 from .staging import StagedUpdate, apply_update, current_version, engine_checksum, engine_model
 
-__all__ = ["SyncGroup", "recv_weights", "send_weights", "BucketSpec", "SyncError", "SyncManifest",
-           "build_manifest", "plan_buckets", "BucketHandle", "SharedExport", "open_shared",
-           "StagedUpdate", "apply_update", "current_version", "engine_checksum", "engine_model"]
+__all__ = [
+    "SyncGroup",
+    "recv_weights",
+    "send_weights",
+    "BucketSpec",
+    "SyncError",
+    "SyncManifest",
+    "build_manifest",
+    "plan_buckets",
+    "BucketHandle",
+    "SharedExport",
+    "open_shared",
+    "StagedUpdate",
+    "apply_update",
+    "current_version",
+    "engine_checksum",
+    "engine_model",
+]

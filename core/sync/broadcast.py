@@ -15,6 +15,7 @@ trainer packs bucket ``i + 1`` (``export_weights`` is a generator), so packing o
 
 The manifest travels out of band (Ray call, HTTP JSON); receivers allocate every buffer from it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -29,20 +30,37 @@ from .staging import StagedUpdate
 class SyncGroup:
     """A process group of its own over a ``TCPStore`` (rank 0 hosts the store)."""
 
-    def __init__(self, host: str, port: int, *, rank: int, world_size: int,
-                 device: torch.device | str, timeout_s: float = 300.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        timeout_s: float = 300.0,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside a sync group of {world_size}")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout,
-                                   wait_for_workers=False)
+        self.store = dist.TCPStore(
+            host,
+            int(port),
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
         if self.device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("polynya_sync", self.store), rank, world_size)
+            self.pg = dist.ProcessGroupNCCL(
+                dist.PrefixStore("polynya_sync", self.store), rank, world_size
+            )
         else:
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("polynya_sync", self.store), rank,
-                                            world_size, timeout)
+            self.pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("polynya_sync", self.store), rank, world_size, timeout
+            )
 
     def broadcast(self, tensor: torch.Tensor, root: int):
         """Asynchronous broadcast; returns the ``Work`` to wait on."""
@@ -60,8 +78,15 @@ class SyncGroup:
                 pass
 
 
-def send_weights(group: SyncGroup, trainer, manifest: SyncManifest, bucket_bytes: int,
-                 *, num_senders: int = 1, corrupt=None) -> int:
+def send_weights(
+    group: SyncGroup,
+    trainer,
+    manifest: SyncManifest,
+    bucket_bytes: int,
+    *,
+    num_senders: int = 1,
+    corrupt=None,
+) -> int:
     """Broadcast ``trainer``'s buckets (every trainer rank calls this, with the same manifest).
 
     Returns bytes this rank sent. ``corrupt`` (tests only) may alter a bucket before sending.
@@ -80,7 +105,7 @@ def send_weights(group: SyncGroup, trainer, manifest: SyncManifest, bucket_bytes
             flat = flat.to(group.device)
         work = group.broadcast(flat, src_of(i))  # bucket i on the wire ...
         if pending is not None:
-            pending[0].wait()                    # ... while bucket i + 1 is packed next turn
+            pending[0].wait()  # ... while bucket i + 1 is packed next turn
         pending = (work, flat)
         if src_of(i) == group.rank:
             sent += flat.numel() * flat.element_size()
@@ -88,12 +113,15 @@ def send_weights(group: SyncGroup, trainer, manifest: SyncManifest, bucket_bytes
     if pending is not None:
         pending[0].wait()
     if count != len(manifest.buckets):
-        raise SyncError(f"export produced {count} buckets, the manifest has {len(manifest.buckets)}")
+        raise SyncError(
+            f"export produced {count} buckets, the manifest has {len(manifest.buckets)}"
+        )
     return sent
 
 
-def recv_weights(group: SyncGroup, manifest: SyncManifest, device: torch.device | str,
-                 *, num_senders: int = 1) -> StagedUpdate:
+def recv_weights(
+    group: SyncGroup, manifest: SyncManifest, device: torch.device | str, *, num_senders: int = 1
+) -> StagedUpdate:
     """Receive every bucket of ``manifest`` into fresh buffers on ``device`` and stage them."""
     staged = StagedUpdate(manifest)
     works = []

@@ -10,6 +10,7 @@ Buckets follow ``TrainingEngine.export_weights(bucket_bytes)`` exactly (same gro
 ``checksum`` is the trainer's ``weight_checksum()`` (``polynya.distributed``): the receiver
 recomputes it over what it staged and rejects the sync on any difference (``SyncError``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,8 +68,10 @@ class BucketSpec:
 
     def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` views into ``flat`` (no copy)."""
-        return [(name, flat[o:o + n].view(shape))
-                for name, shape, o, n in zip(self.names, self.shapes, self.starts(), self.sizes())]
+        return [
+            (name, flat[o : o + n].view(shape))
+            for name, shape, o, n in zip(self.names, self.shapes, self.starts(), self.sizes())
+        ]
 
 
 @dataclass(frozen=True)
@@ -100,32 +103,46 @@ class SyncManifest:
                 d.update(offsets=list(b.offsets), length=b.length)
             return d
 
-        return {"version": self.version, "dtype": self.dtype, "checksum": self.checksum,
-                "buckets": [bucket(b) for b in self.buckets]}
+        return {
+            "version": self.version,
+            "dtype": self.dtype,
+            "checksum": self.checksum,
+            "buckets": [bucket(b) for b in self.buckets],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "SyncManifest":
         try:
-            buckets = tuple(BucketSpec(tuple(str(n) for n in b["names"]),
-                                       tuple(tuple(int(x) for x in s) for s in b["shapes"]),
-                                       None if b.get("offsets") is None else tuple(int(o) for o in b["offsets"]),
-                                       None if b.get("length") is None else int(b["length"]))
-                            for b in d["buckets"])
+            buckets = tuple(
+                BucketSpec(
+                    tuple(str(n) for n in b["names"]),
+                    tuple(tuple(int(x) for x in s) for s in b["shapes"]),
+                    None if b.get("offsets") is None else tuple(int(o) for o in b["offsets"]),
+                    None if b.get("length") is None else int(b["length"]),
+                )
+                for b in d["buckets"]
+            )
             out = cls(int(d["version"]), str(d["dtype"]), str(d["checksum"]), buckets)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed sync manifest: {exc}") from None
         for b in out.buckets:
-            if len(b.names) != len(b.shapes) or (b.offsets is not None and len(b.offsets) != len(b.names)):
-                raise ValueError("malformed sync manifest: names, shapes and offsets differ in length")
-            if b.offsets is not None and any(o < 0 or o + n > (b.length or 0)
-                                             for o, n in zip(b.offsets, b.sizes())):
+            if len(b.names) != len(b.shapes) or (
+                b.offsets is not None and len(b.offsets) != len(b.names)
+            ):
+                raise ValueError(
+                    "malformed sync manifest: names, shapes and offsets differ in length"
+                )
+            if b.offsets is not None and any(
+                o < 0 or o + n > (b.length or 0) for o, n in zip(b.offsets, b.sizes())
+            ):
                 raise ValueError("malformed sync manifest: a tensor lies outside its bucket span")
         dtype_from_name(out.dtype)
         return out
 
 
-def plan_buckets(named_shapes: list[tuple[str, tuple[int, ...]]], element_size: int,
-                 bucket_bytes: int) -> tuple[BucketSpec, ...]:
+def plan_buckets(
+    named_shapes: list[tuple[str, tuple[int, ...]]], element_size: int, bucket_bytes: int
+) -> tuple[BucketSpec, ...]:
     """Group consecutive tensors up to ``bucket_bytes`` (a larger tensor is alone) — the same
     rule as ``TrainingEngine.export_weights``."""
     if bucket_bytes < 1:
@@ -165,18 +182,24 @@ def flat_spans(module: torch.nn.Module) -> list[tuple[torch.Tensor, BucketSpec]]
         first = members[0][1]
         with torch.no_grad():
             span = torch.empty(0, dtype=first.dtype, device=first.device).set_(
-                first.untyped_storage(), lo, (hi - lo,))
+                first.untyped_storage(), lo, (hi - lo,)
+            )
         ends = [p.storage_offset() + p.numel() for _, p in members]
         if any(e > members[k + 1][1].storage_offset() for k, e in enumerate(ends[:-1])):
             return None  # overlapping views (tied weights stored twice?): pack instead
-        spec = BucketSpec(tuple(n for n, _ in members), tuple(tuple(p.shape) for _, p in members),
-                          tuple(p.storage_offset() - lo for _, p in members), hi - lo)
+        spec = BucketSpec(
+            tuple(n for n, _ in members),
+            tuple(tuple(p.shape) for _, p in members),
+            tuple(p.storage_offset() - lo for _, p in members),
+            hi - lo,
+        )
         out.append((span, spec))
     return out
 
 
-def build_manifest(trainer, *, version: int, bucket_bytes: int, layout: str = "packed",
-                   checksum: str | None = None) -> SyncManifest:
+def build_manifest(
+    trainer, *, version: int, bucket_bytes: int, layout: str = "packed", checksum: str | None = None
+) -> SyncManifest:
     """The manifest of ``trainer``'s current weights (a ``TrainingEngine`` or any object with
     ``module``, ``export_weights`` and ``weight_checksum``).
 

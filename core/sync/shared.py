@@ -17,6 +17,7 @@ Handles are small picklable objects (Ray, multiprocessing queues, HTTP pickles a
 The export holds one flat copy of the weights while the sync is in flight; the receiver holds
 none (it reads the mapped buckets).
 """
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,8 @@ def _attach(name: str):
 class BucketHandle:
     """A picklable reference to one shared flat bucket."""
 
-    kind: str          # "cuda_ipc" | "shm"
-    payload: Any       # cuda_ipc: (rebuild_fn, args); shm: segment name
+    kind: str  # "cuda_ipc" | "shm"
+    payload: Any  # cuda_ipc: (rebuild_fn, args); shm: segment name
     numel: int
     dtype: str
 
@@ -95,8 +96,9 @@ class SharedExport:
         self._keep: list[Any] = []
 
     @classmethod
-    def from_trainer(cls, trainer, manifest: SyncManifest, bucket_bytes: int,
-                     *, share: bool = True) -> "SharedExport":
+    def from_trainer(
+        cls, trainer, manifest: SyncManifest, bucket_bytes: int, *, share: bool = True
+    ) -> "SharedExport":
         """Export ``trainer``'s weights bucket by bucket (every trainer rank calls it under
         ZeRO-3; ``share=False`` consumes the buckets without sharing them)."""
         out = cls(manifest)
@@ -105,15 +107,19 @@ class SharedExport:
         for i, (names, flat) in enumerate(trainer.export_weights(bucket_bytes)):
             if i >= len(manifest.buckets) or tuple(names) != manifest.buckets[i].names:
                 out.release()
-                raise SyncError(f"export bucket {i} does not match the manifest (weights changed "
-                                "between build_manifest and export?)")
+                raise SyncError(
+                    f"export bucket {i} does not match the manifest (weights changed "
+                    "between build_manifest and export?)"
+                )
             if share:
                 handle, keep = _share(flat)
                 out.handles.append(handle)
                 out._keep.append(keep)
         if share and len(out.handles) != len(manifest.buckets):
             out.release()
-            raise SyncError(f"export produced {len(out.handles)} buckets, manifest has {len(manifest.buckets)}")
+            raise SyncError(
+                f"export produced {len(out.handles)} buckets, manifest has {len(manifest.buckets)}"
+            )
         if share and out.handles and out.handles[0].kind == "cuda_ipc":
             torch.cuda.synchronize()  # receivers read on their own streams
         return out
@@ -124,7 +130,9 @@ class SharedExport:
 
         spans = flat_spans(trainer.module)
         if spans is None or tuple(spec for _, spec in spans) != self.manifest.buckets:
-            raise SyncError("the trainer's flat weight storages changed since the manifest was built")
+            raise SyncError(
+                "the trainer's flat weight storages changed since the manifest was built"
+            )
         for span, _ in spans if share else ():
             handle, keep = _share(span)
             self.handles.append(handle)
@@ -166,8 +174,9 @@ class OpenedBuckets:
         self._segments.clear()
 
 
-def open_shared(manifest: SyncManifest, handles: list[BucketHandle],
-                device: torch.device | str | None = None) -> OpenedBuckets:
+def open_shared(
+    manifest: SyncManifest, handles: list[BucketHandle], device: torch.device | str | None = None
+) -> OpenedBuckets:
     """Map the trainer's buckets and stage them (``SyncError`` on a bad handle list)."""
     staged = StagedUpdate(manifest)
     if len(handles) > len(manifest.buckets):

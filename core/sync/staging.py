@@ -12,6 +12,7 @@ equals the trainer's ``weight_checksum()``; a rejected sync leaves the engine se
 previous weights and version. Staged buckets are the received buffers themselves (no copy);
 ``apply_update`` copies them straight into the engine's parameters.
 """
+
 from __future__ import annotations
 
 import threading
@@ -34,15 +35,21 @@ class StagedUpdate:
     def put(self, index: int, flat: torch.Tensor) -> None:
         """Stage bucket ``index`` (a 1-D tensor in the manifest's dtype and size)."""
         if not 0 <= index < len(self.flats):
-            raise SyncError(f"bucket index {index} outside the manifest's {len(self.flats)} buckets")
+            raise SyncError(
+                f"bucket index {index} outside the manifest's {len(self.flats)} buckets"
+            )
         spec = self.manifest.buckets[index]
         if not isinstance(flat, torch.Tensor):
             raise SyncError(f"bucket {index} is a {type(flat).__name__}, not a tensor")
         if flat.dtype != self.manifest.torch_dtype:
-            raise SyncError(f"bucket {index} has dtype {flat.dtype}, manifest says {self.manifest.dtype}")
+            raise SyncError(
+                f"bucket {index} has dtype {flat.dtype}, manifest says {self.manifest.dtype}"
+            )
         if flat.dim() != 1 or flat.numel() != spec.numel:
-            raise SyncError(f"bucket {index} has {flat.numel()} elements (shape {tuple(flat.shape)}); "
-                            f"the manifest expects {spec.numel} (truncated or wrong bucket)")
+            raise SyncError(
+                f"bucket {index} has {flat.numel()} elements (shape {tuple(flat.shape)}); "
+                f"the manifest expects {spec.numel} (truncated or wrong bucket)"
+            )
         self.flats[index] = flat
 
     def missing(self) -> list[int]:
@@ -60,12 +67,16 @@ class StagedUpdate:
         """``SyncError`` unless every bucket is staged and the checksum matches the trainer's."""
         missing = self.missing()
         if missing:
-            raise SyncError(f"partial sync of version {self.manifest.version}: buckets {missing[:8]} "
-                            f"of {len(self.flats)} never arrived")
+            raise SyncError(
+                f"partial sync of version {self.manifest.version}: buckets {missing[:8]} "
+                f"of {len(self.flats)} never arrived"
+            )
         got = self.checksum()
         if got != self.manifest.checksum:
-            raise SyncError(f"checksum mismatch for version {self.manifest.version}: staged weights "
-                            f"hash to {got}, the trainer's weight_checksum() is {self.manifest.checksum}")
+            raise SyncError(
+                f"checksum mismatch for version {self.manifest.version}: staged weights "
+                f"hash to {got}, the trainer's weight_checksum() is {self.manifest.checksum}"
+            )
 
     def pieces(self) -> list:
         """What ``load_weights`` takes: ``(names, flat)`` buckets, or ``(name, view)`` pairs for
@@ -121,15 +132,19 @@ def _fast_copy(engine, staged: StagedUpdate, version: int) -> bool:
     set the version, as ``NativeEngine.load_weights`` does. ``False`` when not applicable."""
     backend = getattr(engine, "backend", None)
     runner = getattr(backend, "runner", None)
-    if runner is None or not all(hasattr(backend, a) for a in ("_lock", "block_manager", "weight_version")):
+    if runner is None or not all(
+        hasattr(backend, a) for a in ("_lock", "block_manager", "weight_version")
+    ):
         return False
     params = dict(runner.model.named_parameters(remove_duplicate=False))
     views = list(staged.named_views())
     for name, t in views:
         p = params.get(name)
         if p is None or p.shape != t.shape:
-            raise SyncError(f"sync of version {version} does not fit the sampler: "
-                            f"{name} {tuple(t.shape)} vs {None if p is None else tuple(p.shape)}")
+            raise SyncError(
+                f"sync of version {version} does not fit the sampler: "
+                f"{name} {tuple(t.shape)} vs {None if p is None else tuple(p.shape)}"
+            )
         if p.dtype != t.dtype or p.device != t.device:
             return False
     with backend._lock, torch.no_grad():  # noqa: SLF001

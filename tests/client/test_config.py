@@ -1,4 +1,5 @@
 """RLClientConfig validation and prompt routing (no engines)."""
+
 import pytest
 
 import polynya
@@ -7,29 +8,48 @@ from polynya.cluster import merge_routed, route_prompts
 from polynya.cluster.placement import plan_layout
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(comm_protocol="grpc"), "comm_protocol"),
-    (dict(dtype="float16"), "dtype"),
-    (dict(training_gpus=0), "training_gpus"),
-    (dict(log_prob_gpus=-1), "log_prob_gpus"),
-    (dict(sampler="sglang"), "sampler"),
-    (dict(colocate=True, training_gpus=2, sampling_gpus=1), "sampling_gpus"),
-    (dict(colocate="yes"), "colocate"),
-    (dict(server_url="localhost:80"), "server_url"),
-    (dict(train=dict(zero_stage=5)), "zero_stage"),
-    (dict(train=3), "train"),
-    (dict(bucket_bytes=0), "bucket_bytes"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(comm_protocol="grpc"), "comm_protocol"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(training_gpus=0), "training_gpus"),
+        (dict(log_prob_gpus=-1), "log_prob_gpus"),
+        (dict(sampler="sglang"), "sampler"),
+        (dict(colocate=True, training_gpus=2, sampling_gpus=1), "sampling_gpus"),
+        (dict(colocate="yes"), "colocate"),
+        (dict(server_url="localhost:80"), "server_url"),
+        (dict(train=dict(zero_stage=5)), "zero_stage"),
+        (dict(train=3), "train"),
+        (dict(bucket_bytes=0), "bucket_bytes"),
+    ],
+)
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
         polynya.RLClientConfig("tiny:qwen3", **kw)
 
 
 def test_config_propagates_shared_fields():
-    cfg = polynya.RLClientConfig("tiny:llama", dtype="float32", zorro_train=False, zorro_inference=False,
-                                 train=dict(lr=0.1, seed=3), device="cpu")
-    assert (cfg.train.model, cfg.train.dtype, cfg.train.zorro, cfg.train.lr) == ("tiny:llama", "float32", False, 0.1)
-    assert (cfg.sampling.model, cfg.sampling.fca, cfg.sampling.seed, cfg.sampling.device) == ("tiny:llama", False, 3, "cpu")
+    cfg = polynya.RLClientConfig(
+        "tiny:llama",
+        dtype="float32",
+        zorro_train=False,
+        zorro_inference=False,
+        train=dict(lr=0.1, seed=3),
+        device="cpu",
+    )
+    assert (cfg.train.model, cfg.train.dtype, cfg.train.zorro, cfg.train.lr) == (
+        "tiny:llama",
+        "float32",
+        False,
+        0.1,
+    )
+    assert (cfg.sampling.model, cfg.sampling.fca, cfg.sampling.seed, cfg.sampling.device) == (
+        "tiny:llama",
+        False,
+        3,
+        "cpu",
+    )
     assert cfg.logprob.seed == 3 and not cfg.logprob.zorro
     assert polynya.config.RLClientConfig is polynya.RLClientConfig
 
@@ -40,13 +60,17 @@ def test_routing_keeps_groups_and_balances():
     assert sorted(i for r in routes for i in r) == list(range(5))
     where = {i: k for k, r in enumerate(routes) for i in r}
     assert where[0] == where[2]  # identical prompts share a replica (prefix cache)
-    assert all(routes)           # both replicas get work
+    assert all(routes)  # both replicas get work
     merged = merge_routed(routes, [[f"out{i}" for i in r] for r in routes], 5)
     assert merged == [f"out{i}" for i in range(5)]
 
 
 def test_layouts():
     co = plan_layout(2, 2, 2, True, "GPU")
-    assert co.trainer == co.sampler == co.logprob == [0, 1] and len(co.bundles) == 2 and co.share < 1 / 3
+    assert (
+        co.trainer == co.sampler == co.logprob == [0, 1]
+        and len(co.bundles) == 2
+        and co.share < 1 / 3
+    )
     split = plan_layout(1, 2, 1, False, "dev")
     assert (split.trainer, split.sampler, split.logprob, split.share) == ([0], [1, 2], [3], 1.0)

@@ -1,5 +1,6 @@
 """The HTTP client and server: RL round trip (colocated and split), 4xx for malformed payloads
 with the server staying up, bearer token, body limit, and the vLLM-style ecosystem routes."""
+
 import threading
 
 import httpx
@@ -27,7 +28,9 @@ def client():
 
 @pytest.fixture()
 def raw(client):
-    with httpx.Client(base_url=client.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as h:
+    with httpx.Client(
+        base_url=client.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+    ) as h:
         yield h
 
 
@@ -42,32 +45,59 @@ def test_http_round_trip_split():
 
 
 def _batch_tensors(**override):
-    t = {"prompt_ids": torch.tensor([1, 2, 3, 4, 5]), "prompt_lens": torch.tensor([3, 2]),
-         "response_ids": torch.tensor([6, 7, 8]), "response_lens": torch.tensor([2, 1]),
-         "advantages": torch.tensor([1.0, -1.0])}
+    t = {
+        "prompt_ids": torch.tensor([1, 2, 3, 4, 5]),
+        "prompt_lens": torch.tensor([3, 2]),
+        "response_ids": torch.tensor([6, 7, 8]),
+        "response_lens": torch.tensor([2, 1]),
+        "advantages": torch.tensor([1.0, -1.0]),
+    }
     t.update(override)
     return st_save({k: v for k, v in t.items() if v is not None})
 
 
-@pytest.mark.parametrize("path, kwargs, status, match", [
-    ("/rl/generate", dict(content=b"{not json"), 400, "malformed JSON"),
-    ("/rl/generate", dict(json=[1, 2]), 400, "object"),
-    ("/rl/generate", dict(json={"prompts": "hello"}), 400, "token-id"),
-    ("/rl/generate", dict(json={"prompts": [[1, 2]], "params": {"beams": 4}}), 400, "unknown"),
-    ("/rl/generate", dict(json={"prompts": [[1, 2]], "params": {"n": 0}}), 400, "n must be"),
-    ("/rl/generate", dict(json={"prompts": [[1, 9999]]}), 400, "vocab"),
-    ("/rl/forward_backward", dict(content=b"\x00garbage"), 400, "safetensors"),
-    ("/rl/forward_backward", dict(content=_batch_tensors(prompt_ids=torch.tensor([1.0, 2, 3, 4, 5]))), 400, "dtype"),
-    ("/rl/forward_backward", dict(content=_batch_tensors(prompt_ids=torch.ones(5, 1, dtype=torch.long))), 400, "dimension"),
-    ("/rl/forward_backward", dict(content=_batch_tensors(prompt_lens=torch.tensor([3, 3]))), 400, "sum"),
-    ("/rl/forward_backward", dict(content=_batch_tensors(advantages=torch.ones(3))), 400, "advantages"),
-    ("/rl/compute_logprobs", dict(content=_batch_tensors(response_lens=None)), 400, "missing"),
-    ("/rl/sleep", dict(json={"engine": "gpu"}), 400, "engine"),
-    ("/rl/save", dict(json={"path": 3}), 400, "path"),
-    ("/v1/completions", dict(json={"prompt": "text please"}), 400, "token ids"),
-    ("/init_weight_transfer_engine", dict(json={}), 400, "init_info"),
-    ("/update_weights", dict(json={"update_info": {"names": []}}), 409, "start_weight_update"),
-])
+@pytest.mark.parametrize(
+    "path, kwargs, status, match",
+    [
+        ("/rl/generate", dict(content=b"{not json"), 400, "malformed JSON"),
+        ("/rl/generate", dict(json=[1, 2]), 400, "object"),
+        ("/rl/generate", dict(json={"prompts": "hello"}), 400, "token-id"),
+        ("/rl/generate", dict(json={"prompts": [[1, 2]], "params": {"beams": 4}}), 400, "unknown"),
+        ("/rl/generate", dict(json={"prompts": [[1, 2]], "params": {"n": 0}}), 400, "n must be"),
+        ("/rl/generate", dict(json={"prompts": [[1, 9999]]}), 400, "vocab"),
+        ("/rl/forward_backward", dict(content=b"\x00garbage"), 400, "safetensors"),
+        (
+            "/rl/forward_backward",
+            dict(content=_batch_tensors(prompt_ids=torch.tensor([1.0, 2, 3, 4, 5]))),
+            400,
+            "dtype",
+        ),
+        (
+            "/rl/forward_backward",
+            dict(content=_batch_tensors(prompt_ids=torch.ones(5, 1, dtype=torch.long))),
+            400,
+            "dimension",
+        ),
+        (
+            "/rl/forward_backward",
+            dict(content=_batch_tensors(prompt_lens=torch.tensor([3, 3]))),
+            400,
+            "sum",
+        ),
+        (
+            "/rl/forward_backward",
+            dict(content=_batch_tensors(advantages=torch.ones(3))),
+            400,
+            "advantages",
+        ),
+        ("/rl/compute_logprobs", dict(content=_batch_tensors(response_lens=None)), 400, "missing"),
+        ("/rl/sleep", dict(json={"engine": "gpu"}), 400, "engine"),
+        ("/rl/save", dict(json={"path": 3}), 400, "path"),
+        ("/v1/completions", dict(json={"prompt": "text please"}), 400, "token ids"),
+        ("/init_weight_transfer_engine", dict(json={}), 400, "init_info"),
+        ("/update_weights", dict(json={"update_info": {"names": []}}), 409, "start_weight_update"),
+    ],
+)
 def test_malformed_requests_get_4xx(raw, path, kwargs, status, match):
     r = raw.post(path, **kwargs)
     assert r.status_code == status, r.text
@@ -89,21 +119,42 @@ def test_auth_and_body_limit(client, raw):
         for _ in range(4):
             yield b"x" * (LIMIT // 2)
 
-    assert raw.post("/rl/forward_backward", content=chunks()).status_code == 413  # streamed, no length
+    assert (
+        raw.post("/rl/forward_backward", content=chunks()).status_code == 413
+    )  # streamed, no length
     with pytest.raises(ValueError, match="413"):
-        client.forward_backward(RolloutBatch([[1] * 5000] * 2, [[2] * 5000] * 2, advantages=torch.ones(2)))
-    assert client.generate([PROMPTS[0]], SamplingParams(max_tokens=2))[0][0].finish_reason == "length"
+        client.forward_backward(
+            RolloutBatch([[1] * 5000] * 2, [[2] * 5000] * 2, advantages=torch.ones(2))
+        )
+    assert (
+        client.generate([PROMPTS[0]], SamplingParams(max_tokens=2))[0][0].finish_reason == "length"
+    )
 
 
 def test_ecosystem_generation_routes(raw):
-    r = raw.post("/v1/completions", json={"model": "m", "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4,
-                                          "temperature": 0, "n": 2, "logprobs": 1}).json()
+    r = raw.post(
+        "/v1/completions",
+        json={
+            "model": "m",
+            "prompt": [[5, 6, 7], [8, 9]],
+            "max_tokens": 4,
+            "temperature": 0,
+            "n": 2,
+            "logprobs": 1,
+        },
+    ).json()
     assert len(r["choices"]) == 4 and all(len(c["token_ids"]) == 4 for c in r["choices"])
     assert r["usage"]["prompt_tokens"] == 5 and isinstance(r["choices"][0]["text"], str)
     assert len(r["choices"][0]["logprobs"]["token_logprobs"]) == 4
-    g = raw.post("/inference/v1/generate", json={"model": "m", "token_ids": [5, 6, 7], "stream": False,
-                                                 "sampling_params": {"max_tokens": 3, "temperature": 0,
-                                                                     "logprobs": 0}}).json()
+    g = raw.post(
+        "/inference/v1/generate",
+        json={
+            "model": "m",
+            "token_ids": [5, 6, 7],
+            "stream": False,
+            "sampling_params": {"max_tokens": 3, "temperature": 0, "logprobs": 0},
+        },
+    ).json()
     assert g["choices"][0]["token_ids"] == r["choices"][0]["token_ids"][:3]  # greedy: same tokens
     assert len(g["choices"][0]["logprobs"]["content"]) == 3 and g["usage"]["prompt_tokens"] == 3
     assert raw.get("/get_world_size").json() == {"world_size": 1}
@@ -112,8 +163,14 @@ def test_ecosystem_generation_routes(raw):
     assert raw.post("/wake_up").status_code == 200
     assert raw.post("/pause").json() == {"status": "paused"}
     result = {}
-    t = threading.Thread(target=lambda: result.update(r=raw.post("/inference/v1/generate",
-                                                                 json={"token_ids": [5], "sampling_params": {"max_tokens": 2}})))
+    t = threading.Thread(
+        target=lambda: result.update(
+            r=raw.post(
+                "/inference/v1/generate",
+                json={"token_ids": [5], "sampling_params": {"max_tokens": 2}},
+            )
+        )
+    )
     t.start()
     t.join(1.0)
     assert t.is_alive()  # held while paused
@@ -125,26 +182,51 @@ def test_ecosystem_generation_routes(raw):
 def test_weight_transfer_routes(client, raw):
     local = client.server.client
     trainer, sampler = local.trainer, local.samplers[0]
-    raw.post("/rl/forward_backward", content=encode_batch(RolloutBatch([[5, 6, 7]] * 2, [[8, 9], [10]],
-                                                                        advantages=torch.tensor([1.0, -1.0]))))
+    raw.post(
+        "/rl/forward_backward",
+        content=encode_batch(
+            RolloutBatch([[5, 6, 7]] * 2, [[8, 9], [10]], advantages=torch.tensor([1.0, -1.0]))
+        ),
+    )
     raw.post("/rl/step")
     names = [n for n, _ in trainer.module.named_parameters()]
     params = [p.detach() for _, p in trainer.module.named_parameters()]
     flat = torch.cat([p.reshape(-1) for p in params])
-    info = {"names": names, "dtype_names": ["float32"] * len(names), "shapes": [list(p.shape) for p in params],
-            "packed": True}
+    info = {
+        "names": names,
+        "dtype_names": ["float32"] * len(names),
+        "shapes": [list(p.shape) for p in params],
+        "packed": True,
+    }
     port = free_port()
     out = {}
-    t = threading.Thread(target=lambda: out.update(init=raw.post("/init_weight_transfer_engine", json={
-        "init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})))
+    t = threading.Thread(
+        target=lambda: out.update(
+            init=raw.post(
+                "/init_weight_transfer_engine",
+                json={
+                    "init_info": {
+                        "master_address": "127.0.0.1",
+                        "master_port": port,
+                        "rank_offset": 1,
+                        "world_size": 2,
+                    }
+                },
+            )
+        )
+    )
     t.start()
     group = SyncGroup("127.0.0.1", port, rank=0, world_size=2, device="cpu", timeout_s=60)
     t.join(60)
     assert out["init"].status_code == 200
 
     def push(checksum):
-        assert raw.post("/start_weight_update", json={"is_checkpoint_format": True}).status_code == 200
-        th = threading.Thread(target=lambda: out.update(upd=raw.post("/update_weights", json={"update_info": info})))
+        assert (
+            raw.post("/start_weight_update", json={"is_checkpoint_format": True}).status_code == 200
+        )
+        th = threading.Thread(
+            target=lambda: out.update(upd=raw.post("/update_weights", json={"update_info": info}))
+        )
         th.start()
         group.broadcast(flat.clone(), 0).wait()
         th.join(60)

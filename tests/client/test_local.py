@@ -1,5 +1,6 @@
 """The in-process client: RL round trip (colocated and split placement), async API, reference
 log-probs, sleep/wake, save/load."""
+
 import asyncio
 
 import pytest
@@ -22,7 +23,9 @@ def test_local_round_trip(colocate):
         pol = client.compute_logprobs(RolloutBatch([PROMPTS[0]], [[3, 4, 5]]))
         assert torch.equal(ref0.logprobs, ref1.logprobs)
         assert not torch.allclose(pol.logprobs, ref1.logprobs)
-        info = client.sync_weights()  # a second sync of unchanged weights: new version, same checksum
+        info = (
+            client.sync_weights()
+        )  # a second sync of unchanged weights: new version, same checksum
         assert info["version"] == 2
     with pytest.raises(RuntimeError, match="shut down"):
         client.step()
@@ -48,8 +51,11 @@ def test_local_log_prob_engine_async_and_state(tmp_path):
             outs = await asyncio.gather(*(client.generate_async([p], params) for p in PROMPTS))
             t.cancel()
             assert ticks > 1 and [len(o[0]) for o in outs] == [2, 2, 2]
-            batch = RolloutBatch([p for p in PROMPTS for _ in range(2)],
-                                 [s.token_ids for o in outs for s in o[0]], advantages=torch.randn(6))
+            batch = RolloutBatch(
+                [p for p in PROMPTS for _ in range(2)],
+                [s.token_ids for o in outs for s in o[0]],
+                advantages=torch.randn(6),
+            )
             await client.forward_backward_async(batch)
             await client.step_async()
             await client.sync_weights_async()

@@ -2,6 +2,7 @@
 sharing one bundle; shared-memory sync) and split (two training ranks, two sampler replicas; gloo broadcast sync);
 a killed sampler actor surfaces as ``EngineError`` at the client, not a hang. One small cluster,
 at most four actors at a time (~220 MB each)."""
+
 import asyncio
 import os
 import time
@@ -21,15 +22,25 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", include_dashboard=False, num_cpus=2, resources={"polynya_device": 4},
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=2,
+        resources={"polynya_device": 4},
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
 
 def test_ray_colocated(cluster):
-    cfg = tiny_config("ray", colocate=True, log_prob_gpus=1, reference_model=True,
-                      device_resource="polynya_device")
+    cfg = tiny_config(
+        "ray",
+        colocate=True,
+        log_prob_gpus=1,
+        reference_model=True,
+        device_resource="polynya_device",
+    )
     with polynya.create_rl_client(cfg) as client:
         info = rl_round_trip(client)
         assert info["method"] == "shared_memory" and info["receivers"] == 2
@@ -41,8 +52,9 @@ def test_ray_colocated(cluster):
         assert not torch.allclose(ref.logprobs, pol.logprobs)  # reference frozen, policy trained
 
         async def run():
-            outs = await asyncio.gather(*(client.generate_async([p], SamplingParams(max_tokens=3))
-                                          for p in PROMPTS))
+            outs = await asyncio.gather(
+                *(client.generate_async([p], SamplingParams(max_tokens=3)) for p in PROMPTS)
+            )
             await client.sleep_async("sampler")
             await client.wake_async("sampler")
             return outs
@@ -53,8 +65,14 @@ def test_ray_colocated(cluster):
 def test_ray_split_and_dead_actor(cluster):
     """Two DeepSpeed training ranks (data parallel, each sending half of the buckets) and two
     sampler replicas on four bundles."""
-    cfg = tiny_config("ray", colocate=False, training_gpus=2, sampling_gpus=2,
-                      device_resource="polynya_device", timeout_s=60)
+    cfg = tiny_config(
+        "ray",
+        colocate=False,
+        training_gpus=2,
+        sampling_gpus=2,
+        device_resource="polynya_device",
+        timeout_s=60,
+    )
     with polynya.create_rl_client(cfg) as client:
         info = rl_round_trip(client, replicas=2)
         assert info["method"] == "broadcast" and info["receivers"] == 2 and info["buckets"] > 2

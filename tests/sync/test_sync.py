@@ -1,6 +1,7 @@
 """Weight sync: shared-memory and broadcast transports move exactly the trainer's parameters to
 two sampler replicas; corrupted, truncated, partial and stale syncs are rejected and the
 sampler keeps serving its previous weights."""
+
 import threading
 
 import pytest
@@ -11,9 +12,20 @@ from polynya.config import SamplerConfig, TrainConfig
 from polynya.config.train import OptimConfig
 from polynya.distributed import free_port
 from polynya.engines import SamplingEngine, TrainingEngine
-from polynya.sync import (SharedExport, StagedUpdate, SyncError, SyncGroup, SyncManifest, apply_update,
-                          build_manifest, engine_checksum, engine_model, open_shared, recv_weights,
-                          send_weights)
+from polynya.sync import (
+    SharedExport,
+    StagedUpdate,
+    SyncError,
+    SyncGroup,
+    SyncManifest,
+    apply_update,
+    build_manifest,
+    engine_checksum,
+    engine_model,
+    open_shared,
+    recv_weights,
+    send_weights,
+)
 from polynya.sync.shared import BucketHandle
 
 MODEL = "tiny:qwen3"
@@ -22,19 +34,24 @@ BUCKET = 1 << 15  # several buckets for the tiny model
 
 @pytest.fixture(scope="module")
 def trainer():
-    t = TrainingEngine(TrainConfig(MODEL, dtype="float32", zero_stage=0, lr=5e-2,
-                                   optim=OptimConfig(grad_clip=0.0)))
+    t = TrainingEngine(
+        TrainConfig(MODEL, dtype="float32", zero_stage=0, lr=5e-2, optim=OptimConfig(grad_clip=0.0))
+    )
     g = torch.Generator().manual_seed(0)
-    batch = RolloutBatch([[5, 6, 7, 8]] * 2 + [[9, 10, 11]] * 2,
-                         [torch.randint(2, 500, (5,), generator=g).tolist() for _ in range(4)],
-                         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    batch = RolloutBatch(
+        [[5, 6, 7, 8]] * 2 + [[9, 10, 11]] * 2,
+        [torch.randint(2, 500, (5,), generator=g).tolist() for _ in range(4)],
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+    )
     t.forward_backward(batch)
     t.step()  # weights now differ from the samplers' initial (same-seed) weights
     return t
 
 
 def make_sampler() -> SamplingEngine:
-    return SamplingEngine(SamplerConfig(MODEL, dtype="float32", device="cpu", num_blocks=32, block_size=8))
+    return SamplingEngine(
+        SamplerConfig(MODEL, dtype="float32", device="cpu", num_blocks=32, block_size=8)
+    )
 
 
 def assert_exact_copy(trainer, sampler) -> None:
@@ -47,7 +64,9 @@ def assert_exact_copy(trainer, sampler) -> None:
 
 
 def greedy(sampler) -> list[int]:
-    return sampler.generate([[17, 3, 99, 250]], SamplingParams(temperature=0, max_tokens=6))[0][0].token_ids
+    return sampler.generate([[17, 3, 99, 250]], SamplingParams(temperature=0, max_tokens=6))[0][
+        0
+    ].token_ids
 
 
 def test_manifest_matches_export(trainer):
@@ -88,7 +107,9 @@ def test_broadcast_sync_two_replicas(trainer):
 
     def member(rank):
         try:
-            group = SyncGroup("127.0.0.1", port, rank=rank, world_size=3, device="cpu", timeout_s=60)
+            group = SyncGroup(
+                "127.0.0.1", port, rank=rank, world_size=3, device="cpu", timeout_s=60
+            )
             if rank == 0:
                 results[0] = send_weights(group, trainer, m, BUCKET)
             else:
@@ -120,7 +141,9 @@ def test_corrupted_in_transit_is_rejected(trainer):
 
     def member(rank):
         try:
-            group = SyncGroup("127.0.0.1", port, rank=rank, world_size=2, device="cpu", timeout_s=60)
+            group = SyncGroup(
+                "127.0.0.1", port, rank=rank, world_size=2, device="cpu", timeout_s=60
+            )
             if rank == 0:
                 send_weights(group, trainer, m, BUCKET, corrupt=flip)
             else:
@@ -187,13 +210,17 @@ def test_span_layout_shares_trainer_storage():
     """ZeRO-2 bf16 keeps the weights as views of one flat buffer: the manifest describes that
     buffer as it is, the shared-memory export copies it once, the sampler gets an exact copy."""
     t = TrainingEngine(TrainConfig(MODEL, dtype="bfloat16", zero_stage=2, lr=5e-2, seed=1))
-    t.forward_backward(RolloutBatch([[5, 6, 7]] * 2, [[8, 9, 10], [11]], advantages=torch.tensor([1.0, -1.0])))
+    t.forward_backward(
+        RolloutBatch([[5, 6, 7]] * 2, [[8, 9, 10], [11]], advantages=torch.tensor([1.0, -1.0]))
+    )
     t.step()
     m = build_manifest(t, version=1, bucket_bytes=BUCKET, layout="spans")
     assert len(m.buckets) == 1 and m.buckets[0].offsets is not None  # one flat storage, not packed
     assert m.checksum == t.weight_checksum()
     assert SyncManifest.from_dict(m.to_dict()) == m
-    sampler = SamplingEngine(SamplerConfig(MODEL, dtype="bfloat16", device="cpu", num_blocks=32, block_size=8))
+    sampler = SamplingEngine(
+        SamplerConfig(MODEL, dtype="bfloat16", device="cpu", num_blocks=32, block_size=8)
+    )
     export = SharedExport.from_trainer(t, m, BUCKET)
     try:
         opened = open_shared(m, export.handles)
@@ -229,5 +256,7 @@ def test_triton_digest_matches_reference():
 
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _DIGEST_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _DIGEST_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and "digest ok" in out.stdout, out.stderr[-2000:]
