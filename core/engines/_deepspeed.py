@@ -75,8 +75,10 @@ def ds_config(*, zero_stage: int, dtype: torch.dtype, train: bool, grad_clip: fl
         zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size=int(5e7),
                     allgather_bucket_size=int(5e7))
     if zero_stage == 3:
+        # memory_efficient_linear would replace torch.nn.functional.linear process-wide (every
+        # model, the sampler's too) with an autograd Function that costs host time per call.
         zero.update(overlap_comm=False, stage3_prefetch_bucket_size=int(5e7),
-                    stage3_param_persistence_threshold=int(1e4))
+                    stage3_param_persistence_threshold=int(1e4), memory_efficient_linear=False)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
