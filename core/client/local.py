@@ -81,7 +81,8 @@ class LocalClient(ThreadedAsync):
             if config.reference_model
             else None
         )
-        self.version = 0
+        self.version = 0  # last version every receiver accepted
+        self._attempted = 0  # a failed sync may have landed on some receivers: never reuse its number
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._generating = 0
@@ -178,6 +179,10 @@ class LocalClient(ThreadedAsync):
             self._to_trainer()
             return self.trainer.step()
 
+    def _next_version(self) -> int:
+        self._attempted = max(self.version, self._attempted) + 1
+        return self._attempted
+
     def sync_weights(self) -> dict[str, Any]:
         """Push the trainer's weights to every sampler (and log-prob engine) under a new version."""
         with self._lock:
@@ -186,7 +191,7 @@ class LocalClient(ThreadedAsync):
             t0 = time.perf_counter()
             bb = self.config.bucket_bytes
             manifest = build_manifest(
-                self.trainer, version=self.version + 1, bucket_bytes=bb, layout="spans"
+                self.trainer, version=self._next_version(), bucket_bytes=bb, layout="spans"
             )
             t_manifest = time.perf_counter() - t0
             receivers = list(self.samplers) + ([self.logprob] if self.logprob is not None else [])

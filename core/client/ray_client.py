@@ -50,13 +50,19 @@ class RayClient:
         self.layout = plan_layout(cfg.training_gpus, cfg.sampling_gpus, cfg.log_prob_gpus,
                                   cfg.colocate, cfg.device_resource)
         self.pg = create_placement_group(self.layout, cfg.timeout_s)
-        self.trainers, self.samplers, self.logprobs = start_actors(cfg, self.layout, self.pg)
-        self.version = 0
+        self.trainers, self.samplers, self.logprobs = [], [], []
+        self._closed = False
+        try:
+            self.trainers, self.samplers, self.logprobs = start_actors(cfg, self.layout, self.pg)
+            self._run(self._plan_ready(), "starting the engines")
+        except BaseException:
+            self.shutdown()  # no actor or placement group outlives a failed start
+            raise
+        self.version = 0  # last version every receiver accepted
+        self._attempted = 0  # a failed sync may have landed on some receivers: never reuse its number
         self._pending = False
         self._trainer_on, self._sampler_awake = True, True
         self._group_ready = False
-        self._closed = False
-        self._run(self._plan_ready())
 
     # ------------------------------------------------------------------ driving plans
     def _wrap(self, exc: BaseException, what: str) -> BaseException:
@@ -150,6 +156,10 @@ class RayClient:
             self._pending = False
         return out[0]
 
+    def _next_version(self) -> int:
+        self._attempted = max(self.version, self._attempted) + 1
+        return self._attempted
+
     def _plan_sync(self) -> Plan:
         cfg, bb = self.config, self.config.bucket_bytes
         yield from self._plan_to_trainer()
@@ -157,7 +167,8 @@ class RayClient:
         layout = (
             "spans" if cfg.colocate else "packed"
         )  # shared: the trainer's flat storages as they are
-        manifests = yield [t.manifest.remote(self.version + 1, bb, layout) for t in self.trainers]
+        version = self._next_version()
+        manifests = yield [t.manifest.remote(version, bb, layout) for t in self.trainers]
         manifest = manifests[0]
         receivers = self.samplers + self.logprobs
         if cfg.colocate:

@@ -93,3 +93,30 @@ def test_colocated_handover_order():
         torch.testing.assert_close(lp_s, lp_t, atol=2e-4, rtol=1e-4)
         with pytest.raises(ValueError, match="reference"):
             client.compute_logprobs(RolloutBatch([[1, 2]], [[3]]), model="reference")
+
+
+def test_failed_sync_never_reuses_its_version(monkeypatch):
+    """A sync that one replica rejects leaves the other on the new version; the next sync takes a
+    fresh number, so neither replica sees it as stale."""
+    import polynya.client.local as local_mod
+    from polynya.sync import SyncError, apply_update
+
+    cfg = tiny_config("local", colocate=False, sampling_gpus=2)
+    with polynya.create_rl_client(cfg) as client:
+        calls = []
+
+        def flaky(engine, staged, verify=True):
+            calls.append(engine)
+            if len(calls) == 2:
+                raise SyncError("injected: replica 1 rejects")
+            return apply_update(engine, staged, verify=verify)
+
+        monkeypatch.setattr(local_mod, "apply_update", flaky)
+        with pytest.raises(SyncError, match="injected"):
+            client.sync_weights()
+        assert [s.stats()["weight_version"] for s in client.samplers] == [1, 0]
+        assert client.version == 0
+        monkeypatch.setattr(local_mod, "apply_update", apply_update)
+        assert client.sync_weights()["version"] == 2
+        sums = client.weight_checksums()
+        assert sums["versions"] == [2, 2] and sums["samplers"] == [sums["trainer"]] * 2
