@@ -114,9 +114,11 @@ def dp_scenario(stage: int, ckpt_dir: str) -> dict:
     got = ref.compute_logprobs(plain, entropy=True)
     with torch.no_grad():
         want = polynya.compute_logprobs(load_model(MODEL, dtype="float32"), plain, entropy=True)
+    ref.load_weights(engine.export_weights(30_000))  # trainer -> log-prob engine, both sharded
+    synced = ref.weight_checksum() == engine.weight_checksum()
     return {"steps": steps, "zorro_off": zorro_off, "resumed_steps": resumed_steps, "weights": truth,
             "export_exact": list(exported) == list(truth) and all(torch.equal(exported[n], truth[n]) for n in truth),
             "checksum": engine.weight_checksum(),
-            "checksum_resumed": resumed.weight_checksum(),
+            "checksum_resumed": resumed.weight_checksum(), "synced": synced,
             "logprob_err": float((got.logprobs.cpu() - want.logprobs).abs().max()),
             "entropy_err": float((got.entropy.cpu() - want.entropy).abs().max())}

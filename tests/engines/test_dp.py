@@ -52,3 +52,4 @@ def test_two_ranks_equal_one_rank(two_ranks, stage, tmp_path):
         assert r["resumed_steps"] == r["steps"][1:]
         assert r["checksum_resumed"] == r["checksum"]
         assert r["logprob_err"] < 1e-5 and r["entropy_err"] < 1e-5
+        assert r["synced"]
