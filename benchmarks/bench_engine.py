@@ -30,12 +30,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_zorro import make_batch, model_flops  # noqa: E402
-from common import H200_BF16_FLOPS, environment, markdown_table, median, save  # noqa: E402
-
-import polynya  # noqa: E402
-from polynya.config import OptimConfig, TrainConfig  # noqa: E402
-from polynya.models import load_model  # noqa: E402
+import polynya
+from bench_zorro import make_batch, model_flops
+from common import H200_BF16_FLOPS, environment, markdown_table, median, save
+from polynya.config import OptimConfig, TrainConfig
+from polynya.models import load_model
 
 SHAPES = [(4096, 512, 8), (256, 512, 8)]
 
@@ -171,7 +170,8 @@ def shape_rows(model, engines: dict, shape, groups: int, iters: int) -> list[dic
 
 def profile(model, engines: dict, shape, groups: int) -> None:
     """One ZoRRo step, bare vs each engine: top ops and host-device syncs (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     P, R, G = shape
     batch = make_batch(P, R, G, groups, model.config.vocab_size, seed=P + R + G)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

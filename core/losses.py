@@ -84,7 +84,7 @@ class Normalizer:
     constant_len: int
 
     @classmethod
-    def from_mask(cls, mask: torch.Tensor, max_response_len: int | None = None) -> "Normalizer":
+    def from_mask(cls, mask: torch.Tensor, max_response_len: int | None = None) -> Normalizer:
         """From the global batch's ``[B, Rmax]`` response mask."""
         lens = mask.sum(-1)
         n_tok = int(lens.sum())

@@ -12,8 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .common import check_model_spec, check_positive, resolve_dtype
-from .train import (ENGINE_DTYPES, _check_bool, _check_seed, check_deepspeed_overrides, check_device,
-                    check_zero_stage)
+from .train import (
+    ENGINE_DTYPES,
+    _check_bool,
+    _check_seed,
+    check_deepspeed_overrides,
+    check_device,
+    check_zero_stage,
+)
 
 
 @dataclass

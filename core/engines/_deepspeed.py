@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

@@ -13,14 +13,19 @@ the log-probs of its shard of whole prompt groups; the shards are summed into th
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 from ..config.common import resolve_dtype
 from ..config.logprob import LogProbConfig
-from ..distributed import (all_reduce_sum, batch_fingerprint, check_same_on_all_ranks, local_device,
-                           plan_micro_batches)
+from ..distributed import (
+    all_reduce_sum,
+    batch_fingerprint,
+    check_same_on_all_ranks,
+    local_device,
+    plan_micro_batches,
+)
 from ..types import RolloutBatch, TokenStats
 from . import _deepspeed as dsu
 

@@ -25,14 +25,19 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from ..config.common import resolve_dtype
 from ..config.train import TrainConfig
-from ..distributed import (all_reduce_sum, batch_fingerprint, check_same_on_all_ranks, local_device,
-                           plan_micro_batches)
+from ..distributed import (
+    all_reduce_sum,
+    batch_fingerprint,
+    check_same_on_all_ranks,
+    local_device,
+    plan_micro_batches,
+)
 from ..losses import Normalizer, policy_loss, resolve_loss
 from ..types import RolloutBatch, TokenStats
 from . import _deepspeed as dsu
@@ -148,7 +153,7 @@ class TrainingEngine:
             mb = batch.select(rows)
             with dsu.engine_forward(self.engine):
                 stats = self._logprobs(mb, entropy=want_entropy, grad=True)
-            dev = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+            dev = lambda t: None if t is None else t.to(self.device)
             out = policy_loss(spec, stats.logprobs, dev(mb.advantages), stats.mask, normalizer,
                               old_logprobs=dev(mb.old_logprobs), ref_logprobs=dev(mb.ref_logprobs),
                               entropy=stats.entropy)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-
 from polynya import RolloutBatch
 from polynya.config.train import LossConfig, OptimConfig, TrainConfig
 from polynya.engines import _deepspeed as dsu

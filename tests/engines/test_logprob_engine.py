@@ -1,10 +1,9 @@
 """LogProbEngine (ZeRO 0 and 3) against ``polynya.compute_logprobs`` on the plain model."""
 from __future__ import annotations
 
+import polynya
 import pytest
 import torch
-
-import polynya
 from polynya.config.logprob import LogProbConfig
 from polynya.engines.logprob import LogProbEngine
 from polynya.engines.train import TrainingEngine

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from polynya.config.train import LOSSES, LossConfig, OptimConfig, TrainConfig
 from polynya.losses import Normalizer, kl_penalty, policy_loss, resolve_loss
 

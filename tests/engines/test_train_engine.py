@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-
 from polynya import RolloutBatch
 from polynya.config.train import LossConfig, TrainConfig
 from polynya.distributed import checksum_named_tensors
@@ -162,7 +161,7 @@ def test_bad_input_raises_and_leaves_state_unchanged(stage):
     weights, opt_state = full_weights(engine.module), optimizer_state(engine)
     bad = _bad_batches(with_ref)
     bad["missing_ref"] = good  # kl_coef > 0 needs ref_logprobs
-    for name, batch in bad.items():
+    for batch in bad.values():
         with pytest.raises(ValueError):
             engine.forward_backward(batch)
     with pytest.raises(RuntimeError):
