@@ -1,7 +1,9 @@
 """Trainer → sampler weight sync: versioned, bucketed, verified.
 
 - ``manifest``: ``SyncManifest`` (version, dtype, flat buckets, the trainer's checksum) built by
-  ``build_manifest(trainer, version=..., bucket_bytes=...)``; ``SyncError``.
+  ``build_manifest(trainer, version=..., bucket_bytes=..., layout="packed" | "spans")`` — packed
+  = ``export_weights`` buckets, spans = the trainer's own flat storages (ZeRO-1/2); ``SyncError``.
+- ``digest``: the trainer's checksum computed in one Triton launch per storage on CUDA.
 - ``staging``: ``StagedUpdate`` + ``apply_update(engine, staged)`` — stage every bucket, verify
   the checksum against the trainer's ``weight_checksum()``, only then load; a rejected sync
   leaves the receiver serving its previous version.

@@ -1,9 +1,11 @@
 """Colocated weight sync: flat buckets shared between processes, one handle per bucket.
 
-On CUDA a bucket is shared by CUDA-IPC (``torch.multiprocessing.reductions.reduce_tensor``):
-the receiver maps the trainer's own export buffer, so the bytes cross no copy before they are
-written into the receiver's parameters. On CPU the trainer packs each bucket into a POSIX
-shared-memory segment (``multiprocessing.shared_memory``) and the receiver maps it by name.
+On CUDA a bucket is shared by CUDA-IPC (``torch.multiprocessing.reductions.reduce_tensor``)
+and the receiver maps it. With a span manifest (ZeRO-1/2: every weight is a view of one flat
+buffer) the bucket *is* the trainer's weight storage: nothing is packed or copied before the
+receiver writes the bytes into its own parameters. With a packed manifest (ZeRO-0/3) the buckets
+are ``export_weights``' flat copies. On CPU each bucket is copied once into a POSIX
+shared-memory segment (``multiprocessing.shared_memory``) that the receiver maps by name.
 
 ::
 
@@ -13,9 +15,9 @@ shared-memory segment (``multiprocessing.shared_memory``) and the receiver maps 
                                                apply_update(sampler, staged)
     out.release()                  <-------    (after every receiver is done)
 
-Handles are small picklable objects (Ray, multiprocessing queues, HTTP pickles are fine).
-The export holds one flat copy of the weights while the sync is in flight; the receiver holds
-none (it reads the mapped buckets).
+Handles are small picklable objects (Ray, multiprocessing queues, pipes). While the sync is in
+flight the export holds no copy (CUDA spans) or one flat copy (packed, or CPU); the receiver
+holds none (it reads the mapped buckets).
 """
 
 from __future__ import annotations
