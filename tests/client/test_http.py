@@ -240,3 +240,22 @@ def test_weight_transfer_routes(client, raw):
     good = push(trainer.weight_checksum())
     assert good.status_code == 200 and good.json()["version"] == old_version + 1
     assert engine_checksum(sampler) == trainer.weight_checksum() != old_sum
+
+
+def test_http_async_api(client):
+    import asyncio
+
+    async def run():
+        outs = await asyncio.gather(*(client.generate_async([p], SamplingParams(max_tokens=3, seed=2))
+                                      for p in PROMPTS))
+        batch = RolloutBatch(PROMPTS, [o[0][0].token_ids for o in outs])
+        stats, sums = await asyncio.gather(client.compute_logprobs_async(batch, entropy=True),
+                                           client.weight_checksums_async())
+        return outs, stats, sums
+
+    outs, stats, sums = asyncio.run(run())
+    assert [len(o[0][0].token_ids) for o in outs] == [3, 3, 3]
+    assert stats.logprobs.shape == stats.entropy.shape == (3, 3) and bool(stats.mask.all())
+    assert sums["trainer"] and len(sums["samplers"]) == 1
+    with pytest.raises(ValueError, match="model"):
+        asyncio.run(client.compute_logprobs_async(RolloutBatch([[1]], [[2]]), model="critic"))
