@@ -86,6 +86,7 @@ class LocalClient(ThreadedAsync):
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._generating = 0
+        self._pending = False
         self._trainer_on, self._sampler_awake = True, True
         self._pool = ThreadPoolExecutor(
             max(1, len(self.samplers)), thread_name_prefix="polynya-local"
@@ -105,7 +106,7 @@ class LocalClient(ThreadedAsync):
         if (
             self.config.colocate
             and self._trainer_on
-            and not getattr(self.trainer, "_pending", 0)
+            and not self._pending
             and self.config.train.zero_stage > 0
         ):  # ZeRO-0 cannot offload: it stays resident
             self.trainer.offload()
@@ -171,13 +172,17 @@ class LocalClient(ThreadedAsync):
         with self._lock:
             self._check_open()
             self._to_trainer()
-            return self.trainer.forward_backward(batch)
+            out = self.trainer.forward_backward(batch)
+            self._pending = True  # gradients held: the trainer stays resident until step()
+            return out
 
     def step(self) -> dict[str, float]:
         with self._lock:
             self._check_open()
             self._to_trainer()
-            return self.trainer.step()
+            out = self.trainer.step()
+            self._pending = False
+            return out
 
     def _next_version(self) -> int:
         self._attempted = max(self.version, self._attempted) + 1
@@ -264,6 +269,7 @@ class LocalClient(ThreadedAsync):
             self._check_open()
             self._to_trainer()
             self.trainer.load(path)
+            self._pending = False
 
     def weight_checksums(self) -> dict[str, Any]:
         """``weight_checksum`` of the trainer and every receiver, and the served versions."""

@@ -152,7 +152,7 @@ class RayClient:
         out = yield [getattr(t, method).remote(*args) for t in self.trainers]
         if method == "forward_backward":
             self._pending = True
-        elif method == "step":
+        elif method in ("step", "load"):
             self._pending = False
         return out[0]
 
