@@ -170,7 +170,7 @@ def plot(results: dict, args, cases: list[int], path: str) -> None:
     paged = [results[f"G{g}"]["paged"]["ms_per_step"] for g in cases]
     x = np.arange(len(cases))
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(x - 0.2, paged, 0.4, label="paged decode (no sharing)")
+    ax.bar(x - 0.2, paged, 0.4, label="paged decode (pages shared, read per request)")
     ax.bar(x + 0.2, fca, 0.4, label="FCA")
     ax.set_xticks(x, labels)
     ax.set_ylabel("ms per decode step")
