@@ -13,7 +13,8 @@ their true ``position_ids``). Per layer the function
 2. prefill: for each sequence, causal SDPA of its new queries over its whole context (cached
    prefix pages + the new tokens, read back through its block table);
    decode: one query per sequence through ``polynya.kernels.fca`` — ``fca_decode`` with the
-   forest plan built once per step (``ctx.plan``), or ``paged_decode`` when FCA is off.
+   forest plan built once per step (``ctx.plan``), or ``paged_decode`` when FCA is off or no
+   two sequences of the step share a page.
 
 Because step 1 runs for all sequences before step 2, a sequence may read pages that another
 sequence of the same prefill writes (two identical prompts in one batch share their pages).
@@ -41,7 +42,8 @@ class StepContext:
         is_prefill: prefill step (many tokens per sequence) or decode step (one per sequence).
         q_ranges: prefill: per sequence ``(start, end)`` of its new tokens in the packed row.
         cached_lens: prefill: per sequence, tokens already in the cache before this step.
-        prefill_tables: prefill: per sequence ``[n_blocks]`` int64 block ids (device).
+        prefill_tables: prefill: per sequence ``[n_blocks]`` int64 block ids (device), or None
+            when nothing of it is cached (its new keys are then its whole context).
         block_tables: decode: ``[B, max_blocks]`` int32. seq_lens: decode: ``[B]`` int32 KV length.
         plan: decode with FCA: the ``ForestPlan`` of this step (shared by every layer).
     """
@@ -51,7 +53,7 @@ class StepContext:
     is_prefill: bool
     q_ranges: list[tuple[int, int]] = field(default_factory=list)
     cached_lens: list[int] = field(default_factory=list)
-    prefill_tables: list[torch.Tensor] = field(default_factory=list)
+    prefill_tables: list[torch.Tensor | None] = field(default_factory=list)
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     plan: Any = None
