@@ -253,3 +253,24 @@ def test_forks_survive_preemption_and_recompute():
     for prompt, samples in zip(prompts, out):
         ref = hf_greedy(hf, prompt, 14, eos=-1)
         assert [s.token_ids for s in samples] == [ref] * 4
+
+
+def test_failed_step_releases_the_call_and_engine_recovers(qwen, monkeypatch):
+    prompt = ragged_prompts(13, [9])[0]
+    p = SamplingParams(n=3, temperature=0, max_tokens=6, stop_token_ids=())
+    expected = qwen.generate([prompt], p)
+    runner = qwen.backend.runner
+    real_run, calls = runner.run, []
+
+    def flaky(seqs, is_prefill):
+        calls.append(is_prefill)
+        if len(calls) == 3:
+            raise RuntimeError("device fault")
+        return real_run(seqs, is_prefill)
+
+    monkeypatch.setattr(runner, "run", flaky)
+    with pytest.raises(RuntimeError, match="device fault"):
+        qwen.generate([prompt], p)
+    stats = qwen.stats()
+    assert stats["blocks_in_use"] == 0 and not qwen.backend.scheduler.has_work()
+    assert qwen.generate([prompt], p)[0][0].token_ids == expected[0][0].token_ids

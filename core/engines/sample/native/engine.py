@@ -104,11 +104,18 @@ class NativeEngine:
             if self.asleep:
                 raise RuntimeError("the sampling engine is asleep; call wake() first")
             rids = [self.add_request(t, p) for t, p in zip(toks, plist)]
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    if all(self._requests[r].done for r in rids):
+                        return [self._requests.pop(r).samples() for r in rids]
+                    self.step()
+        except BaseException:  # a failed step (or an interrupt): drop this call's requests
             with self._lock:
-                if all(self._requests[r].done for r in rids):
-                    return [self._requests.pop(r).samples() for r in rids]
-                self.step()
+                self.scheduler.abort(set(rids))
+                for r in rids:
+                    self._requests.pop(r, None)
+            raise
 
     # ---------------------------------------------------------------- one step
     def step(self) -> None:

@@ -105,6 +105,18 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
+    def abort(self, request_ids: set[int]) -> None:
+        """Drop every sequence of these requests, releasing its pages (a failed ``generate``)."""
+        self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
+        keep = deque()
+        for seq in self.running:
+            if seq.request_id in request_ids:
+                seq.status = Status.FINISHED
+                self.bm.deallocate(seq)
+            else:
+                keep.append(seq)
+        self.running = keep
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
