@@ -212,6 +212,10 @@ def test_load_weights_sleep_wake():
     engine.wake()
     assert engine.generate([prompt], p)[0][0].token_ids == got
     assert engine.load_weights(dict(new.named_parameters()), version=7) == 7
+    assert engine.load_weights((names, flat)) == 8  # one bucket on its own, as export_weights yields it
+    with pytest.raises(ValueError, match="flat bucket"):
+        engine.load_weights((names, flat[1:]))
+    assert engine.stats()["weight_version"] == 8
 
 
 def test_concurrent_threads_batch_together(qwen):

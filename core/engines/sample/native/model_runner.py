@@ -191,10 +191,14 @@ class ModelRunner:
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: WeightPieces) -> None:
         """Copy new weights in place. Accepts ``{name: tensor}``, ``[(name, tensor)]`` or
-        flat buckets ``[(names, flat_1d_tensor)]`` (parameters concatenated in ``names`` order).
+        flat buckets ``[(names, flat_1d_tensor)]`` (parameters concatenated in ``names`` order), or
+        one such bucket on its own.
         Everything is checked before anything is copied: a bad piece changes nothing."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if (isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[1], torch.Tensor)
+                and not isinstance(weights[0], str)):
+            weights = [weights]  # a single (names, flat) bucket
         items = weights.items() if isinstance(weights, Mapping) else weights
         for key, tensor in items:
             if isinstance(key, str):
