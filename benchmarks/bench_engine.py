@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import polynya
 from bench_zorro import make_batch, model_flops
-from common import H200_BF16_FLOPS, environment, markdown_table, median, save
+from common import H200_BF16_FLOPS, environment, markdown_table, median, paired_bars, save
 from polynya.config import OptimConfig, TrainConfig
 from polynya.models import load_model
 
@@ -245,22 +245,9 @@ def main() -> None:
         guarded("offload", engine.offload)
     save(dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16",
               gradient_checkpointing=True, rows=rows, **extras), args.out, "bench_engine")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["speedup"] for r in rows], 0.4, label="engine speedup")
-        ax.bar([x + 0.2 for x in xs], [r["bare_speedup"] for r in rows], 0.4, label="bare compute_logprobs")
-        ax.set_xticks(list(xs), [f"Z{r['stage']} {r['shape']}" for r in rows], fontsize=7)
-        ax.set_ylabel("naive / ZoRRo step time")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_engine.png"), dpi=120)
-    except ImportError:
-        pass
+    paired_bars(os.path.join(args.out, "bench_engine.png"), [f"Z{r['stage']} {r['shape']}" for r in rows],
+                [r["speedup"] for r in rows], "engine speedup", [r["bare_speedup"] for r in rows],
+                "bare compute_logprobs", "naive / ZoRRo step time")
     for key, extra in extras.items():
         print(f"{key}: {extra}")
     print(markdown_table(rows, [("stage", "ZeRO"), ("shape", "P/R/G"), ("naive_ms", "naive ms"),

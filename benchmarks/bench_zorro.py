@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (H200_BF16_FLOPS, cuda_median_ms, environment, markdown_table, median,  # noqa: E402
+                    paired_bars,
                     save)
 
 import polynya  # noqa: E402
@@ -107,22 +108,9 @@ def main() -> None:
     results = dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16",
                    gradient_checkpointing=True, rows=rows)
     save(results, args.out, "bench_zorro")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["speedup"] for r in rows], 0.4, label="measured speedup")
-        ax.bar([x + 0.2 for x in xs], [r["ideal"] for r in rows], 0.4, label="ideal G(P+R)/(P+GR)")
-        ax.set_xticks(list(xs), [r["shape"] for r in rows])
-        ax.set_ylabel("naive / ZoRRo step time")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_zorro.png"), dpi=120)
-    except ImportError:
-        pass
+    paired_bars(os.path.join(args.out, "bench_zorro.png"), [r["shape"] for r in rows],
+                [r["speedup"] for r in rows], "measured speedup", [r["ideal"] for r in rows],
+                "ideal G(P+R)/(P+GR)", "naive / ZoRRo step time")
     print(markdown_table(rows, [("shape", "P/R/G"), ("naive_ms", "naive ms"), ("zorro_ms", "ZoRRo ms"),
                                 ("speedup", "speedup"), ("ideal", "ideal"), ("flop_ratio", "FLOP ratio"),
                                 ("naive_peak_gb", "naive peak GB"), ("zorro_peak_gb", "ZoRRo peak GB"),

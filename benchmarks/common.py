@@ -54,3 +54,25 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(str(r[key]) for key, _ in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
+
+
+def paired_bars(path: str, labels: list[str], a: list[float], a_label: str, b: list[float],
+                b_label: str, ylabel: str) -> None:
+    """Two bars per x label (e.g. measured vs ideal speedup) saved as a PNG; no-op without
+    matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], a, 0.4, label=a_label)
+    ax.bar([x + 0.2 for x in xs], b, 0.4, label=b_label)
+    ax.set_xticks(list(xs), labels, fontsize=7 if len(labels) > 5 else 9)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -2,18 +2,11 @@ import random
 
 import numpy as np
 import pytest
-import torch
-
 from polynya import RolloutBatch
 from polynya.zorro import build_forest, pack_rows, split_batch
 from polynya.zorro.attention import zorro_mask
 
 from .batches import random_batch
-
-
-def _visible_naive(seq_a, seq_b, j, i):
-    """Ground truth: token j of sample b is an exact copy of a token that sample a's token i sees."""
-    return j <= i and list(seq_b[: j + 1]) == list(seq_a[: j + 1])
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -43,7 +36,6 @@ def test_dense_mask_matches_prefix_visibility(seed):
     batch = random_batch(rng, vocab=6, groups=3, max_group=3, max_prompt=4, max_response=3)
     rows = pack_rows(batch, max_tokens_per_row=20, pad_multiple=8)
     mask = zorro_mask(rows.tin, rows.tout)[:, 0]
-    f = build_forest([np.concatenate([p, r]) for p, r in zip(batch.prompts, batch.responses)])
     seqs = [np.concatenate([p, r]) for p, r in zip(batch.prompts, batch.responses)]
     flat_len = rows.input_ids.shape[1]
     # map forest token -> flat row index through the packed ids/positions of each sample
