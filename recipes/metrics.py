@@ -8,13 +8,21 @@ import sys
 
 
 class MetricsLogger:
-    """``log(step, metrics)`` appends one JSON line to ``<out_dir>/metrics.jsonl``."""
+    """``log(step, metrics)`` appends one JSON line to ``<out_dir>/metrics.jsonl``.
+
+    A fresh run (``start_step == 0``) starts the file anew; a resumed run keeps the rows of the
+    steps before ``start_step`` and drops any that the interrupted run logged after its last
+    checkpoint, so every step appears once.
+    """
 
     def __init__(self, out_dir: str, *, total_steps: int, start_step: int, progress: bool,
                  tensorboard: bool):
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        self._file = open(self.path, "a")
+        kept = _rows_before(self.path, start_step) if start_step > 0 else []
+        self._file = open(self.path, "w")
+        self._file.writelines(kept)
+        self._file.flush()
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -52,6 +60,13 @@ class MetricsLogger:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _rows_before(path: str, step: int) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line for line in f if line.strip() and json.loads(line).get("step", step) < step]
 
 
 def _plain(v):

@@ -72,14 +72,20 @@ def test_killed_run_resumes_from_latest_checkpoint(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    done = len(open(out / "metrics.jsonl").readlines())
     latest = max(int(json.load(open(p))["next_step"]) for p in out.glob("checkpoints/*/driver.json"))
     cfg = _compose([f"run.out_dir={out}", f"run.steps={latest + 1}", "run.prompts_per_step=2",
                     "run.group_size=2", "run.max_new_tokens=4", "run.progress=false"])
     result = GRPODriver(cfg).run()
     assert result["start_step"] == latest and result["steps"] == 1
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert len(rows) == done + 1 and rows[-1]["step"] == latest
+    assert [r["step"] for r in rows] == list(range(latest + 1)), "every step logged exactly once"
+
+
+def test_fresh_run_starts_a_new_metrics_file(tmp_path):
+    for _ in range(2):
+        out = _run(tmp_path, "toy", "run.steps=1", "run.resume=false")
+    rows = [json.loads(line) for line in open(out["metrics_path"])]
+    assert [r["step"] for r in rows] == [0]
 
 
 def test_group_advantages():
