@@ -38,17 +38,42 @@ def _import_ray():
     return ray
 
 
+CPU_DEVICE = "polynya_cpu_device"
+
+
+def _cpu_fallback(ray, cfg: RLClientConfig) -> RLClientConfig:
+    """Start (or join) Ray; on a machine without GPUs that starts its own cluster, let a custom
+    resource stand for each device so the same placements run on the CPU."""
+    import torch
+
+    local_cpu = cfg.ray_address is None and not ray.is_initialized() and (
+        cfg.device == "cpu" or not torch.cuda.is_available())
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        extra = {}
+        if local_cpu and cfg.device_resource == "GPU":
+            devices = cfg.training_gpus if cfg.colocate else (
+                cfg.training_gpus + cfg.sampling_gpus + cfg.log_prob_gpus)
+            extra = {"resources": {CPU_DEVICE: devices}}
+            cfg = cfg.replace(device_resource=CPU_DEVICE, device="cpu")
+        ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False, **extra)
+    return cfg
+
+
 class RayClient:
     """Client over Ray actors (module docstring)."""
 
     def __init__(self, config: RLClientConfig):
         ray = self.ray = _import_ray()
         self.config = cfg = config
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False)
+        cfg = self.config = _cpu_fallback(ray, cfg)
         self.layout = plan_layout(cfg.training_gpus, cfg.sampling_gpus, cfg.log_prob_gpus,
                                   cfg.colocate, cfg.device_resource)
+        have = ray.cluster_resources().get(cfg.device_resource, 0)
+        if have < len(self.layout.bundles):
+            raise ValueError(f"the Ray cluster has {have:g} {cfg.device_resource!r} but this placement needs "
+                             f"{len(self.layout.bundles)}: lower training/sampling/log_prob GPUs, use "
+                             "colocate=True, or start Ray with more devices")
         self.pg = create_placement_group(self.layout, cfg.timeout_s)
         self.trainers, self.samplers, self.logprobs = [], [], []
         self._closed = False

@@ -55,6 +55,18 @@ def test_two_steps_of_each_task_write_metrics(tmp_path, task):
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["generate_s"] > 0 and "loss" in r and "grad_norm" in r
 
 
+def test_ray_colocated_placement_runs_on_cpu(tmp_path, monkeypatch):
+    """No GPU here: the Ray client stands a custom resource in for each device."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    try:
+        out = _run(tmp_path, "toy", "placement=colocated", "run.steps=1")
+    finally:
+        ray.shutdown()
+    assert [json.loads(line)["step"] for line in open(out["metrics_path"])] == [0]
+
+
 def test_killed_run_resumes_from_latest_checkpoint(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "polynya.recipes", f"run.out_dir={out}", "run.steps=1000",
