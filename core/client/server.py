@@ -14,6 +14,7 @@ Client API (``HTTPClient`` speaks it): ``POST /rl/generate`` (JSON), ``/rl/compu
 """
 
 import argparse
+import hmac
 import json
 from typing import Any
 
@@ -111,7 +112,8 @@ def create_app(
     def auth(request: Request) -> None:
         if api_token is None or request.url.path == "/health":
             return
-        if request.headers.get("authorization", "") != f"Bearer {api_token}":
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {api_token}".encode()):  # constant time
             raise HTTPException(
                 401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
