@@ -112,8 +112,6 @@ def apply_update(engine, staged: StagedUpdate, *, verify: bool = True) -> int:
             staged.verify()
         elif staged.missing():
             raise SyncError(f"partial sync: buckets {staged.missing()[:8]} never arrived")
-        if _fast_copy(engine, staged, version):
-            return version
         pieces = staged.pieces()
         try:
             if _takes_version(engine):
@@ -124,34 +122,6 @@ def apply_update(engine, staged: StagedUpdate, *, verify: bool = True) -> int:
         except ValueError as exc:  # names / shapes that do not fit the engine: nothing was copied
             raise SyncError(f"sync of version {version} does not fit the engine: {exc}") from exc
         return version
-
-
-def _fast_copy(engine, staged: StagedUpdate, version: int) -> bool:
-    """Native sampler on one device: copy every tensor with one ``_foreach_copy_`` (a few kernel
-    launches instead of one per tensor) under the engine's lock, then drop its prefix cache and
-    set the version, as ``NativeEngine.load_weights`` does. ``False`` when not applicable."""
-    backend = getattr(engine, "backend", None)
-    runner = getattr(backend, "runner", None)
-    if runner is None or not all(
-        hasattr(backend, a) for a in ("_lock", "block_manager", "weight_version")
-    ):
-        return False
-    params = dict(runner.model.named_parameters(remove_duplicate=False))
-    views = list(staged.named_views())
-    for name, t in views:
-        p = params.get(name)
-        if p is None or p.shape != t.shape:
-            raise SyncError(
-                f"sync of version {version} does not fit the sampler: "
-                f"{name} {tuple(t.shape)} vs {None if p is None else tuple(p.shape)}"
-            )
-        if p.dtype != t.dtype or p.device != t.device:
-            return False
-    with backend._lock, torch.no_grad():  # noqa: SLF001
-        torch._foreach_copy_([params[n] for n, _ in views], [t for _, t in views])
-        backend.block_manager.reset_prefix_cache()
-        backend.weight_version = version
-    return True
 
 
 def _takes_version(engine) -> bool:
