@@ -58,7 +58,26 @@ class RLClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-class ThreadedAsync:
+class ClientLifecycle:
+    """``shutdown_async`` and the sync/async context managers every client shares."""
+
+    async def shutdown_async(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown_async()
+
+
+class ThreadedAsync(ClientLifecycle):
     """``*_async`` twins that run the blocking call on a worker thread."""
 
     async def generate_async(self, prompts, params) -> list[list[Sample]]:
@@ -91,17 +110,3 @@ class ThreadedAsync:
     async def weight_checksums_async(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.weight_checksums)
 
-    async def shutdown_async(self) -> None:
-        return await asyncio.to_thread(self.shutdown)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown_async()

@@ -10,7 +10,6 @@ network failures or timeouts → ``EngineError``.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 import time
@@ -18,7 +17,7 @@ from typing import Any, Sequence
 
 from ..sync import SyncError
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats, as_token_array
-from .api import EngineError, check_engine, check_logprob_model
+from .api import ClientLifecycle, EngineError, check_engine, check_logprob_model
 from .codec import decode_stats, encode_batch, params_to_json, sample_from_json
 from .config import RLClientConfig
 
@@ -80,7 +79,7 @@ class _EmbeddedServer:
         self.client.shutdown()
 
 
-class HTTPClient:
+class HTTPClient(ClientLifecycle):
     """Client over HTTP (module docstring)."""
 
     def __init__(self, config: RLClientConfig):
@@ -249,18 +248,3 @@ class HTTPClient:
         self._http.close()
         if self.server is not None:
             self.server.stop()
-
-    async def shutdown_async(self) -> None:
-        await asyncio.to_thread(self.shutdown)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown_async()

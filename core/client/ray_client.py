@@ -23,7 +23,7 @@ from typing import Any, Generator, Sequence
 from ..cluster.placement import create_placement_group, plan_layout, start_actors
 from ..cluster.routing import merge_routed, route_prompts
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
-from .api import EngineError, check_engine, check_logprob_model
+from .api import ClientLifecycle, EngineError, check_engine, check_logprob_model
 from .config import RLClientConfig
 from .local import split_params
 
@@ -60,7 +60,7 @@ def _cpu_fallback(ray, cfg: RLClientConfig) -> RLClientConfig:
     return cfg
 
 
-class RayClient:
+class RayClient(ClientLifecycle):
     """Client over Ray actors (module docstring)."""
 
     def __init__(self, config: RLClientConfig):
@@ -370,18 +370,3 @@ class RayClient:
             self.ray.util.remove_placement_group(self.pg)
         except Exception:
             pass
-
-    async def shutdown_async(self) -> None:
-        await asyncio.to_thread(self.shutdown)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown_async()
