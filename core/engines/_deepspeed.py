@@ -65,20 +65,24 @@ def merge(base: dict, override: dict) -> dict:
 
 
 def ds_config(*, zero_stage: int, dtype: torch.dtype, train: bool, grad_clip: float = 0.0,
-              overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+              overrides: dict[str, Any] | None = None, num_params: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config for an engine.
 
     Gradient accumulation is *unmanaged*: ``backward`` only accumulates, ``step`` reduces and
     updates, so any number of micro-batches (the engine decides per batch) make one step.
+    Communication buckets hold at most 5e7 elements and never more than the model
+    (``num_params``): DeepSpeed's defaults (5e8 for ZeRO-3's reduce bucket) reserve gigabytes
+    even for a tiny model.
     """
+    bucket = int(5e7) if num_params is None else int(min(5e7, max(num_params, 1e5)))
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage in (1, 2):
-        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size=int(5e7),
-                    allgather_bucket_size=int(5e7))
+        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size=bucket,
+                    allgather_bucket_size=bucket)
     if zero_stage == 3:
         # memory_efficient_linear would replace torch.nn.functional.linear process-wide (every
         # model, the sampler's too) with an autograd Function that costs host time per call.
-        zero.update(overlap_comm=False, stage3_prefetch_bucket_size=int(5e7),
+        zero.update(overlap_comm=False, reduce_bucket_size=bucket, stage3_prefetch_bucket_size=bucket,
                     stage3_param_persistence_threshold=int(1e4), memory_efficient_linear=False)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,

@@ -76,7 +76,8 @@ class LogProbEngine:
         model = load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed)
         model.requires_grad_(False)
         ds_cfg = dsu.ds_config(zero_stage=config.zero_stage, dtype=resolve_dtype(config.dtype),
-                               train=False, overrides=config.deepspeed)
+                               train=False, overrides=config.deepspeed,
+                               num_params=sum(p.numel() for p in model.parameters()))
         self.engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, dist_init_required=False)
         self.module = self.engine.module.eval()
 

@@ -109,7 +109,8 @@ class TrainingEngine:
             opt.register_step_pre_hook(self._clip_hook)
         ds_cfg = dsu.ds_config(zero_stage=cfg.zero_stage, dtype=self.dtype, train=True,
                                grad_clip=0.0 if self._own_clip else cfg.optim.grad_clip,
-                               overrides=cfg.deepspeed)
+                               overrides=cfg.deepspeed,
+                               num_params=sum(p.numel() for p in model.parameters()))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                config=ds_cfg, dist_init_required=False)
         return engine
