@@ -5,8 +5,8 @@ optionally the entropy of the predictive distribution) under ``model`` at a give
 With ``zorro=True`` the batch's shared prefixes are computed once (``polynya.zorro``); with
 ``zorro=False`` every sample is its own right-padded row (the plain reference). Both paths then
 share the same head: the hidden states that predict response tokens are gathered and pushed
-through the LM head in chunks of tokens, each chunk recomputed in the backward pass, so the full
-``[tokens, vocab]`` logits never exist at once.
+through the LM head in chunks of tokens (``polynya.head``), each chunk recomputed in the
+backward pass, so the full ``[tokens, vocab]`` logits never exist at once.
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
 from .zorro.attention import FLEX_BLOCK, use_zorro_attention, zorro_mask
 
+
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _check(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> int:
+def _check(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> None:
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"compute_logprobs expects a polynya.RolloutBatch, got {type(batch).__name__}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -34,7 +35,6 @@ def _check(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> i
         for i, s in enumerate(seqs):
             if s.size and int(s.max()) >= vocab:
                 raise ValueError(f"{name}[{i}] has token id {int(s.max())} >= vocab size {vocab}")
-    return vocab
 
 
 def _naive_inputs(batch: RolloutBatch, pad_id: int):
