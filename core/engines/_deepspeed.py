@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..distributed import ensure_process_group
+from ..weights import pieces_of, split_piece
 
 WeightPiece = tuple[list[str], torch.Tensor]
 
@@ -184,33 +185,6 @@ def weights_checksum(module: torch.nn.Module, bucket_bytes: int = 1 << 28) -> st
     return combine_signatures(lines)
 
 
-def _split_piece(piece, params: dict[str, torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """Validate one ``(name, tensor)`` or ``(names, flat)`` piece against the module."""
-    if not (isinstance(piece, (tuple, list)) and len(piece) == 2):
-        raise ValueError("a weight piece is (name, tensor) or (names, flat tensor)")
-    names, data = piece
-    if not isinstance(data, torch.Tensor):
-        raise ValueError(f"weights must be tensors, got {type(data).__name__}")
-    single = isinstance(names, str)
-    names = [names] if single else list(names)
-    unknown = [n for n in names if n not in params]
-    if unknown:
-        raise ValueError(f"unknown parameter name(s) {unknown[:5]}")
-    shapes = [full_shape(params[n]) for n in names]
-    if single:
-        if tuple(data.shape) != tuple(shapes[0]):
-            raise ValueError(f"{names[0]}: shape {tuple(data.shape)}, expected {tuple(shapes[0])}")
-        return [(params[names[0]], data)]
-    total = sum(s.numel() for s in shapes)
-    if data.dim() != 1 or data.numel() != total:
-        raise ValueError(f"flat bucket has shape {tuple(data.shape)}, expected ({total},) for {len(names)} tensors")
-    out, off = [], 0
-    for n, s in zip(names, shapes):
-        out.append((params[n], data[off:off + s.numel()].view(s)))
-        off += s.numel()
-    return out
-
-
 def load_pieces(module: torch.nn.Module, pieces: Iterable) -> int:
     """Copy weights into ``module``; returns the number of tensors loaded.
 
@@ -218,9 +192,10 @@ def load_pieces(module: torch.nn.Module, pieces: Iterable) -> int:
     pieces (rank 0's values are the ones partitioned back).
     """
     params = dict(module.named_parameters(remove_duplicate=False))
+    shapes = {n: full_shape(p) for n, p in params.items()}
     count = 0
-    for piece in pieces:
-        pairs = _split_piece(piece, params)
+    for piece in pieces_of(pieces):  # piece by piece: ZeRO-3 gathers only that piece's tensors
+        pairs = [(params[n], t) for n, t in split_piece(piece, shapes)]
         with gathered([p for p, _ in pairs], modifier_rank=0), torch.no_grad():
             for p, t in pairs:
                 p.data.copy_(t.to(device=p.device, dtype=p.dtype))

@@ -105,8 +105,6 @@ class LogProbEngine:
                 ``named_parameters`` names (tied aliases accepted); each piece is validated
                 (names, sizes) before it is copied. Under ZeRO-3 every rank passes the same pieces.
         """
-        if isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[1], torch.Tensor):
-            weights = [weights]
         return dsu.load_pieces(self.module, weights)
 
     def weight_checksum(self, bucket_bytes: int = 1 << 28) -> str:

@@ -13,38 +13,24 @@ its GPU machine (it pins another torch), so this module is exercised only where 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from polynya.config.common import resolve_dtype
 from polynya.config.sampler import SamplerConfig
 from polynya.models import is_synthetic
 from polynya.types import Sample, SamplingParams, TokenSeq
+from polynya.weights import split_weight_pieces
 
 from .requests import validate_requests
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def _pairs(weights: Mapping[str, torch.Tensor] | Iterable[tuple[Any, torch.Tensor]],
-           shapes: dict[str, torch.Size]) -> list[tuple[str, torch.Tensor]]:
-    """``{name: t}``, ``[(name, t)]`` or flat buckets ``[(names, flat)]`` -> ``[(name, t)]``."""
-    out: list[tuple[str, torch.Tensor]] = []
-    items = weights.items() if isinstance(weights, Mapping) else weights
-    for key, tensor in items:
-        if isinstance(key, str):
-            out.append((key, tensor))
-            continue
-        names = list(key)
-        unknown = [n for n in names if n not in shapes]
-        if unknown:
-            raise ValueError(f"load_weights: unknown parameters {unknown[:3]}")
-        sizes = [shapes[n].numel() for n in names]
-        if tensor.dim() != 1 or tensor.numel() != sum(sizes):
-            raise ValueError(f"flat bucket of {tensor.numel()} elements does not hold {sum(sizes)}")
-        out.extend((n, p.view(shapes[n])) for n, p in zip(names, tensor.split(sizes)))
-    return out
+def _pairs(weights, shapes: dict[str, torch.Size]) -> list[tuple[str, torch.Tensor]]:
+    """Weight pieces -> ``(name, tensor)`` with buckets split by the HF shapes; single names
+    go to vLLM unchecked (its ``load_weights`` maps and validates them)."""
+    return split_weight_pieces(weights, shapes, check_names=False)
 
 
 def _hf_shapes(model: str) -> dict[str, torch.Size]:

@@ -9,21 +9,17 @@ the block tables; every layer reuses it.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
-
 import numpy as np
 import torch
 from polynya.config.common import resolve_dtype
 from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
 from polynya.models import load_model
+from polynya.weights import WeightPieces, split_weight_pieces
 
 from . import attention
 from .cuda_graph import DecodeGraphs
 from .sequence import Sequence
-
-WeightPieces = Mapping[str, torch.Tensor] | Iterable[tuple[Any, torch.Tensor]]
 
 
 class ModelRunner:
@@ -190,42 +186,13 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: WeightPieces) -> None:
-        """Copy new weights in place. Accepts ``{name: tensor}``, ``[(name, tensor)]`` or
-        flat buckets ``[(names, flat_1d_tensor)]`` (parameters concatenated in ``names`` order), or
-        one such bucket on its own.
-        Everything is checked before anything is copied: a bad piece changes nothing."""
+        """Copy new weights in place (any form of ``polynya.weights``). Everything is checked
+        before anything is copied: a bad piece changes nothing."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        if (isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[1], torch.Tensor)
-                and not isinstance(weights[0], str)):
-            weights = [weights]  # a single (names, flat) bucket
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        for key, tensor in items:
-            if isinstance(key, str):
-                pairs.append(self._check(params, key, tensor))
-                continue
-            names = list(key)
-            unknown = [n for n in names if n not in params]
-            if unknown:
-                raise ValueError(f"load_weights: unknown parameters {unknown[:3]}")
-            sizes = [params[n].numel() for n in names]
-            if tensor.dim() != 1 or tensor.numel() != sum(sizes):
-                raise ValueError(f"flat bucket of {tensor.numel()} elements does not hold "
-                                 f"{sum(sizes)} elements of {len(names)} named parameters")
-            for name, piece in zip(names, tensor.split(sizes)):
-                pairs.append(self._check(params, name, piece.view(params[name].shape)))
+        pairs = split_weight_pieces(weights, {n: p.shape for n, p in params.items()})
         if pairs:
             with torch.no_grad():  # one multi-tensor copy (casts / moves where needed)
-                torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
-
-    @staticmethod
-    def _check(params: dict, name: str, tensor: torch.Tensor):
-        if name not in params:
-            raise ValueError(f"load_weights: unknown parameter {name!r}")
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(params[name].shape)}")
-        return params[name], tensor
+                torch._foreach_copy_([params[n] for n, _ in pairs], [t for _, t in pairs])
 
     def offload_weights(self) -> None:
         if self.device.type == "cuda" and not self.weights_offloaded:
