@@ -77,17 +77,57 @@ def zorro_mask(tin: torch.Tensor, tout: torch.Tensor):
     """
     rows, length = tin.shape
     if tin.device.type != "cuda":
-        q_tin, k_tin = tin[:, :, None], tin[:, None, :]
-        q_tout, k_tout = tout[:, :, None], tout[:, None, :]
-        causal = torch.ones(length, length, dtype=torch.bool, device=tin.device).tril()
-        return ((k_tin <= q_tin) & (q_tout <= k_tout) & causal)[:, None]
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return ((tin[b, kv_idx] <= tin[b, q_idx]) & (tout[b, q_idx] <= tout[b, kv_idx])
-                & (kv_idx <= q_idx))
-
+        idx = torch.arange(length, device=tin.device)
+        return _visible(tin[:, :, None], tout[:, :, None], idx[:, None],
+                        tin[:, None, :], tout[:, None, :], idx)[:, None]
     if length % FLEX_BLOCK:
         raise ValueError(f"packed rows must be padded to a multiple of {FLEX_BLOCK} on GPU")
-    return create_block_mask(mask_mod, rows, None, length, length, device=tin.device,
-                             BLOCK_SIZE=FLEX_BLOCK, _compile=True)
+    return interval_block_mask(tin, tout, FLEX_BLOCK)
+
+
+def _visible(q_tin, q_tout, q_idx, k_tin, k_tout, k_idx):
+    """The visibility rule on broadcast operands (one definition for mask_mod and blocks)."""
+    return (k_tin <= q_tin) & (q_tout <= k_tout) & (k_idx <= q_idx)
+
+
+def interval_block_mask(tin: torch.Tensor, tout: torch.Tensor, block: int = FLEX_BLOCK):
+    """FlexAttention ``BlockMask`` of the visibility rule, built with plain tensor ops.
+
+    ``create_block_mask`` would trace and compile the mask function for every new row length
+    (tens of seconds each on a new shape: an RL run has a new one every step). Here every
+    (query block, key block) pair is classified from the token rule directly, a few query
+    blocks at a time (at most 2**26 token pairs in flight): *full* pairs run unmasked, *partial*
+    pairs evaluate ``mask_mod`` per element, the rest are skipped.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rows, length = tin.shape
+    nb = length // block
+    dev = tin.device
+    anyv = torch.empty(rows, nb, nb, dtype=torch.bool, device=dev)
+    allv = torch.empty_like(anyv)
+    k_idx = torch.arange(length, device=dev)
+    k_tin, k_tout = tin[:, None, None, :], tout[:, None, None, :]
+    step = max(1, (1 << 26) // (rows * block * length))
+    for s in range(0, nb, step):
+        e = min(nb, s + step)
+        span = slice(s * block, e * block)
+        shape = (rows, e - s, block, 1)
+        vis = _visible(tin[:, span].reshape(shape), tout[:, span].reshape(shape),
+                       k_idx[span].view(1, e - s, block, 1), k_tin, k_tout, k_idx)
+        vis = vis.view(rows, e - s, block, nb, block)
+        anyv[:, s:e] = vis.any(dim=4).any(dim=2)
+        allv[:, s:e] = vis.all(dim=4).all(dim=2)
+
+    def ordered(m: torch.Tensor):
+        num = m.sum(-1, dtype=torch.int32)[:, None]
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
+        return num.contiguous(), idx.contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return _visible(tin[b, q_idx], tout[b, q_idx], q_idx, tin[b, kv_idx], tout[b, kv_idx], kv_idx)
+
+    kv_num, kv_idx = ordered(anyv & ~allv)
+    full_num, full_idx = ordered(allv)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+                                    mask_mod=mask_mod, seq_lengths=(length, length))

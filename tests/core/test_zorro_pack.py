@@ -83,3 +83,41 @@ def test_group_ids_merge_units_with_different_prompts():
     b = RolloutBatch([[1, 2], [3, 4], [5]], [[1], [1], [1]], group_ids=[0, 0, 1])
     parts = split_batch(b, 1)
     assert sorted(map(sorted, parts)) == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("seed,block", [(0, 8), (1, 8), (2, 16), (3, 4)])
+def test_interval_block_mask_equals_flex_create_block_mask(seed, block):
+    """The compile-free BlockMask builder classifies every block pair as FlexAttention's own
+    ``create_block_mask`` does, and its mask_mod is the dense rule (multiple rows, padding)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+    from polynya.zorro.attention import interval_block_mask
+
+    rng = random.Random(seed)
+    batch = random_batch(rng, vocab=6, groups=4, max_group=4, max_prompt=12, max_response=9)
+    rows = pack_rows(batch, max_tokens_per_row=48, pad_multiple=block)
+    tin, tout = rows.tin, rows.tout
+    length = tin.shape[1]
+    ours = interval_block_mask(tin, tout, block)
+    dense = zorro_mask(tin, tout)[:, 0]
+
+    def mm(b, h, q, k):
+        return dense[b, q, k]
+
+    ref = create_block_mask(mm, tin.shape[0], None, length, length, device="cpu",
+                            BLOCK_SIZE=block, _compile=False)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        n = getattr(ours, num)
+        for b in range(n.shape[0]):
+            for qb in range(n.shape[2]):
+                k = int(n[b, 0, qb])
+                assert sorted(getattr(ours, idx)[b, 0, qb, :k].tolist()) == \
+                    sorted(getattr(ref, idx)[b, 0, qb, :k].tolist())
+    q, k = torch.meshgrid(torch.arange(length), torch.arange(length), indexing="ij")
+    for b in range(tin.shape[0]):
+        assert torch.equal(ours.mask_mod(torch.tensor(b), 0, q, k), dense[b])
+    assert ours.kv_num_blocks.sum() > 0
+    if block < 16:  # small blocks: some lie wholly inside a prompt read by its responses
+        assert ours.full_kv_num_blocks.sum() > 0
