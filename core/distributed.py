@@ -136,9 +136,15 @@ def tensor_digest(t: torch.Tensor) -> int:
     return int(total)
 
 
+def signature_prefix(name: str, dtype: torch.dtype, shape) -> str:
+    """A checksum line up to its digest: ``tensor_signature`` is this prefix + the digest (fast
+    paths build the prefixes once per weight layout and add the digests per sync)."""
+    return f"{name}|{dtype}|{tuple(int(x) for x in shape)}|"
+
+
 def tensor_signature(name: str, t: torch.Tensor) -> str:
     """One line of the checksum: name, dtype, shape and ``tensor_digest``."""
-    return f"{name}|{t.dtype}|{tuple(t.shape)}|{tensor_digest(t)}"
+    return signature_prefix(name, t.dtype, t.shape) + str(tensor_digest(t))
 
 
 def combine_signatures(signatures: Iterable[str]) -> str:
