@@ -4,7 +4,9 @@
 buckets ``[(names, flat_1d_tensor), ...]`` as ``TrainingEngine.export_weights`` yields them (each
 bucket holds its tensors flattened and concatenated in ``names`` order), or one such bucket on
 its own (or one bare ``(name, tensor)``). ``split_weight_pieces`` turns any of these into checked ``(name, tensor)`` pairs before
-anything is copied, so a bad piece leaves the engine untouched.
+anything is copied, so a bad piece leaves the engine untouched. ``FlatBuckets`` (flat buckets with
+their layout, as a weight sync stages them) iterate as such pieces; ``BucketCopyPlan`` copies
+them with one ``_foreach_copy_`` after checking the layout once.
 """
 from __future__ import annotations
 
@@ -63,3 +65,122 @@ def split_weight_pieces(weights: WeightPieces, shapes: Mapping[str, torch.Size],
                         check_names: bool = True) -> list[tuple[str, torch.Tensor]]:
     """Every piece of ``weights`` as checked ``(name, tensor)`` pairs (see ``split_piece``)."""
     return [pair for piece in pieces_of(weights) for pair in split_piece(piece, shapes, check_names=check_names)]
+
+
+class FlatBuckets:
+    """Flat buckets with their layout, as a weight sync stages them.
+
+    ``specs[i]`` (a ``polynya.sync.BucketSpec``: ``names``, ``shapes``, ``offsets`` or None,
+    ``numel``, ``sizes()``, ``starts()``) describes ``flats[i]``: packed (tensors back to back)
+    or a span with element ``offsets``. Iterating gives ordinary pieces (``(names, flat)`` for a
+    packed bucket, ``(name, view)`` pairs for a span), so every ``load_weights`` accepts it;
+    the native sampler instead copies it through a ``BucketCopyPlan`` kept per layout
+    (``key``: any hashable that stands for ``specs``, by default ``specs`` itself).
+    """
+
+    __slots__ = ("flats", "key", "specs")
+
+    def __init__(self, specs, flats, key=None):
+        self.specs = tuple(specs)
+        self.flats = list(flats)
+        self.key = self.specs if key is None else key
+        if len(self.flats) != len(self.specs):
+            raise ValueError(f"{len(self.flats)} flat buckets for {len(self.specs)} bucket specs")
+
+    def __iter__(self):
+        for spec, flat in zip(self.specs, self.flats):
+            if spec.offsets is None:
+                yield list(spec.names), flat
+                continue
+            if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != spec.numel:
+                raise ValueError(f"flat span of shape {tuple(getattr(flat, 'shape', ()))} is not "
+                                 f"the {spec.numel} elements its spec describes")
+            for name, shape, o, n in zip(spec.names, spec.shapes, spec.starts(), spec.sizes()):
+                yield name, flat[o:o + n].view(shape)
+
+
+class BucketCopyPlan:
+    """Destinations and source splits of ``FlatBuckets`` of one layout, checked once.
+
+    Built from the specs and the engine's parameters: every name must be known, every shape must
+    match, every tensor must lie inside its bucket (``ValueError`` otherwise, nothing copied).
+    ``sources(flats)`` then only checks each bucket's size and splits it with one
+    ``split_with_sizes`` per bucket, so a sync is one ``_foreach_copy_(plan.dst, sources)``.
+
+    ``dst`` are flat views of the parameters (they keep the parameters' storages alive): a plan
+    must be dropped when the parameters move (``current()`` is False once any of them was
+    re-pointed; engines also drop their plans when they offload or onload weights).
+    """
+
+    def __init__(self, specs, params: Mapping[str, torch.Tensor]):
+        self.params: list[torch.Tensor] = []
+        self.dst: list[torch.Tensor] = []
+        self.numels: list[int] = []
+        self.splits: list[tuple[list[int], list[int] | None, list[tuple[int, int]] | None]] = []
+        self.reshape: list[tuple[int, torch.Size]] = []  # sources viewed to a strided dst's shape
+        for i, spec in enumerate(specs):
+            names = list(spec.names)
+            if len(names) != len(spec.shapes):
+                raise ValueError(f"bucket {i}: {len(names)} names but {len(spec.shapes)} shapes")
+            unknown = [n for n in names if n not in params]
+            if unknown:
+                raise ValueError(f"load_weights: unknown parameters {unknown[:3]}")
+            for n, s in zip(names, spec.shapes):
+                if tuple(params[n].shape) != tuple(s):
+                    raise ValueError(f"load_weights: {n} has shape {tuple(s)}, "
+                                     f"expected {tuple(params[n].shape)}")
+            sizes = [torch.Size(s).numel() for s in spec.shapes]
+            starts = list(spec.starts())
+            numel = spec.numel
+            if any(o < 0 or o + n > numel for o, n in zip(starts, sizes)):
+                raise ValueError(f"bucket {i}: a tensor lies outside its {numel} elements")
+            self.splits.append(self._split(starts, sizes, numel))
+            self.numels.append(numel)
+            for n in names:
+                p = params[n]
+                self.params.append(p)
+                if p.is_contiguous():
+                    self.dst.append(p.detach().view(-1))
+                else:
+                    self.reshape.append((len(self.dst), p.shape))
+                    self.dst.append(p.detach())
+        self.ptrs = [p.data_ptr() for p in self.params]
+
+    @staticmethod
+    def _split(starts: list[int], sizes: list[int], numel: int):
+        """``(split sizes, kept pieces or None for all, None)`` when the tensors are in order
+        without overlap (gaps become dropped pieces); else ``([], None, [(start, size)])``."""
+        pos, chunks, keep = 0, [], []
+        for o, n in zip(starts, sizes):
+            if o < pos:
+                return [], None, list(zip(starts, sizes))
+            if o > pos:
+                chunks.append(o - pos)
+            keep.append(len(chunks))
+            chunks.append(n)
+            pos = o + n
+        if pos < numel:
+            chunks.append(numel - pos)
+        return chunks, (None if len(keep) == len(chunks) else keep), None
+
+    def current(self) -> bool:
+        """Whether every parameter is still where the plan's views point."""
+        return [p.data_ptr() for p in self.params] == self.ptrs
+
+    def sources(self, flats) -> list[torch.Tensor]:
+        """Source tensors matching ``dst`` (``ValueError`` when a bucket has the wrong size)."""
+        if len(flats) != len(self.numels):
+            raise ValueError(f"{len(flats)} flat buckets for a layout of {len(self.numels)}")
+        out: list[torch.Tensor] = []
+        for i, (flat, numel, (chunks, keep, spans)) in enumerate(zip(flats, self.numels, self.splits)):
+            if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != numel:
+                raise ValueError(f"flat bucket {i} of shape {tuple(getattr(flat, 'shape', ()))} "
+                                 f"does not hold the {numel} elements of its layout")
+            if spans is not None:
+                out += [flat.narrow(0, o, n) for o, n in spans]
+                continue
+            pieces = flat.split_with_sizes(chunks) if len(chunks) > 1 else (flat,)
+            out += pieces if keep is None else [pieces[k] for k in keep]
+        for k, shape in self.reshape:
+            out[k] = out[k].view(shape)
+        return out

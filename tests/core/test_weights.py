@@ -29,3 +29,45 @@ def test_every_form_splits_to_named_tensors():
 def test_bad_pieces_raise(weights, needle):
     with pytest.raises(ValueError, match=needle):
         split_weight_pieces(weights, SHAPES)
+
+
+def _params():
+    return {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(3, 2).t()}  # c strided
+
+
+@pytest.mark.parametrize("offsets, length", [
+    (None, None),            # packed
+    ((0, 6, 10), 16),        # span, back to back, padding at the end
+    ((1, 9, 14), 21),        # gaps between tensors
+    ((10, 0, 16), 22),       # out of order
+])
+def test_bucket_copy_plan_copies_every_layout(offsets, length):
+    from polynya.sync.manifest import BucketSpec
+    from polynya.weights import BucketCopyPlan, FlatBuckets
+
+    spec = BucketSpec(("a", "b", "c"), ((2, 3), (4,), (2, 3)), offsets, length)
+    flat = torch.arange(float(spec.numel))
+    weights = FlatBuckets([spec], [flat])
+    params = _params()
+    plan = BucketCopyPlan(weights.specs, params)
+    torch._foreach_copy_(plan.dst, plan.sources(weights.flats))
+    for name, piece in split_weight_pieces(weights, {n: p.shape for n, p in params.items()}):
+        assert torch.equal(params[name], piece), name  # same values as the plain pieces
+    assert plan.current()
+    params["b"].data = torch.ones(4)
+    assert not plan.current()  # a parameter moved: the plan is stale
+    with pytest.raises(ValueError, match="elements"):
+        plan.sources([flat[:-1]])
+
+
+@pytest.mark.parametrize("spec_args, needle", [
+    ((("a", "zz"), ((2, 3), (1,)), None, None), "unknown"),
+    ((("a",), ((3, 2),), None, None), "shape"),
+    ((("a", "b"), ((2, 3), (4,)), (0, 6), 9), "outside"),
+])
+def test_bucket_copy_plan_rejects_what_does_not_fit(spec_args, needle):
+    from polynya.sync.manifest import BucketSpec
+    from polynya.weights import BucketCopyPlan
+
+    with pytest.raises(ValueError, match=needle):
+        BucketCopyPlan([BucketSpec(*spec_args)], _params())

@@ -15,7 +15,7 @@ from polynya.config.common import resolve_dtype
 from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
 from polynya.models import load_model
-from polynya.weights import WeightPieces, split_weight_pieces
+from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, split_weight_pieces
 
 from . import attention
 from .cuda_graph import DecodeGraphs
@@ -48,6 +48,7 @@ class ModelRunner:
         self.max_model_len = min(limits)
         self.use_fca = config.fca
         self.weights_offloaded = False
+        self._copy_plans: dict = {}  # FlatBuckets layout -> BucketCopyPlan (dropped when weights move)
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.allocate_kv()
@@ -187,14 +188,32 @@ class ModelRunner:
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: WeightPieces) -> None:
         """Copy new weights in place (any form of ``polynya.weights``). Everything is checked
-        before anything is copied: a bad piece changes nothing."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        pairs = split_weight_pieces(weights, {n: p.shape for n, p in params.items()})
-        if pairs:
+        before anything is copied: a bad piece changes nothing.
+
+        ``FlatBuckets`` (a weight sync's staged buckets) go through a ``BucketCopyPlan`` made
+        once per layout: names and shapes are checked when the plan is made, each sync only
+        checks the bucket sizes, splits the buckets and copies."""
+        if isinstance(weights, FlatBuckets):
+            plan = self._copy_plan(weights)
+            dst, src = plan.dst, plan.sources(weights.flats)
+        else:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            pairs = split_weight_pieces(weights, {n: p.shape for n, p in params.items()})
+            dst, src = [params[n] for n, _ in pairs], [t for _, t in pairs]
+        if dst:
             with torch.no_grad():  # one multi-tensor copy (casts / moves where needed)
-                torch._foreach_copy_([params[n] for n, _ in pairs], [t for _, t in pairs])
+                torch._foreach_copy_(dst, src)
+
+    def _copy_plan(self, weights: FlatBuckets) -> BucketCopyPlan:
+        plan = self._copy_plans.get(weights.key)
+        if plan is None or not plan.current():
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            plan = BucketCopyPlan(weights.specs, params)  # ValueError when it does not fit
+            self._copy_plans = {weights.key: plan}  # the last layout only (a plan pins weights)
+        return plan
 
     def offload_weights(self) -> None:
+        self._copy_plans = {}  # its views would keep the device weights alive
         if self.device.type == "cuda" and not self.weights_offloaded:
             self.graphs = None
             self.model.to("cpu")
@@ -202,6 +221,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def onload_weights(self) -> None:
+        self._copy_plans = {}
         if self.weights_offloaded:
             self.model.to(self.device)
             self.weights_offloaded = False
