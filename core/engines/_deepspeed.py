@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -170,19 +171,29 @@ def export_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[Weigh
 
 
 def weights_checksum(module: torch.nn.Module, bucket_bytes: int = 1 << 28) -> str:
-    """``polynya.distributed.checksum_named_tensors`` of the module's full weights, computed
-    bucket by bucket (``export_buckets``)."""
-    from ..distributed import combine_signatures, tensor_signature
+    """``polynya.distributed.checksum_named_tensors`` of the module's full weights.
 
+    Weights that are views of a few flat storages (ZeRO-1/2) are digested in place
+    (``polynya.sync.layout``); otherwise bucket by bucket (``export_buckets``). On CUDA the
+    digests come from the Triton kernels of ``polynya.sync.digest`` with one device -> host
+    transfer at the end; elsewhere from ``tensor_digest``: the same value either way.
+    """
+    from ..distributed import signature_prefix
+    from ..sync.digest import cached_plan, checksum_lines, gather
+    from ..sync.layout import span_layout
+
+    found = span_layout(module)
+    if found is not None:
+        layout, spans = found
+        return layout.checksum(spans)
     shapes = {n: full_shape(p) for n, p in module.named_parameters()}
-    lines = []
+    prefixes, digests = [], []
     for names, flat in export_buckets(module, bucket_bytes):
-        off = 0
-        for n in names:
-            k = shapes[n].numel()
-            lines.append(tensor_signature(n, flat[off:off + k].view(shapes[n])))
-            off += k
-    return combine_signatures(lines)
+        sizes = [shapes[n].numel() for n in names]
+        starts = [0, *itertools.accumulate(sizes)][:-1]
+        digests.append(cached_plan(starts, sizes).digest_tensor([flat]))  # no host sync on CUDA
+        prefixes += [signature_prefix(n, flat.dtype, shapes[n]) for n in names]
+    return checksum_lines(prefixes, gather(digests) if digests else [])
 
 
 def load_pieces(module: torch.nn.Module, pieces: Iterable) -> int:

@@ -163,38 +163,18 @@ def plan_buckets(
 
 def flat_spans(module: torch.nn.Module) -> list[tuple[torch.Tensor, BucketSpec]] | None:
     """The module's weights as spans of the flat storages they are views of, or ``None`` when
-    they are not (ZeRO-0 / ZeRO-3 keep one storage per tensor). Each span tensor is a view."""
-    from ..engines._deepspeed import is_zero3
+    they are not (ZeRO-0 / ZeRO-3 keep one storage per tensor). Each span tensor is a view.
 
-    params = list(module.named_parameters())
-    if not params or any(is_zero3(p) or not p.is_contiguous() for _, p in params):
+    The layout (names, offsets, shapes) is cached per module and checked against the weights'
+    current pointers on every call (``polynya.sync.layout``); the spans are always fresh views.
+    """
+    from .layout import span_layout
+
+    found = span_layout(module)
+    if found is None:
         return None
-    groups: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
-    for name, p in params:
-        groups.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
-    if len(groups) > max(4, len(params) // 8):
-        return None
-    out = []
-    for members in groups.values():
-        members.sort(key=lambda np_: np_[1].storage_offset())
-        lo = members[0][1].storage_offset()
-        hi = max(p.storage_offset() + p.numel() for _, p in members)
-        first = members[0][1]
-        with torch.no_grad():
-            span = torch.empty(0, dtype=first.dtype, device=first.device).set_(
-                first.untyped_storage(), lo, (hi - lo,)
-            )
-        ends = [p.storage_offset() + p.numel() for _, p in members]
-        if any(e > members[k + 1][1].storage_offset() for k, e in enumerate(ends[:-1])):
-            return None  # overlapping views (tied weights stored twice?): pack instead
-        spec = BucketSpec(
-            tuple(n for n, _ in members),
-            tuple(tuple(p.shape) for _, p in members),
-            tuple(p.storage_offset() - lo for _, p in members),
-            hi - lo,
-        )
-        out.append((span, spec))
-    return out
+    layout, spans = found
+    return list(zip(spans, layout.specs))
 
 
 def build_manifest(
@@ -208,24 +188,27 @@ def build_manifest(
     packing (falls back to packed when the weights are not views of flat buffers).
     """
     from ..engines._deepspeed import full_shape
-    from .digest import checksum_views
+    from .layout import span_layout
 
     if layout not in ("packed", "spans"):
         raise ValueError(f"layout must be 'packed' or 'spans', got {layout!r}")
+    found = span_layout(trainer.module) if layout == "spans" else None
+    if found is not None and found[0].dtype is not None:
+        spans_layout, spans = found
+        buckets = spans_layout.specs
+        dtype = spans_layout.dtype
+        if checksum is None:  # the same digest as weight_checksum(), read from the spans in place
+            checksum = spans_layout.checksum(spans)
+        return SyncManifest(version=int(version), dtype=str(dtype), checksum=checksum,
+                            buckets=buckets)
     params = list(trainer.module.named_parameters())
     if not params:
         raise ValueError("the trainer has no parameters")
     dtype = params[0][1].dtype
     if any(p.dtype != dtype for _, p in params):
         raise ValueError("weight sync needs every parameter in one dtype")
-    spans = flat_spans(trainer.module) if layout == "spans" else None
-    if spans is not None:
-        buckets = tuple(spec for _, spec in spans)
-        if checksum is None:  # the same digest as weight_checksum(), read from the spans in place
-            checksum = checksum_views([v for span, spec in spans for v in spec.views(span)])
-    else:
-        named_shapes = [(n, tuple(full_shape(p))) for n, p in params]
-        buckets = plan_buckets(named_shapes, params[0][1].element_size(), bucket_bytes)
-        if checksum is None:
-            checksum = trainer.weight_checksum(bucket_bytes)
+    named_shapes = [(n, tuple(full_shape(p))) for n, p in params]
+    buckets = plan_buckets(named_shapes, params[0][1].element_size(), bucket_bytes)
+    if checksum is None:
+        checksum = trainer.weight_checksum(bucket_bytes)
     return SyncManifest(version=int(version), dtype=str(dtype), checksum=checksum, buckets=buckets)

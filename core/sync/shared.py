@@ -128,19 +128,19 @@ class SharedExport:
 
     def _share_spans(self, trainer, share: bool) -> "SharedExport":
         """Span manifests: share the trainer's flat storages themselves (no packing on CUDA)."""
-        from .manifest import flat_spans
+        from .layout import export_spans
 
-        spans = flat_spans(trainer.module)
-        if spans is None or tuple(spec for _, spec in spans) != self.manifest.buckets:
+        spans = export_spans(trainer.module, self.manifest.buckets)
+        if spans is None:
             raise SyncError(
                 "the trainer's flat weight storages changed since the manifest was built"
             )
-        for span, _ in spans if share else ():
+        for span in spans if share else ():
             handle, keep = _share(span)
             self.handles.append(handle)
             self._keep.append(keep)
         if self.handles and self.handles[0].kind == "cuda_ipc":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # receivers read on their own streams
         return self
 
     def release(self) -> None:

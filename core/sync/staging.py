@@ -11,17 +11,23 @@ Nothing touches the engine until every bucket is present and the checksum of the
 equals the trainer's ``weight_checksum()``; a rejected sync leaves the engine serving its
 previous weights and version. Staged buckets are the received buffers themselves (no copy);
 ``apply_update`` copies them straight into the engine's parameters.
+
+What depends only on the manifest's layout (offsets checked, digest block tables, checksum line
+prefixes) is prepared once per layout (``polynya.sync.layout.bucket_layout``); the engine gets
+the buckets as ``polynya.weights.FlatBuckets``, which the native sampler copies with one
+``_foreach_copy_`` through a plan it also keeps per layout.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Iterator
 
 import torch
 
 from ..distributed import checksum_named_tensors
-from .digest import checksum_views
+from ..weights import FlatBuckets
 from .manifest import SyncError, SyncManifest
 
 
@@ -31,6 +37,15 @@ class StagedUpdate:
     def __init__(self, manifest: SyncManifest):
         self.manifest = manifest
         self.flats: list[torch.Tensor | None] = [None] * len(manifest.buckets)
+        self._layout = None
+
+    def layout(self):
+        """The manifest's ``BucketLayout`` (cached per layout; ``SyncError`` if malformed)."""
+        if self._layout is None:
+            from .layout import bucket_layout
+
+            self._layout = bucket_layout(self.manifest)
+        return self._layout
 
     def put(self, index: int, flat: torch.Tensor) -> None:
         """Stage bucket ``index`` (a 1-D tensor in the manifest's dtype and size)."""
@@ -60,8 +75,9 @@ class StagedUpdate:
             yield from spec.views(flat)
 
     def checksum(self) -> str:
-        """The trainer-checksum digest of the staged bytes (``polynya.sync.digest``)."""
-        return checksum_views(list(self.named_views()))
+        """The trainer-checksum digest of the staged bytes (``polynya.sync.digest``): read in
+        place from the buckets, one device -> host transfer."""
+        return self.layout().checksum(self.flats)
 
     def verify(self) -> None:
         """``SyncError`` unless every bucket is staged and the checksum matches the trainer's."""
@@ -78,12 +94,10 @@ class StagedUpdate:
                 f"hash to {got}, the trainer's weight_checksum() is {self.manifest.checksum}"
             )
 
-    def pieces(self) -> list:
-        """What ``load_weights`` takes: ``(names, flat)`` buckets, or ``(name, view)`` pairs for
-        span buckets (whose tensors are not back to back)."""
-        if any(s.offsets is not None for s in self.manifest.buckets):
-            return list(self.named_views())
-        return [(list(s.names), f) for s, f in zip(self.manifest.buckets, self.flats)]
+    def pieces(self) -> FlatBuckets:
+        """What ``load_weights`` takes: the buckets with their layout (``FlatBuckets``; iterated,
+        ``(names, flat)`` buckets, or ``(name, view)`` pairs for span buckets)."""
+        return FlatBuckets(self.manifest.buckets, list(self.flats), key=self.layout())
 
 
 def current_version(engine) -> int:
@@ -125,9 +139,22 @@ def apply_update(engine, staged: StagedUpdate, *, verify: bool = True) -> int:
 
 
 def _takes_version(engine) -> bool:
-    import inspect
+    fn = engine.load_weights
+    fn = getattr(fn, "__func__", fn)
+    try:
+        return _TAKES_VERSION[fn]
+    except (KeyError, TypeError):
+        import inspect
 
-    return "version" in inspect.signature(engine.load_weights).parameters
+        takes = "version" in inspect.signature(engine.load_weights).parameters
+        try:
+            _TAKES_VERSION[fn] = takes
+        except TypeError:  # not weak-referenceable / hashable: not cached
+            pass
+        return takes
+
+
+_TAKES_VERSION: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def engine_checksum(engine) -> str:

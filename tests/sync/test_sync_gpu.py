@@ -18,3 +18,34 @@ def test_triton_digest_on_cuda(dtype):
     assert digests_in_storage(flat, starts, lens) == want
     views = [(f"w{i}", flat[s:s + n].view(-1, 1)) for i, (s, n) in enumerate(zip(starts, lens))]
     assert checksum_views(views) == checksum_named_tensors(views)
+
+
+def test_layout_checksums_on_cuda():
+    """The cached layouts' kernel path (trainer spans with padding, receiver buckets, a tensor
+    of many thousand blocks) equals the CPU reference."""
+    from polynya.sync import StagedUpdate, build_manifest
+    from polynya.sync.layout import span_layout
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    module = torch.nn.Module()
+    shapes = [(5000, 4096), (3, 7), (1,), (4096,), (1000, 1001)]  # 20M elements: > RBLOCK blocks
+    flat = torch.empty(sum(torch.Size(s).numel() + 9 for s in shapes), device="cuda",
+                       dtype=torch.bfloat16)
+    pos = 0
+    for i, s in enumerate(shapes):
+        n = torch.Size(s).numel()
+        view = flat[pos:pos + n].view(s)
+        view.copy_(torch.randn(s, generator=g, device="cuda") * 30)
+        module.register_parameter(f"w{i}", torch.nn.Parameter(view, requires_grad=False))
+        pos += n + 9
+    want = checksum_named_tensors([(n, p.cpu()) for n, p in module.named_parameters()])
+    trainer = type("T", (), {"module": module})()
+    m = build_manifest(trainer, version=1, bucket_bytes=1 << 20, layout="spans")
+    assert m.checksum == want and m.buckets[0].offsets is not None
+    layout, spans = span_layout(module)
+    assert layout.plan._kernel_ok(spans)
+    staged = StagedUpdate(m)
+    staged.put(0, spans[0].clone())
+    staged.verify()
+    staged.flats[0][17] += 1
+    assert staged.checksum() != want
