@@ -48,7 +48,7 @@ class SpanLayout:
     """A module's weights as spans of flat storages (see ``flat_spans``), per layout."""
 
     def __init__(self, names: tuple[str, ...], groups: list, specs: tuple[BucketSpec, ...],
-                 dtype: torch.dtype, params: Sequence[torch.Tensor]):
+                 dtype: torch.dtype | None, params: Sequence[torch.Tensor]):
         self.names = names
         self.groups = groups  # per storage: (index of its lowest member, length, dtype)
         self.specs = specs
