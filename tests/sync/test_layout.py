@@ -297,6 +297,8 @@ def test_kernel_path_matches_reference():
     ``weights_checksum``) equals the torch reference (interpreter, in a child process since
     ``TRITON_INTERPRET`` must be set before Triton is imported)."""
     pytest.importorskip("triton")
+    if torch.cuda.is_available():  # triton 3.6's interpreter cannot loop to a loaded bound
+        pytest.skip("on a GPU the compiled kernels are checked by tests/sync/test_sync_gpu.py")
     code = _KERNEL_CHECK.format(tests=os.path.dirname(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run(
