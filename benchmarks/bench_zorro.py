@@ -86,7 +86,9 @@ def main() -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     rows = []
-    for shape in args.shapes.split(","):
+    shapes = args.shapes.split(",")
+    name = "bench_zorro" if args.groups == 1 else f"bench_zorro_g{args.groups}"
+    for shape in shapes:
         P, R, G = map(int, shape.split("/"))
         batch = make_batch(P, R, G, args.groups, model.config.vocab_size, seed=P + R + G)
         res = {}
@@ -105,10 +107,11 @@ def main() -> None:
                    zorro_mfu=round(fz / (tz / 1e3) / H200_BF16_FLOPS, 3))
         rows.append(row)
         print(row, flush=True)
-    results = dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16",
-                   gradient_checkpointing=True, rows=rows)
-    save(results, args.out, "bench_zorro")
-    paired_bars(os.path.join(args.out, "bench_zorro.png"), [r["shape"] for r in rows],
+        # saved after every shape: a run cut by a time limit keeps what it measured
+        save(dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16",
+                  gradient_checkpointing=True, complete=len(rows) == len(shapes), rows=rows),
+             args.out, name)
+    paired_bars(os.path.join(args.out, f"{name}.png"), [r["shape"] for r in rows],
                 [r["speedup"] for r in rows], "measured speedup", [r["ideal"] for r in rows],
                 "ideal G(P+R)/(P+GR)", "naive / ZoRRo step time")
     print(markdown_table(rows, [("shape", "P/R/G"), ("naive_ms", "naive ms"), ("zorro_ms", "ZoRRo ms"),
