@@ -33,7 +33,20 @@ def import_deepspeed():
         import deepspeed
     except ImportError as exc:
         raise ImportError("the DeepSpeed engines need DeepSpeed: pip install 'polynya[deepspeed]'") from exc
+    _quiet_logger(deepspeed)
     return deepspeed
+
+
+def _quiet_logger(deepspeed) -> None:
+    """DeepSpeed logs its config and memory snapshots at INFO on every engine it builds; keep
+    warnings and errors only, unless the user chose a level (``POLYNYA_DEEPSPEED_LOG=info``)."""
+    import logging
+
+    level = os.environ.get("POLYNYA_DEEPSPEED_LOG", "warning").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"POLYNYA_DEEPSPEED_LOG={level.lower()!r} is not a logging level "
+                         "(debug, info, warning, error)")
+    deepspeed.utils.logger.setLevel(level)
 
 
 def _skip_cpu_shm_op(deepspeed) -> None:
