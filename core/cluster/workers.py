@@ -181,7 +181,30 @@ class TrainerWorker:
         )
 
 
-class SamplerWorker:
+class _ReceivingWorker:
+    """What every actor that receives weight syncs answers: readiness, its checksum, and the
+    sync calls, delegated to its ``WeightReceiver`` (subclasses set ``engine`` and ``receiver``)."""
+
+    engine: object
+    receiver: WeightReceiver
+
+    def ready(self) -> bool:
+        return True
+
+    def weight_checksum(self) -> str:
+        return engine_checksum(self.engine)
+
+    def init_sync_group(self, host, port, rank, world, timeout_s) -> None:
+        self.receiver.init_group(host, port, rank, world, timeout_s)
+
+    def receive_shared(self, manifest, handles, verify: bool) -> int:
+        return self.receiver.receive_shared(manifest, handles, verify)
+
+    def receive_broadcast(self, manifest, num_senders: int, verify: bool) -> int:
+        return self.receiver.receive_broadcast(manifest, num_senders, verify)
+
+
+class SamplerWorker(_ReceivingWorker):
     """One sampler replica."""
 
     def __init__(self, sampler_cfg, kind: str):
@@ -190,9 +213,6 @@ class SamplerWorker:
         self.device = actor_device(kind)
         self.engine = SamplingEngine(dataclasses.replace(sampler_cfg, device=self.device))
         self.receiver = WeightReceiver(self.engine, self.device)
-
-    def ready(self) -> bool:
-        return True
 
     def generate(self, prompts, params) -> list:
         return self.engine.generate(prompts, params)
@@ -206,23 +226,11 @@ class SamplerWorker:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def weight_checksum(self) -> str:
-        return engine_checksum(self.engine)
-
     def pid(self) -> int:
         return os.getpid()
 
-    def init_sync_group(self, host, port, rank, world, timeout_s) -> None:
-        self.receiver.init_group(host, port, rank, world, timeout_s)
 
-    def receive_shared(self, manifest, handles, verify: bool) -> int:
-        return self.receiver.receive_shared(manifest, handles, verify)
-
-    def receive_broadcast(self, manifest, num_senders: int, verify: bool) -> int:
-        return self.receiver.receive_broadcast(manifest, num_senders, verify)
-
-
-class LogProbWorker:
+class LogProbWorker(_ReceivingWorker):
     """One log-prob rank: the synced old-policy engine, plus an optional frozen reference."""
 
     def __init__(
@@ -237,9 +245,6 @@ class LogProbWorker:
         self.reference = LogProbEngine(cfg) if reference else None
         self.receiver = WeightReceiver(self.engine, self.device)
 
-    def ready(self) -> bool:
-        return True
-
     def compute_logprobs(self, batch, model: str, entropy: bool, temperature) -> TokenStats:
         engine = self.engine if model == "policy" else self.reference
         if engine is None:
@@ -252,14 +257,3 @@ class LogProbWorker:
     def wake(self) -> None:
         self.engine.module.to(self.engine.device)
 
-    def weight_checksum(self) -> str:
-        return engine_checksum(self.engine)
-
-    def init_sync_group(self, host, port, rank, world, timeout_s) -> None:
-        self.receiver.init_group(host, port, rank, world, timeout_s)
-
-    def receive_shared(self, manifest, handles, verify: bool) -> int:
-        return self.receiver.receive_shared(manifest, handles, verify)
-
-    def receive_broadcast(self, manifest, num_senders: int, verify: bool) -> int:
-        return self.receiver.receive_broadcast(manifest, num_senders, verify)
