@@ -80,8 +80,6 @@ def zorro_mask(tin: torch.Tensor, tout: torch.Tensor):
         idx = torch.arange(length, device=tin.device)
         return _visible(tin[:, :, None], tout[:, :, None], idx[:, None],
                         tin[:, None, :], tout[:, None, :], idx)[:, None]
-    if length % FLEX_BLOCK:
-        raise ValueError(f"packed rows must be padded to a multiple of {FLEX_BLOCK} on GPU")
     return interval_block_mask(tin, tout, FLEX_BLOCK)
 
 
@@ -101,7 +99,13 @@ def interval_block_mask(tin: torch.Tensor, tout: torch.Tensor, block: int = FLEX
     """
     from torch.nn.attention.flex_attention import BlockMask
 
+    if tin.dim() != 2 or tin.shape != tout.shape:
+        raise ValueError(f"tin and tout must both be [rows, length]; got {tuple(tin.shape)} "
+                         f"and {tuple(tout.shape)}")
     rows, length = tin.shape
+    if length % block:
+        raise ValueError(f"packed rows must be padded to a multiple of {block} tokens for a "
+                         f"block mask; got rows of {length}")
     nb = length // block
     dev = tin.device
     anyv = torch.empty(rows, nb, nb, dtype=torch.bool, device=dev)

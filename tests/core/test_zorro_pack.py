@@ -121,3 +121,14 @@ def test_interval_block_mask_equals_flex_create_block_mask(seed, block):
     assert ours.kv_num_blocks.sum() > 0
     if block < 16:  # small blocks: some lie wholly inside a prompt read by its responses
         assert ours.full_kv_num_blocks.sum() > 0
+
+
+def test_interval_block_mask_rejects_bad_shapes():
+    import torch
+    from polynya.zorro.attention import interval_block_mask
+
+    tin = torch.zeros(1, 24, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        interval_block_mask(tin, tin, 16)
+    with pytest.raises(ValueError, match=r"\[rows, length\]"):
+        interval_block_mask(tin, tin[:, :16], 8)
