@@ -28,6 +28,18 @@ def pieces_of(weights: WeightPieces) -> Iterable:
     return weights
 
 
+def check_known(names, given_shapes, shapes: Mapping[str, torch.Size]) -> None:
+    """``ValueError`` unless every name is a known parameter and (when ``given_shapes`` is not
+    None) every given shape is that parameter's shape."""
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        raise ValueError(f"load_weights: unknown parameter{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown[:3]))}")
+    for n, s in zip(names, given_shapes or ()):
+        if tuple(s) != tuple(shapes[n]):
+            raise ValueError(f"load_weights: {n} has shape {tuple(s)}, expected {tuple(shapes[n])}")
+
+
 def split_piece(piece, shapes: Mapping[str, torch.Size], *,
                 check_names: bool = True) -> list[tuple[str, torch.Tensor]]:
     """One ``(name, tensor)`` or ``(names, flat)`` piece -> checked ``(name, tensor)`` pairs.
@@ -44,16 +56,10 @@ def split_piece(piece, shapes: Mapping[str, torch.Size], *,
         raise ValueError(f"weights must be tensors, got {type(tensor).__name__}")
     if isinstance(key, str):
         if check_names:
-            if key not in shapes:
-                raise ValueError(f"load_weights: unknown parameter {key!r}")
-            if tuple(tensor.shape) != tuple(shapes[key]):
-                raise ValueError(f"load_weights: {key} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(shapes[key])}")
+            check_known([key], [tensor.shape], shapes)
         return [(key, tensor)]
     names = list(key)
-    unknown = [n for n in names if n not in shapes]
-    if unknown:
-        raise ValueError(f"load_weights: unknown parameters {unknown[:3]}")
+    check_known(names, None, shapes)
     sizes = [torch.Size(shapes[n]).numel() for n in names]
     if tensor.dim() != 1 or tensor.numel() != sum(sizes):
         raise ValueError(f"flat bucket of shape {tuple(tensor.shape)} does not hold the {sum(sizes)} "
@@ -122,13 +128,7 @@ class BucketCopyPlan:
             names = list(spec.names)
             if len(names) != len(spec.shapes):
                 raise ValueError(f"bucket {i}: {len(names)} names but {len(spec.shapes)} shapes")
-            unknown = [n for n in names if n not in params]
-            if unknown:
-                raise ValueError(f"load_weights: unknown parameters {unknown[:3]}")
-            for n, s in zip(names, spec.shapes):
-                if tuple(params[n].shape) != tuple(s):
-                    raise ValueError(f"load_weights: {n} has shape {tuple(s)}, "
-                                     f"expected {tuple(params[n].shape)}")
+            check_known(names, spec.shapes, {n: p.shape for n, p in params.items()})
             sizes = [torch.Size(s).numel() for s in spec.shapes]
             starts = list(spec.starts())
             numel = spec.numel
