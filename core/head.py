@@ -3,8 +3,9 @@
 ``token_stats(head, hidden, target)`` is the head half of ``polynya.compute_logprobs``. For a
 plain ``nn.Linear`` head (the common case) it runs ``LinearTokenStats``: a custom autograd
 function that walks the tokens in chunks, keeps only the per-token log-sum-exp for backward, and
-in backward recomputes one chunk's logits and turns them into the logit gradient in place
-(about two fp32 chunk buffers alive at once). Any other head — a ZeRO-3 partitioned weight, a
+in backward recomputes one chunk's logits and turns them into the logit gradient in place. The
+per-chunk statistics are ``polynya.kernels.head``: on CUDA one Triton pass over the head GEMM's
+bf16 logits each way (fp32 sums; one chunk buffer alive), plain torch elsewhere. Any other head — a ZeRO-3 partitioned weight, a
 LoRA or quantised layer, a logit soft-cap — goes through the module itself, one checkpointed
 chunk at a time (the same math through autograd, so ZeRO-3's hooks gather the weight).
 """
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-LOGITS_CHUNK_BYTES = 1 << 28  # fp32 logits per chunk of the LM head (256 MiB)
+from .kernels.head import logit_grad, row_stats
+
+LOGITS_CHUNK_BYTES = 1 << 28  # logits per chunk of the LM head (256 MiB)
 
 
 def _chunks(n: int, size: int):
@@ -32,12 +35,11 @@ class LinearTokenStats(torch.autograd.Function):
         lse = hidden.new_empty(n, dtype=torch.float32)
         ent = hidden.new_empty(n, dtype=torch.float32) if want_entropy else None
         for s, e in _chunks(n, chunk):
-            z = F.linear(hidden[s:e], weight, bias).float().div_(temperature)
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            logp[s:e] = z.gather(-1, target[s:e, None]).squeeze(-1) - lse[s:e]
+            lp, ls, en = row_stats(F.linear(hidden[s:e], weight, bias), target[s:e], temperature,
+                                   want_entropy)
+            logp[s:e], lse[s:e] = lp, ls
             if want_entropy:
-                z.sub_(lse[s:e, None])                      # log p
-                ent[s:e] = -(z.exp() * z).sum(-1)
+                ent[s:e] = en
         ctx.save_for_backward(hidden, weight, bias, target, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, ent
@@ -50,20 +52,14 @@ class LinearTokenStats(torch.autograd.Function):
         d_weight = torch.zeros_like(weight) if need_w else None
         d_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float()
+        use_ent = g_ent is not None and ent is not None
         for s, e in _chunks(hidden.shape[0], ctx.chunk):
             h = hidden[s:e]
-            z = F.linear(h, weight, bias).float().div_(ctx.temperature).sub_(lse[s:e, None])  # log p
-            if g_ent is not None and ent is not None:
-                p = z.exp()
-                # d/dz of  g_lp * logp_t + g_ent * H  =  g_lp * onehot_t - p * (g_lp + g_ent * (log p + H))
-                dz = z.add_(ent[s:e, None]).mul_(g_ent[s:e, None].float()).add_(g_logp[s:e, None]).mul_(p).neg_()
-                del p
-            else:
-                dz = z.exp_().mul_(-g_logp[s:e, None])
-            dz.scatter_add_(1, target[s:e, None], g_logp[s:e, None])
-            dz.div_(ctx.temperature)
+            dz = logit_grad(F.linear(h, weight, bias), target[s:e], lse[s:e],
+                            ent[s:e] if use_ent else None, g_logp[s:e],
+                            g_ent[s:e].float() if use_ent else None, ctx.temperature)
             if need_b:
-                d_bias += dz.sum(0)
+                d_bias += dz.float().sum(0)
             dz = dz.to(hidden.dtype)
             if need_h:
                 d_hidden[s:e] = dz @ weight
@@ -99,12 +95,13 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tenso
     Args:
         head: the LM head module. hidden: ``[N, H]``. target: ``[N]`` token ids.
         softcap: the model's final logit soft-cap, if any (applied before the temperature).
-        chunk_size: tokens per chunk (default: ~256 MiB of fp32 logits).
+        chunk_size: tokens per chunk (default: ~256 MiB of logits).
     Returns:
         ``([N] float32, [N] float32 | None)``, differentiable w.r.t. ``hidden`` and the head.
     """
     vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-    chunk = chunk_size or max(16, LOGITS_CHUNK_BYTES // (4 * vocab))
+    elem = hidden.element_size() if hidden.is_cuda else 4  # CUDA keeps only the GEMM's logits
+    chunk = chunk_size or max(16, LOGITS_CHUNK_BYTES // (elem * vocab))
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, (empty if entropy else None)

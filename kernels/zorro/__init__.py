@@ -1,0 +1,12 @@
+"""Split ZoRRo attention: attention over a packed prefix forest as one dense call per shared
+node (its keys read once by everything below it) plus one varlen call over the leaves, merged
+exactly by log-sum-exp, with backward::
+
+    from polynya.kernels.zorro import plan_split, split_attention
+    plan = plan_split(nodes, T, device)              # [N, 3] start, end, stop per node
+    out = split_attention(q, k, v, plan, scale)      # [T, Hq, D], [T, Hkv, D] -> [T, Hq, D]
+"""
+from .op import combine, split_attention, unsupported_reason
+from .plan import MAX_INNER, SplitPlan, plan_split
+
+__all__ = ["MAX_INNER", "SplitPlan", "combine", "plan_split", "split_attention", "unsupported_reason"]

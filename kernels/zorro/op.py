@@ -1,0 +1,197 @@
+"""Split ZoRRo attention: exact attention over a packed prefix forest, as dense calls + a merge.
+
+``split_attention(q, k, v, plan, scale)`` computes, for token-major ``q [T, Hq, D]`` and
+``k`` / ``v`` ``[T, Hkv, D]``, the attention of every token over its visible forest prefix
+(see ``plan.py``): one top-left-causal call per inner node (a prompt read once by its prompt
+and all its responses), one variable-length causal call over all leaves, and the exact
+log-sum-exp combine (``kernel.py``). The backward runs every call's backward with the *final*
+output and LSE (exact, as in ring attention), sums the query gradients with the same combine,
+and gathers key/value gradients (each has one source). Differentiable in q, k, v::
+
+    plan = plan_split(nodes, T, device)                 # once per batch
+    out = split_attention(q, k, v, plan, scale)         # every layer -> [T, Hq, D]
+
+Backends: ``"cuda"`` (cuDNN fused attention for the inner calls — FlashAttention-3-class
+kernels on Hopper, GQA native — FlashAttention-2 varlen for the leaves, Triton combine; bf16 /
+fp16, head dim a multiple of 8 up to 128) and ``"reference"`` (``reference.py``, fp32 math; CPU
+and tests). ``unsupported_reason`` says why the CUDA backend cannot take given inputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+from .plan import SplitPlan
+
+_A = torch.ops.aten
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the CUDA backend cannot run these inputs, or None when it can."""
+    if not q.is_cuda:
+        return "tensors are not on a CUDA device"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (the fused kernels take bfloat16 / float16)"
+    d = q.shape[-1]
+    if d % 8 or d > 128:
+        return f"head dim {d} (needs a multiple of 8, at most 128)"
+    if q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "GPU older than sm80"
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
+    return None
+
+
+def combine(parts: torch.Tensor, lse_parts: torch.Tensor | None, src: torch.Tensor):
+    """Merge partial rows per token (see ``reference.combine_reference``); Triton on CUDA."""
+    if not parts.is_cuda:
+        return ref.combine_reference(parts, lse_parts, src)
+    return _launch_combine(parts, lse_parts, src)
+
+
+def _launch_combine(parts: torch.Tensor, lse_parts: torch.Tensor | None, src: torch.Tensor):
+    from .kernel import _combine_kernel
+    import triton
+
+    tokens, width = src.shape
+    _, heads, dim = parts.shape
+    parts = parts if parts.stride(-1) == 1 else parts.contiguous()
+    out = torch.empty(tokens, heads, dim, device=parts.device, dtype=parts.dtype)
+    has_lse = lse_parts is not None
+    lse = torch.empty(heads, tokens, device=parts.device, dtype=torch.float32) if has_lse else out
+    lse_in = lse_parts if has_lse else out
+    _combine_kernel[(tokens,)](
+        parts, lse_in, src, out, lse, width, heads, dim,
+        parts.stride(0), parts.stride(1), lse_in.stride(0) if has_lse else 0, src.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0) if has_lse else 0,
+        HAS_LSE=has_lse, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
+        num_warps=4)
+    return out, (lse if has_lse else None)
+
+
+class _Cuda:
+    """cuDNN dense calls (top-left causal, token-major views: no copies) + FlashAttention-2 varlen."""
+
+    @staticmethod
+    def dense_forward(q, k, v, scale):
+        b = (lambda x: x.unsqueeze(0).transpose(1, 2))  # [L, H, D] -> [1, H, L, D] view
+        r = _A._scaled_dot_product_cudnn_attention(b(q), b(k), b(v), None, True, 0.0, True, False,
+                                                   scale=scale)
+        return r[0][0].transpose(0, 1), r[1].view(q.shape[1], q.shape[0]), r[2:8]
+
+    @staticmethod
+    def dense_backward(do, q, k, v, o, lse, state, scale):
+        b = (lambda x: x.unsqueeze(0).transpose(1, 2))
+        cq, ck, mq, mk, seed, offset = state
+        g = _A._scaled_dot_product_cudnn_attention_backward(
+            b(do), b(q), b(k), b(v), b(o), lse.contiguous().view(1, lse.shape[0], lse.shape[1], 1),
+            seed, offset, None, cq, ck, mq, mk, 0.0, True, scale=scale)
+        return tuple(x[0].transpose(0, 1) for x in g[:3])
+
+    @staticmethod
+    def varlen_forward(q, k, v, cu, longest, scale):
+        r = _A._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)
+        return r[0], r[1], r[2:4]
+
+    @staticmethod
+    def varlen_backward(do, q, k, v, o, lse, cu, longest, state, scale):
+        return _A._flash_attention_backward(do, q, k, v, o, lse.contiguous(), cu, cu, longest, longest,
+                                            0.0, True, state[0], state[1], scale=scale)[:3]
+
+
+class _Reference:
+    @staticmethod
+    def dense_forward(q, k, v, scale):
+        return (*ref.dense_forward(q, k, v, scale), None)
+
+    @staticmethod
+    def dense_backward(do, q, k, v, o, lse, state, scale):
+        return ref.dense_backward(do, q, k, v, o, lse, scale)
+
+    @staticmethod
+    def varlen_forward(q, k, v, cu, longest, scale):
+        return (*ref.varlen_forward(q, k, v, cu, scale), None)
+
+    @staticmethod
+    def varlen_backward(do, q, k, v, o, lse, cu, longest, state, scale):
+        return ref.varlen_backward(do, q, k, v, o, lse, cu, scale)
+
+
+_BACKENDS = {"cuda": _Cuda, "reference": _Reference}
+
+
+class SplitAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: SplitPlan, scale: float, backend: str):
+        impl = _BACKENDS[backend]
+        parts, lses, states = [], [], []
+        for s, e, x in plan.inner:
+            o, lse, st = impl.dense_forward(q[s:x], k[s:e], v[s:e], scale)
+            parts.append(o)
+            lses.append(lse)
+            states.append(st)
+        if plan.leaf_index is not None:
+            idx = plan.leaf_index
+            o, lse, st = impl.varlen_forward(q[idx], k[idx], v[idx], plan.leaf_cu, plan.leaf_max, scale)
+            parts.append(o)
+            lses.append(lse)
+            states.append(st)
+        out, lse = combine(torch.cat(parts), torch.cat(lses, 1), plan.src)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.impl, ctx.states = plan, scale, impl, states
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, scale, impl = ctx.plan, ctx.scale, ctx.impl
+        dout = dout.contiguous()
+        dqs, dks, dvs = [], [], []
+        for (s, e, x), st in zip(plan.inner, ctx.states):
+            dq, dk, dv = impl.dense_backward(dout[s:x], q[s:x], k[s:e], v[s:e], out[s:x], lse[:, s:x],
+                                             st, scale)
+            dqs.append(dq)
+            dks.append(dk)
+            dvs.append(dv)
+        if plan.leaf_index is not None:
+            idx = plan.leaf_index
+            dq, dk, dv = impl.varlen_backward(dout[idx], q[idx], k[idx], v[idx], out[idx], lse[:, idx],
+                                              plan.leaf_cu, plan.leaf_max, ctx.states[-1], scale)
+            dqs.append(dq)
+            dks.append(dk)
+            dvs.append(dv)
+        dq, _ = combine(torch.cat(dqs), None, plan.src)
+        zero = k.new_zeros(1, *k.shape[1:])
+        dk = torch.cat([*dks, zero]).index_select(0, plan.kv_src)
+        dv = torch.cat([*dvs, zero]).index_select(0, plan.kv_src)
+        return dq, dk, dv, None, None, None
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SplitPlan,
+                    scale: float, backend: str | None = None) -> torch.Tensor:
+    """Attention of every token over its forest prefix.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` token-major (T = ``plan.num_tokens``).
+        plan: from ``plan_split``; scale: softmax scale.
+        backend: ``"cuda"`` / ``"reference"``; None picks cuda on GPU, reference on CPU.
+    Returns:
+        ``[T, Hq, D]`` in q's dtype (zeros for tokens outside every node, e.g. padding).
+    """
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+            or q.shape[2] != k.shape[2]:
+        raise ValueError(f"split_attention expects q [T, Hq, D] and k, v [T, Hkv, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != plan.num_tokens:
+        raise ValueError(f"the plan covers {plan.num_tokens} tokens, the inputs {q.shape[0]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads")
+    if backend is None:
+        backend = "cuda" if q.is_cuda else "reference"
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+    if backend == "cuda" and (why := unsupported_reason(q, k)):
+        raise ValueError(f"split attention's CUDA backend cannot run: {why}; use FlexAttention")
+    return SplitAttentionFunction.apply(q, k, v, plan, scale, backend)

@@ -1,0 +1,104 @@
+"""Work plan of split ZoRRo attention for one packed batch (built once, used by every layer).
+
+A packed ZoRRo batch is a prefix forest laid out in preorder: a node's descendants are the
+tokens right after it, up to the end of its subtree. Attention over the forest splits exactly
+into one dense problem per node:
+
+* an *inner* node ``a`` (one with children): queries ``[start_a, stop_a)`` (the node and its
+  whole subtree) read keys ``[start_a, end_a)`` under a *top-left* causal mask — the node's own
+  tokens are causal, every descendant sees all of the node. A prompt's keys are read once for
+  the prompt and its G responses, never G times;
+* a *leaf* (a response): causal self-attention; all leaves run as one variable-length batch.
+
+A token thus gets one partial (output, LSE) from each inner ancestor and one from its leaf; the
+combine merges them exactly by log-sum-exp. ``src[t]`` lists the rows of the partials buffer
+(inner calls' outputs, then the leaves') that hold token ``t``'s partials; ``kv_src[t]`` the row
+holding its key/value gradient (one source: the call of its own node)::
+
+    plan = plan_split(nodes, num_tokens, device)   # nodes [N, 3] = start, end, stop (flat)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_INNER = 64  # more inner nodes (deep multi-turn forests): FlexAttention is the better path
+
+
+@dataclass
+class SplitPlan:
+    """Calls and merge tables of split ZoRRo attention over ``num_tokens`` flat tokens.
+
+    Attributes:
+        inner: ``(start, end, stop)`` of every inner node, preorder (host ints).
+        leaf_index: ``[n]`` int64 flat indices of leaf tokens, leaf after leaf (None: no leaves).
+        leaf_cu: ``[leaves + 1]`` int32 cumulative leaf lengths; ``leaf_max`` the longest leaf.
+        src: ``[num_tokens, K]`` int32 rows into the partials buffer, ``-1`` = none.
+        kv_src: ``[num_tokens]`` int64 rows into the key-gradient buffer; padding tokens point
+            at its last row (zeros).
+    """
+
+    num_tokens: int
+    inner: list[tuple[int, int, int]]
+    leaf_index: torch.Tensor | None
+    leaf_cu: torch.Tensor | None
+    leaf_max: int
+    src: torch.Tensor
+    kv_src: torch.Tensor
+
+
+def check_nodes(nodes: np.ndarray, num_tokens: int) -> None:
+    """``ValueError`` unless ``nodes`` is a valid preorder node table inside ``num_tokens``."""
+    if nodes.ndim != 2 or nodes.shape[1] != 3 or nodes.shape[0] == 0:
+        raise ValueError(f"nodes must be a non-empty [N, 3] table (start, end, stop); got {nodes.shape}")
+    start, end, stop = nodes.T
+    if (start < 0).any() or (stop > num_tokens).any() or not ((start < end) & (end <= stop)).all():
+        raise ValueError(f"every node needs 0 <= start < end <= stop <= {num_tokens}")
+
+
+def plan_split(nodes: np.ndarray, num_tokens: int, device: torch.device | str) -> SplitPlan:
+    """Plan split attention for a node table ``[N, 3]`` (start, end, stop) in flat token indices.
+
+    ``stop`` is the end of the node's subtree (``== end`` for a leaf). Nodes of different trees
+    or rows never overlap; a subtree is contiguous (preorder).
+    """
+    nodes = np.asarray(nodes, dtype=np.int64)
+    check_nodes(nodes, num_tokens)
+    is_leaf = nodes[:, 2] == nodes[:, 1]
+    inner = [tuple(int(x) for x in n) for n in nodes[~is_leaf]]
+    leaves = nodes[is_leaf]
+
+    count = np.zeros(num_tokens + 1, dtype=np.int64)  # partials per token (difference array)
+    for s, _, x in inner:
+        count[s] += 1
+        count[x] -= 1
+    for s, e, _ in leaves:
+        count[s] += 1
+        count[e] -= 1
+    count = np.cumsum(count)[:num_tokens]
+    width = max(1, int(count.max()))
+    src = np.full((num_tokens, width), -1, dtype=np.int32)
+    slot = np.zeros(num_tokens, dtype=np.int64)
+    kv_rows = sum(e - s for s, e, _ in inner) + int((leaves[:, 1] - leaves[:, 0]).sum())
+    kv_src = np.full(num_tokens, kv_rows, dtype=np.int64)  # default: the zero row
+    row = kv = 0
+    for s, e, x in inner:  # preorder: ancestors fill a token's slots before descendants
+        src[np.arange(s, x), slot[s:x]] = np.arange(row, row + x - s, dtype=np.int32)
+        slot[s:x] += 1
+        kv_src[s:e] = np.arange(kv, kv + e - s)
+        row, kv = row + x - s, kv + e - s
+
+    leaf_index = leaf_cu = None
+    leaf_max = 0
+    if len(leaves):
+        lens = leaves[:, 1] - leaves[:, 0]
+        idx = np.concatenate([np.arange(s, e) for s, e, _ in leaves])
+        src[idx, slot[idx]] = np.arange(row, row + idx.size, dtype=np.int32)
+        kv_src[idx] = np.arange(kv, kv + idx.size)
+        leaf_index = torch.from_numpy(idx).to(device)
+        leaf_cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
+        leaf_max = int(lens.max())
+    return SplitPlan(num_tokens, inner, leaf_index, leaf_cu, leaf_max,
+                     torch.from_numpy(src).to(device), torch.from_numpy(kv_src).to(device))
