@@ -59,7 +59,8 @@ def _naive_inputs(batch: RolloutBatch, pad_id: int):
 
 def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool = True,
                      entropy: bool = False, temperature: float = 1.0,
-                     max_tokens_per_row: int | None = None, chunk_size: int | None = None) -> TokenStats:
+                     max_tokens_per_row: int | None = None, chunk_size: int | None = None,
+                     zorro_attention: str = "auto") -> TokenStats:
     """Per-token log-probs (and entropy) of each sample's response under ``model``.
 
     Args:
@@ -69,7 +70,10 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         entropy: also return the entropy of each predictive distribution.
         temperature: logits are divided by it (per call).
         max_tokens_per_row: ZoRRo packing budget per row (None: one row); groups never split.
-        chunk_size: tokens per LM-head chunk (default: ~256 MiB of fp32 logits).
+        chunk_size: tokens per LM-head chunk (default: ~256 MiB of logits).
+        zorro_attention: GPU attention of the ZoRRo layout: ``"auto"`` (split cuDNN calls per
+            shared prefix when the kernels can take the model, else FlexAttention), ``"split"``
+            or ``"flex"`` (``polynya.zorro.attention``); CPU always runs a dense mask + SDPA.
     Returns:
         ``TokenStats`` with ``logprobs`` / ``entropy`` ``[B, Rmax]`` float32 and ``mask``
         ``[B, Rmax]``; differentiable w.r.t. the model's parameters.
@@ -82,7 +86,7 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         use_zorro_attention(model)
         rows = pack_rows(batch, max_tokens_per_row=max_tokens_per_row,
                          pad_multiple=FLEX_BLOCK if device.type == "cuda" else 1, pad_id=pad_id).to(device)
-        mask = zorro_mask(rows.tin, rows.tout)
+        mask = zorro_mask(rows.tin, rows.tout, rows.nodes, zorro_attention)
         hidden = base(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask,
                       use_cache=False).last_hidden_state
         pred, tgt, orow, ocol = rows.pred_index, rows.pred_target, rows.out_row, rows.out_col

@@ -23,6 +23,14 @@ def check_model_spec(model: object, owner: str) -> None:
         raise ValueError(f"{owner}.model must be a non-empty string (HF id, local path, or 'tiny:qwen3'), got {model!r}")
 
 
+ZORRO_ATTENTION = ("auto", "split", "flex")  # polynya.zorro.attention.ATTENTION_CHOICES
+
+
+def check_zorro_attention(value: object, owner: str) -> None:
+    if value not in ZORRO_ATTENTION:
+        raise ValueError(f"{owner}.zorro_attention must be one of {ZORRO_ATTENTION}, got {value!r}")
+
+
 def check_positive(value: object, name: str, *, allow_zero: bool = False, integer: bool = False) -> None:
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok_type or value < 0 or (value == 0 and not allow_zero):

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import check_model_spec, check_positive, resolve_dtype
+from .common import check_model_spec, check_positive, check_zorro_attention, resolve_dtype
 
 LOSSES = ("ppo", "grpo", "dapo", "dr_grpo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -155,6 +155,8 @@ class TrainConfig:
         zero_stage: DeepSpeed ZeRO stage 0-3.
         lr: peak learning rate.
         zorro: compute each shared prompt once (ZoRRo Train); False = one row per sample.
+        zorro_attention: GPU attention of the ZoRRo layout, ``"auto"`` / ``"split"`` / ``"flex"``
+            (``polynya.compute_logprobs``).
         loss: ``"ppo"``, ``"grpo"``, ``"dapo"``, ``"dr_grpo"`` or ``"gspo"``.
         seed: model init (random specs) and torch seed.
         optim: AdamW / schedule / clipping (``OptimConfig``).
@@ -174,6 +176,7 @@ class TrainConfig:
     zero_stage: int = 2
     lr: float = 1e-6
     zorro: bool = True
+    zorro_attention: str = "auto"
     loss: str = "grpo"
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -192,6 +195,7 @@ class TrainConfig:
         check_zero_stage(self.zero_stage, "TrainConfig")
         check_positive(self.lr, "TrainConfig.lr", allow_zero=True)
         _check_bool(self.zorro, "TrainConfig.zorro")
+        check_zorro_attention(self.zorro_attention, "TrainConfig")
         if self.loss not in LOSSES:
             raise ValueError(f"TrainConfig.loss must be one of {LOSSES}, got {self.loss!r}")
         _check_seed(self.seed, "TrainConfig.seed")

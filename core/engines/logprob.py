@@ -47,7 +47,8 @@ def sharded_logprobs(owner, batch: RolloutBatch, *, entropy: bool, temperature: 
     with torch.no_grad():
         for rows, real in plan:
             st = compute_logprobs(owner.module, batch.select(rows), zorro=cfg.zorro, entropy=entropy,
-                                  temperature=temperature, max_tokens_per_row=cfg.max_tokens_per_row)
+                                  temperature=temperature, max_tokens_per_row=cfg.max_tokens_per_row,
+                                  zorro_attention=cfg.zorro_attention)
             if not real:
                 continue
             idx = torch.tensor(rows, device=owner.device)

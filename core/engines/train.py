@@ -197,7 +197,8 @@ class TrainingEngine:
         with torch.set_grad_enabled(grad):
             return compute_logprobs(self.module, batch, zorro=self.config.zorro, entropy=entropy,
                                     temperature=temperature or self.config.temperature,
-                                    max_tokens_per_row=self.config.max_tokens_per_row)
+                                    max_tokens_per_row=self.config.max_tokens_per_row,
+                                    zorro_attention=self.config.zorro_attention)
 
     def compute_logprobs(self, batch: RolloutBatch, *, entropy: bool = False,
                          temperature: float | None = None) -> TokenStats:

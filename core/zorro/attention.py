@@ -6,8 +6,13 @@ padded batches — and only differs when the model is handed a ZoRRo mask:
 
 - on CPU a dense ``[R, 1, L, L]`` bool mask (passed straight to SDPA: FlexAttention has no CPU
   backward);
-- on GPU a FlexAttention ``BlockMask`` built from the same rule, so fully visible blocks (a
-  response reading its prompt) run unmasked and invisible ones are skipped.
+- on GPU a ``ZorroMask`` that carries the forest two ways: a *split* plan
+  (``polynya.kernels.zorro``: one cuDNN call per shared node — a prompt's keys read once for the
+  prompt and all its responses — one batched call over the responses, exact log-sum-exp merge)
+  and, built only when used, a FlexAttention ``BlockMask`` of the same rule (fully visible
+  blocks run unmasked, invisible ones are skipped). ``attention="auto"`` takes the split path
+  whenever its kernels can (bf16 / fp16, head dim <= 128, at most ``MAX_INNER`` shared nodes)
+  and FlexAttention otherwise (fp32, deep multi-turn forests); ``"split"`` / ``"flex"`` force one.
 
 The visibility rule (see ``tree.py``): key ``j`` is visible from query ``i`` iff
 ``tin[j] <= tin[i] and tout[i] <= tout[j] and j <= i``.
@@ -20,13 +25,40 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from torch.nn.attention.flex_attention import BlockMask
+
+from ..config.common import ZORRO_ATTENTION as ATTENTION_CHOICES
+from ..kernels.zorro import MAX_INNER, plan_split, split_attention, unsupported_reason
 
 NAME = "polynya"
 FLEX_BLOCK = 128
 
 
-def _is_block_mask(mask) -> bool:
-    return type(mask).__name__ == "BlockMask"
+class ZorroMask(BlockMask):
+    """The ``attention_mask`` of packed ZoRRo rows on CUDA (a ``BlockMask`` only so that
+    transformers passes it through untouched, as it does every 4-D mask).
+
+    Attributes: tin, tout ``[R, L]`` (the visibility rule); plan: the split plan or None;
+    attention: the requested path (``ATTENTION_CHOICES``).
+    """
+
+    def __init__(self, tin: torch.Tensor, tout: torch.Tensor, plan, attention: str):
+        self.tin, self.tout, self.plan, self.attention = tin, tout, plan, attention
+        self._flex = None
+
+    @property
+    def shape(self):
+        rows, length = self.tin.shape
+        return (rows, 1, length, length)
+
+    def flex_mask(self) -> BlockMask:
+        if self._flex is None:
+            self._flex = interval_block_mask(self.tin, self.tout, FLEX_BLOCK)
+        return self._flex
+
+    def __repr__(self) -> str:
+        path = "split" if self.plan is not None else "flex"
+        return f"ZorroMask(shape={self.shape}, path={path}, attention={self.attention!r})"
 
 
 _compiled_flex = None
@@ -46,13 +78,26 @@ def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                               value: torch.Tensor, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, **kwargs):
     """query ``[b, Hq, L, D]``, key/value ``[b, Hkv, L, D]`` -> (``[b, L, Hq, D]``, None)."""
-    if not _is_block_mask(attention_mask):
+    if not isinstance(attention_mask, BlockMask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("ZoRRo does not support sliding-window attention layers; "
-                         "call compute_logprobs(..., zorro=False) for this model")
-    out = _flex(query, key, value, attention_mask, scaling)
+    for unsupported in ("sliding_window", "softcap"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"ZoRRo does not support attention with {unsupported}; "
+                             "call compute_logprobs(..., zorro=False) for this model")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(attention_mask, ZorroMask):
+        why = unsupported_reason(query, key) if attention_mask.plan is not None else \
+            f"the forest has more than {MAX_INNER} shared nodes"
+        if why is None:
+            b, hq, length, d = query.shape
+            flat = (lambda x: x.transpose(1, 2).reshape(b * length, x.shape[1], d))
+            out = split_attention(flat(query), flat(key), flat(value), attention_mask.plan, scale)
+            return out.view(b, length, hq, d), None
+        if attention_mask.attention == "split":
+            raise ValueError(f"zorro_attention='split' cannot run here: {why}; use 'auto' or 'flex'")
+        attention_mask = attention_mask.flex_mask()
+    out = _flex(query, key, value, attention_mask, scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -70,17 +115,29 @@ def use_zorro_attention(model: torch.nn.Module) -> None:
         model.config._attn_implementation = NAME
 
 
-def zorro_mask(tin: torch.Tensor, tout: torch.Tensor):
-    """The attention mask for packed rows: dense bool ``[R, 1, L, L]`` on CPU, BlockMask on CUDA.
+def zorro_mask(tin: torch.Tensor, tout: torch.Tensor, nodes=None, attention: str = "auto"):
+    """The attention mask for packed rows: dense bool ``[R, 1, L, L]`` on CPU, else a ZorroMask.
 
-    Args: tin, tout ``[R, L]`` int32 preorder intervals of each token's node.
+    Args:
+        tin, tout: ``[R, L]`` int32 preorder intervals of each token's node.
+        nodes: ``PackedRows.nodes`` (the split plan's input); None = FlexAttention only.
+        attention: ``"auto"`` / ``"split"`` / ``"flex"`` (module docstring); CPU ignores it.
     """
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"zorro_attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
     rows, length = tin.shape
     if tin.device.type != "cuda":
         idx = torch.arange(length, device=tin.device)
         return _visible(tin[:, :, None], tout[:, :, None], idx[:, None],
                         tin[:, None, :], tout[:, None, :], idx)[:, None]
-    return interval_block_mask(tin, tout, FLEX_BLOCK)
+    plan = None
+    if nodes is not None and attention != "flex":
+        inner = int((nodes[:, 2] > nodes[:, 1]).sum())
+        if attention == "split" or inner <= MAX_INNER:
+            plan = plan_split(nodes, rows * length, tin.device)
+    if attention == "split" and plan is None:
+        raise ValueError("zorro_attention='split' needs the packed rows' node table")
+    return ZorroMask(tin, tout, plan, attention)
 
 
 def _visible(q_tin, q_tout, q_idx, k_tin, k_tout, k_idx):

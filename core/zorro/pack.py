@@ -26,6 +26,9 @@ class PackedRows:
     input_ids, position_ids, tin, tout: ``[R, L]`` (int64 / int64 / int32 / int32);
     pred_index: ``[N]`` flat index into ``[R * L]`` of the position predicting each response
     token; pred_target: ``[N]`` that token; out_row, out_col: ``[N]`` its place in ``[B, Rmax]``.
+    nodes: host ``[num_nodes, 3]`` int64 table of the forest's nodes in flat ``[R * L]`` indices:
+    ``start, end`` of the node's tokens and ``stop``, the end of its subtree (``== end`` for a
+    leaf); what split attention plans from (``polynya.kernels.zorro.plan_split``).
     """
 
     input_ids: torch.Tensor
@@ -37,11 +40,12 @@ class PackedRows:
     out_row: torch.Tensor
     out_col: torch.Tensor
     num_real_tokens: int
+    nodes: np.ndarray
 
     def to(self, device) -> "PackedRows":
         return PackedRows(*(getattr(self, f).to(device, non_blocking=True) for f in
                             ("input_ids", "position_ids", "tin", "tout", "pred_index",
-                             "pred_target", "out_row", "out_col")), self.num_real_tokens)
+                             "pred_target", "out_row", "out_col")), self.num_real_tokens, self.nodes)
 
 
 def sequences(batch: RolloutBatch) -> list[np.ndarray]:
@@ -171,4 +175,12 @@ def pack_rows(batch: RolloutBatch, *, max_tokens_per_row: int | None = None, pad
     cat = (lambda xs: torch.from_numpy(np.concatenate(xs)) if xs else torch.zeros(0, dtype=torch.int64))
     as2d = (lambda a: torch.from_numpy(a).view(num_rows, length))
     return PackedRows(as2d(ids), as2d(pos), as2d(tin), as2d(tout), cat(pred), cat(tgt),
-                      cat(orow), cat(ocol), forest.num_tokens)
+                      cat(orow), cat(ocol), forest.num_tokens, _node_table(forest, flat))
+
+
+def _node_table(forest: Forest, flat: np.ndarray) -> np.ndarray:
+    """``[N, 3]`` start, end, stop of every node in flat indices (a tree's tokens are contiguous)."""
+    start = flat[forest.node_offset]
+    last = forest.node_tout
+    stop = flat[forest.node_offset[last] + forest.node_len[last] - 1] + 1
+    return np.stack([start, start + forest.node_len, stop], axis=1)

@@ -1,5 +1,5 @@
 """Split ZoRRo attention: attention over a packed prefix forest as one dense call per shared
-node (its keys read once by everything below it) plus one varlen call over the leaves, merged
+node (its keys read once by everything below it) plus one padded call over the leaves, merged
 exactly by log-sum-exp, with backward::
 
     from polynya.kernels.zorro import plan_split, split_attention

@@ -3,7 +3,7 @@
 ``split_attention(q, k, v, plan, scale)`` computes, for token-major ``q [T, Hq, D]`` and
 ``k`` / ``v`` ``[T, Hkv, D]``, the attention of every token over its visible forest prefix
 (see ``plan.py``): one top-left-causal call per inner node (a prompt read once by its prompt
-and all its responses), one variable-length causal call over all leaves, and the exact
+and all its responses), one causal call over the padded batch of leaves, and the exact
 log-sum-exp combine (``kernel.py``). The backward runs every call's backward with the *final*
 output and LSE (exact, as in ring attention), sums the query gradients with the same combine,
 and gathers key/value gradients (each has one source). Differentiable in q, k, v::
@@ -11,10 +11,12 @@ and gathers key/value gradients (each has one source). Differentiable in q, k, v
     plan = plan_split(nodes, T, device)                 # once per batch
     out = split_attention(q, k, v, plan, scale)         # every layer -> [T, Hq, D]
 
-Backends: ``"cuda"`` (cuDNN fused attention for the inner calls — FlashAttention-3-class
-kernels on Hopper, GQA native — FlashAttention-2 varlen for the leaves, Triton combine; bf16 /
-fp16, head dim a multiple of 8 up to 128) and ``"reference"`` (``reference.py``, fp32 math; CPU
-and tests). ``unsupported_reason`` says why the CUDA backend cannot take given inputs.
+Backends: ``"cuda"`` (cuDNN fused attention — FlashAttention-3-class kernels on Hopper, GQA
+native, strided views instead of copies — and the Triton combine; bf16 / fp16, head dim a
+multiple of 8 up to 128) and ``"reference"`` (``reference.py``, fp32 math; CPU and tests).
+cuDNN builds an execution plan for every new problem shape (~40 ms per direction on an H200);
+``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` (torch's switch, read once per process) makes it reuse
+plans across lengths rounded up to powers of two — see ``polynya.zorro.attention``. ``unsupported_reason`` says why the CUDA backend cannot take given inputs.
 """
 from __future__ import annotations
 
@@ -72,54 +74,43 @@ def _launch_combine(parts: torch.Tensor, lse_parts: torch.Tensor | None, src: to
 
 
 class _Cuda:
-    """cuDNN dense calls (top-left causal, token-major views: no copies) + FlashAttention-2 varlen."""
+    """cuDNN fused attention (top-left causal) on ``[B, L, H, D]`` views: no copies, GQA native."""
 
     @staticmethod
-    def dense_forward(q, k, v, scale):
-        b = (lambda x: x.unsqueeze(0).transpose(1, 2))  # [L, H, D] -> [1, H, L, D] view
+    def forward(q, k, v, scale):
+        b = (lambda x: x.transpose(1, 2))
         r = _A._scaled_dot_product_cudnn_attention(b(q), b(k), b(v), None, True, 0.0, True, False,
                                                    scale=scale)
-        return r[0][0].transpose(0, 1), r[1].view(q.shape[1], q.shape[0]), r[2:8]
+        return r[0].transpose(1, 2), r[1].view(q.shape[0], q.shape[2], q.shape[1]), r[2:8]
 
     @staticmethod
-    def dense_backward(do, q, k, v, o, lse, state, scale):
-        b = (lambda x: x.unsqueeze(0).transpose(1, 2))
+    def backward(do, q, k, v, o, lse, state, scale):
+        b = (lambda x: x.transpose(1, 2))
         cq, ck, mq, mk, seed, offset = state
         g = _A._scaled_dot_product_cudnn_attention_backward(
-            b(do), b(q), b(k), b(v), b(o), lse.contiguous().view(1, lse.shape[0], lse.shape[1], 1),
-            seed, offset, None, cq, ck, mq, mk, 0.0, True, scale=scale)
-        return tuple(x[0].transpose(0, 1) for x in g[:3])
-
-    @staticmethod
-    def varlen_forward(q, k, v, cu, longest, scale):
-        r = _A._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)
-        return r[0], r[1], r[2:4]
-
-    @staticmethod
-    def varlen_backward(do, q, k, v, o, lse, cu, longest, state, scale):
-        return _A._flash_attention_backward(do, q, k, v, o, lse.contiguous(), cu, cu, longest, longest,
-                                            0.0, True, state[0], state[1], scale=scale)[:3]
+            b(do), b(q), b(k), b(v), b(o), lse.contiguous().unsqueeze(-1), seed, offset, None,
+            cq, ck, mq, mk, 0.0, True, scale=scale)
+        return tuple(x.transpose(1, 2) for x in g[:3])
 
 
 class _Reference:
     @staticmethod
-    def dense_forward(q, k, v, scale):
-        return (*ref.dense_forward(q, k, v, scale), None)
+    def forward(q, k, v, scale):
+        outs = [ref.dense_forward(*x, scale) for x in zip(q, k, v)]
+        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs]), None
 
     @staticmethod
-    def dense_backward(do, q, k, v, o, lse, state, scale):
-        return ref.dense_backward(do, q, k, v, o, lse, scale)
-
-    @staticmethod
-    def varlen_forward(q, k, v, cu, longest, scale):
-        return (*ref.varlen_forward(q, k, v, cu, scale), None)
-
-    @staticmethod
-    def varlen_backward(do, q, k, v, o, lse, cu, longest, state, scale):
-        return ref.varlen_backward(do, q, k, v, o, lse, cu, scale)
+    def backward(do, q, k, v, o, lse, state, scale):
+        grads = [ref.dense_backward(*x, scale) for x in zip(do, q, k, v, o, lse)]
+        return tuple(torch.stack(g) for g in zip(*grads))
 
 
 _BACKENDS = {"cuda": _Cuda, "reference": _Reference}
+
+
+def _leaf_batch(x: torch.Tensor, plan: SplitPlan) -> torch.Tensor:
+    """``[T, H, D]`` -> the padded leaf batch ``[leaves, L, H, D]``."""
+    return x.index_select(0, plan.leaf_index).view(-1, plan.leaf_len, *x.shape[1:])
 
 
 class SplitAttentionFunction(torch.autograd.Function):
@@ -128,15 +119,14 @@ class SplitAttentionFunction(torch.autograd.Function):
         impl = _BACKENDS[backend]
         parts, lses, states = [], [], []
         for s, e, x in plan.inner:
-            o, lse, st = impl.dense_forward(q[s:x], k[s:e], v[s:e], scale)
-            parts.append(o)
-            lses.append(lse)
+            o, lse, st = impl.forward(q[None, s:x], k[None, s:e], v[None, s:e], scale)
+            parts.append(o[0])
+            lses.append(lse[0])
             states.append(st)
         if plan.leaf_index is not None:
-            idx = plan.leaf_index
-            o, lse, st = impl.varlen_forward(q[idx], k[idx], v[idx], plan.leaf_cu, plan.leaf_max, scale)
-            parts.append(o)
-            lses.append(lse)
+            o, lse, st = impl.forward(_leaf_batch(q, plan), _leaf_batch(k, plan), _leaf_batch(v, plan), scale)
+            parts.append(o.flatten(0, 1))
+            lses.append(lse.transpose(0, 1).flatten(1))                   # [B, H, L] -> [H, B * L]
             states.append(st)
         out, lse = combine(torch.cat(parts), torch.cat(lses, 1), plan.src)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -150,18 +140,18 @@ class SplitAttentionFunction(torch.autograd.Function):
         dout = dout.contiguous()
         dqs, dks, dvs = [], [], []
         for (s, e, x), st in zip(plan.inner, ctx.states):
-            dq, dk, dv = impl.dense_backward(dout[s:x], q[s:x], k[s:e], v[s:e], out[s:x], lse[:, s:x],
-                                             st, scale)
-            dqs.append(dq)
-            dks.append(dk)
-            dvs.append(dv)
+            g = impl.backward(dout[None, s:x], q[None, s:x], k[None, s:e], v[None, s:e],
+                              out[None, s:x], lse[None, :, s:x], st, scale)
+            for acc, grad in zip((dqs, dks, dvs), g):
+                acc.append(grad[0])
         if plan.leaf_index is not None:
-            idx = plan.leaf_index
-            dq, dk, dv = impl.varlen_backward(dout[idx], q[idx], k[idx], v[idx], out[idx], lse[:, idx],
-                                              plan.leaf_cu, plan.leaf_max, ctx.states[-1], scale)
-            dqs.append(dq)
-            dks.append(dk)
-            dvs.append(dv)
+            n = plan.leaf_len
+            do_l = _leaf_batch(dout, plan) * plan.leaf_valid.view(-1, n, 1, 1)  # padding adds nothing
+            lse_l = lse.index_select(1, plan.leaf_index).view(lse.shape[0], -1, n).transpose(0, 1)
+            g = impl.backward(do_l, _leaf_batch(q, plan), _leaf_batch(k, plan), _leaf_batch(v, plan),
+                              _leaf_batch(out, plan), lse_l, ctx.states[-1], scale)
+            for acc, grad in zip((dqs, dks, dvs), g):
+                acc.append(grad.flatten(0, 1))
         dq, _ = combine(torch.cat(dqs), None, plan.src)
         zero = k.new_zeros(1, *k.shape[1:])
         dk = torch.cat([*dks, zero]).index_select(0, plan.kv_src)

@@ -8,7 +8,9 @@ into one dense problem per node:
   whole subtree) read keys ``[start_a, end_a)`` under a *top-left* causal mask — the node's own
   tokens are causal, every descendant sees all of the node. A prompt's keys are read once for
   the prompt and its G responses, never G times;
-* a *leaf* (a response): causal self-attention; all leaves run as one variable-length batch.
+* a *leaf* (a response): causal self-attention; all leaves run as one padded batch
+  ``[leaves, L]`` (``L`` = the longest leaf rounded up to ``LEAF_MULTIPLE``; a leaf's padding
+  comes after it, so causal attention never lets a real token see it).
 
 A token thus gets one partial (output, LSE) from each inner ancestor and one from its leaf; the
 combine merges them exactly by log-sum-exp. ``src[t]`` lists the rows of the partials buffer
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 MAX_INNER = 64  # more inner nodes (deep multi-turn forests): FlexAttention is the better path
+LEAF_MULTIPLE = 64  # padded leaf length: few distinct shapes (each new one builds a cuDNN graph)
 
 
 @dataclass
@@ -33,8 +36,9 @@ class SplitPlan:
 
     Attributes:
         inner: ``(start, end, stop)`` of every inner node, preorder (host ints).
-        leaf_index: ``[n]`` int64 flat indices of leaf tokens, leaf after leaf (None: no leaves).
-        leaf_cu: ``[leaves + 1]`` int32 cumulative leaf lengths; ``leaf_max`` the longest leaf.
+        leaf_index: ``[leaves * leaf_len]`` int64 flat index of each slot of the padded leaf
+            batch (padding slots repeat the leaf's last token); None when there are no leaves.
+        leaf_valid: ``[leaves * leaf_len]`` bool, False on padding slots; leaf_len: ``L``.
         src: ``[num_tokens, K]`` int32 rows into the partials buffer, ``-1`` = none.
         kv_src: ``[num_tokens]`` int64 rows into the key-gradient buffer; padding tokens point
             at its last row (zeros).
@@ -43,8 +47,8 @@ class SplitPlan:
     num_tokens: int
     inner: list[tuple[int, int, int]]
     leaf_index: torch.Tensor | None
-    leaf_cu: torch.Tensor | None
-    leaf_max: int
+    leaf_valid: torch.Tensor | None
+    leaf_len: int
     src: torch.Tensor
     kv_src: torch.Tensor
 
@@ -79,10 +83,12 @@ def plan_split(nodes: np.ndarray, num_tokens: int, device: torch.device | str) -
         count[e] -= 1
     count = np.cumsum(count)[:num_tokens]
     width = max(1, int(count.max()))
+    lens = leaves[:, 1] - leaves[:, 0]
+    leaf_len = -(-int(lens.max()) // LEAF_MULTIPLE) * LEAF_MULTIPLE if len(leaves) else 0
     src = np.full((num_tokens, width), -1, dtype=np.int32)
     slot = np.zeros(num_tokens, dtype=np.int64)
-    kv_rows = sum(e - s for s, e, _ in inner) + int((leaves[:, 1] - leaves[:, 0]).sum())
-    kv_src = np.full(num_tokens, kv_rows, dtype=np.int64)  # default: the zero row
+    zero_row = sum(e - s for s, e, _ in inner) + len(leaves) * leaf_len
+    kv_src = np.full(num_tokens, zero_row, dtype=np.int64)  # padding tokens: the zero row
     row = kv = 0
     for s, e, x in inner:  # preorder: ancestors fill a token's slots before descendants
         src[np.arange(s, x), slot[s:x]] = np.arange(row, row + x - s, dtype=np.int32)
@@ -90,15 +96,16 @@ def plan_split(nodes: np.ndarray, num_tokens: int, device: torch.device | str) -
         kv_src[s:e] = np.arange(kv, kv + e - s)
         row, kv = row + x - s, kv + e - s
 
-    leaf_index = leaf_cu = None
-    leaf_max = 0
+    leaf_index = leaf_valid = None
     if len(leaves):
-        lens = leaves[:, 1] - leaves[:, 0]
-        idx = np.concatenate([np.arange(s, e) for s, e, _ in leaves])
-        src[idx, slot[idx]] = np.arange(row, row + idx.size, dtype=np.int32)
-        kv_src[idx] = np.arange(kv, kv + idx.size)
-        leaf_index = torch.from_numpy(idx).to(device)
-        leaf_cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
-        leaf_max = int(lens.max())
-    return SplitPlan(num_tokens, inner, leaf_index, leaf_cu, leaf_max,
+        slot_pos = np.arange(leaf_len)[None, :]
+        valid = slot_pos < lens[:, None]                                    # [leaves, L]
+        index = leaves[:, :1] + np.minimum(slot_pos, lens[:, None] - 1)     # padding: last token
+        idx = index[valid]                                                  # real slots, in order
+        rows = (np.arange(len(leaves))[:, None] * leaf_len + slot_pos)[valid]
+        src[idx, slot[idx]] = (row + rows).astype(np.int32)
+        kv_src[idx] = kv + rows
+        leaf_index = torch.from_numpy(index.reshape(-1)).to(device)
+        leaf_valid = torch.from_numpy(valid.reshape(-1)).to(device)
+    return SplitPlan(num_tokens, inner, leaf_index, leaf_valid, leaf_len,
                      torch.from_numpy(src).to(device), torch.from_numpy(kv_src).to(device))

@@ -54,22 +54,6 @@ def dense_backward(do, q, k, v, o, lse, scale: float):
     return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
-def varlen_forward(q, k, v, cu: torch.Tensor, scale: float):
-    """Causal self-attention of sequences packed back to back (``cu`` cumulative lengths)."""
-    outs, lses = [], []
-    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        o, lse = dense_forward(q[s:e], k[s:e], v[s:e], scale)
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, 1)
-
-
-def varlen_backward(do, q, k, v, o, lse, cu: torch.Tensor, scale: float):
-    grads = [dense_backward(do[s:e], q[s:e], k[s:e], v[s:e], o[s:e], lse[:, s:e], scale)
-             for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    return tuple(torch.cat(g) for g in zip(*grads))
-
-
 def combine_reference(parts: torch.Tensor, lse_parts: torch.Tensor | None, src: torch.Tensor):
     """Merge each token's partial rows.
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from triton_interp import run_under_interpreter
 from polynya.kernels.fca import DecodeConfig, fca_decode, paged_decode, plan_forest
 from polynya.kernels.fca.reference import paged_decode_reference
 from polynya.kernels.fca.testing import build_forest, random_kv
@@ -165,10 +165,7 @@ def _interp_cases():
 
 
 def test_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, __file__, "interp"], env=env, capture_output=True,
-                         check=False, text=True, timeout=240)
-    assert res.returncode == 0 and "INTERP OK" in res.stdout, res.stdout + res.stderr[-4000:]
+    run_under_interpreter(__file__)
 
 
 # ---------------------------------------------------------------- GPU
