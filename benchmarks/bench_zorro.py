@@ -148,6 +148,7 @@ def main() -> None:
         print(row, flush=True)
         # saved after every shape: a run cut by a time limit keeps what it measured
         save(dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16", arms=arms,
+                  cudnn_avoid_recompile=os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
                   gradient_checkpointing=True, complete=len(rows) == len(shapes), rows=rows),
              args.out, name)
     paired_bars(os.path.join(args.out, f"{name}.png"), [r["shape"] for r in rows],

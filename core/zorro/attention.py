@@ -18,8 +18,17 @@ The visibility rule (see ``tree.py``): key ``j`` is visible from query ``i`` iff
 ``tin[j] <= tin[i] and tout[i] <= tout[j] and j <= i``.
 No model class is patched; the mask travels as the model's ordinary ``attention_mask``, so it
 is also there when gradient checkpointing recomputes a layer in the backward pass.
+
+cuDNN builds an execution plan for every new problem shape (~85 ms for forward + backward on an
+H200), and RL batches bring new prompt and response lengths every step. Importing this module
+therefore sets torch's ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` unless the environment already
+says otherwise: cuDNN then reuses plans across lengths rounded up to powers of two. torch reads
+the switch once, at the process's first cuDNN attention call (so import polynya first; set it to
+``0`` to keep torch's default).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AttentionInterface
@@ -32,6 +41,7 @@ from ..kernels.zorro import MAX_INNER, plan_split, split_attention, unsupported_
 
 NAME = "polynya"
 FLEX_BLOCK = 128
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 
 
 class ZorroMask(BlockMask):

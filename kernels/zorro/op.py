@@ -46,30 +46,33 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     return None
 
 
-def combine(parts: torch.Tensor, lse_parts: torch.Tensor | None, src: torch.Tensor):
+def combine(parts: list[torch.Tensor], lse_parts: list[torch.Tensor] | None, src: torch.Tensor):
     """Merge partial rows per token (see ``reference.combine_reference``); Triton on CUDA."""
-    if not parts.is_cuda:
+    if not parts[0].is_cuda:
         return ref.combine_reference(parts, lse_parts, src)
     return _launch_combine(parts, lse_parts, src)
 
 
-def _launch_combine(parts: torch.Tensor, lse_parts: torch.Tensor | None, src: torch.Tensor):
+def _launch_combine(parts: list[torch.Tensor], lse_parts: list[torch.Tensor] | None, src: torch.Tensor):
     from .kernel import _combine_kernel
     import triton
 
-    tokens, width = src.shape
-    _, heads, dim = parts.shape
-    parts = parts if parts.stride(-1) == 1 else parts.contiguous()
-    out = torch.empty(tokens, heads, dim, device=parts.device, dtype=parts.dtype)
+    parts = [p if p.stride(-1) == 1 else p.contiguous() for p in parts]
     has_lse = lse_parts is not None
-    lse = torch.empty(heads, tokens, device=parts.device, dtype=torch.float32) if has_lse else out
-    lse_in = lse_parts if has_lse else out
+    lses = [x if x.stride(-1) == 1 else x.contiguous() for x in lse_parts] if has_lse else [None] * len(parts)
+    tab = torch.tensor([[p.data_ptr(), p.stride(0), p.stride(1),
+                         x.data_ptr() if has_lse else 0, x.stride(0) if has_lse else 0]
+                        for p, x in zip(parts, lses)], dtype=torch.int64)
+    if parts[0].is_cuda:
+        tab = tab.pin_memory().to(parts[0].device, non_blocking=True)
+    tokens, width = src.shape
+    _, heads, dim = parts[0].shape
+    out = torch.empty(tokens, heads, dim, device=parts[0].device, dtype=parts[0].dtype)
+    lse = torch.empty(heads, tokens, device=out.device, dtype=torch.float32) if has_lse else out
     _combine_kernel[(tokens,)](
-        parts, lse_in, src, out, lse, width, heads, dim,
-        parts.stride(0), parts.stride(1), lse_in.stride(0) if has_lse else 0, src.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0) if has_lse else 0,
-        HAS_LSE=has_lse, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
-        num_warps=4)
+        tab, src, out, lse, width, heads, dim, src.stride(0), out.stride(0), out.stride(1),
+        lse.stride(0) if has_lse else 0, HAS_LSE=has_lse, BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=4)
     return out, (lse if has_lse else None)
 
 
@@ -128,7 +131,7 @@ class SplitAttentionFunction(torch.autograd.Function):
             parts.append(o.flatten(0, 1))
             lses.append(lse.transpose(0, 1).flatten(1))                   # [B, H, L] -> [H, B * L]
             states.append(st)
-        out, lse = combine(torch.cat(parts), torch.cat(lses, 1), plan.src)
+        out, lse = combine(parts, lses, plan.src)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.impl, ctx.states = plan, scale, impl, states
         return out
@@ -152,10 +155,9 @@ class SplitAttentionFunction(torch.autograd.Function):
                               _leaf_batch(out, plan), lse_l, ctx.states[-1], scale)
             for acc, grad in zip((dqs, dks, dvs), g):
                 acc.append(grad.flatten(0, 1))
-        dq, _ = combine(torch.cat(dqs), None, plan.src)
-        zero = k.new_zeros(1, *k.shape[1:])
-        dk = torch.cat([*dks, zero]).index_select(0, plan.kv_src)
-        dv = torch.cat([*dvs, zero]).index_select(0, plan.kv_src)
+        dq, _ = combine(dqs, None, plan.src)
+        dk, _ = combine(dks, None, plan.kv_src)
+        dv, _ = combine(dvs, None, plan.kv_src)
         return dq, dk, dv, None, None, None
 
 

@@ -13,9 +13,10 @@ into one dense problem per node:
   comes after it, so causal attention never lets a real token see it).
 
 A token thus gets one partial (output, LSE) from each inner ancestor and one from its leaf; the
-combine merges them exactly by log-sum-exp. ``src[t]`` lists the rows of the partials buffer
-(inner calls' outputs, then the leaves') that hold token ``t``'s partials; ``kv_src[t]`` the row
-holding its key/value gradient (one source: the call of its own node)::
+combine merges them exactly by log-sum-exp. The calls' outputs are *parts* (inner calls in
+order, then the leaf batch); ``src[t]`` lists where token ``t``'s partials are, packed as
+``part << 32 | row``; ``kv_src[t]`` where its key/value gradient is (one source: the call of its
+own node)::
 
     plan = plan_split(nodes, num_tokens, device)   # nodes [N, 3] = start, end, stop (flat)
 """
@@ -39,9 +40,9 @@ class SplitPlan:
         leaf_index: ``[leaves * leaf_len]`` int64 flat index of each slot of the padded leaf
             batch (padding slots repeat the leaf's last token); None when there are no leaves.
         leaf_valid: ``[leaves * leaf_len]`` bool, False on padding slots; leaf_len: ``L``.
-        src: ``[num_tokens, K]`` int32 rows into the partials buffer, ``-1`` = none.
-        kv_src: ``[num_tokens]`` int64 rows into the key-gradient buffer; padding tokens point
-            at its last row (zeros).
+        src: ``[num_tokens, K]`` int64 ``part << 32 | row`` of each partial, ``-1`` = none.
+        kv_src: ``[num_tokens, 1]`` int64, the same for the key/value gradient; ``-1`` (zeros)
+            for tokens outside every node (padding).
     """
 
     num_tokens: int
@@ -85,16 +86,14 @@ def plan_split(nodes: np.ndarray, num_tokens: int, device: torch.device | str) -
     width = max(1, int(count.max()))
     lens = leaves[:, 1] - leaves[:, 0]
     leaf_len = -(-int(lens.max()) // LEAF_MULTIPLE) * LEAF_MULTIPLE if len(leaves) else 0
-    src = np.full((num_tokens, width), -1, dtype=np.int32)
+    src = np.full((num_tokens, width), -1, dtype=np.int64)
     slot = np.zeros(num_tokens, dtype=np.int64)
-    zero_row = sum(e - s for s, e, _ in inner) + len(leaves) * leaf_len
-    kv_src = np.full(num_tokens, zero_row, dtype=np.int64)  # padding tokens: the zero row
-    row = kv = 0
-    for s, e, x in inner:  # preorder: ancestors fill a token's slots before descendants
-        src[np.arange(s, x), slot[s:x]] = np.arange(row, row + x - s, dtype=np.int32)
+    kv_src = np.full(num_tokens, -1, dtype=np.int64)
+    for part, (s, e, x) in enumerate(inner):  # preorder: ancestors take a token's first slots
+        code = (part << 32) + np.arange(x - s)
+        src[np.arange(s, x), slot[s:x]] = code
         slot[s:x] += 1
-        kv_src[s:e] = np.arange(kv, kv + e - s)
-        row, kv = row + x - s, kv + e - s
+        kv_src[s:e] = code[:e - s]
 
     leaf_index = leaf_valid = None
     if len(leaves):
@@ -102,10 +101,10 @@ def plan_split(nodes: np.ndarray, num_tokens: int, device: torch.device | str) -
         valid = slot_pos < lens[:, None]                                    # [leaves, L]
         index = leaves[:, :1] + np.minimum(slot_pos, lens[:, None] - 1)     # padding: last token
         idx = index[valid]                                                  # real slots, in order
-        rows = (np.arange(len(leaves))[:, None] * leaf_len + slot_pos)[valid]
-        src[idx, slot[idx]] = (row + rows).astype(np.int32)
-        kv_src[idx] = kv + rows
+        code = (len(inner) << 32) + (np.arange(len(leaves))[:, None] * leaf_len + slot_pos)[valid]
+        src[idx, slot[idx]] = code
+        kv_src[idx] = code
         leaf_index = torch.from_numpy(index.reshape(-1)).to(device)
         leaf_valid = torch.from_numpy(valid.reshape(-1)).to(device)
     return SplitPlan(num_tokens, inner, leaf_index, leaf_valid, leaf_len,
-                     torch.from_numpy(src).to(device), torch.from_numpy(kv_src).to(device))
+                     torch.from_numpy(src).to(device), torch.from_numpy(kv_src[:, None]).to(device))

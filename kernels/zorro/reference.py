@@ -54,22 +54,26 @@ def dense_backward(do, q, k, v, o, lse, scale: float):
     return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
-def combine_reference(parts: torch.Tensor, lse_parts: torch.Tensor | None, src: torch.Tensor):
+def combine_reference(parts: list[torch.Tensor], lse_parts: list[torch.Tensor] | None,
+                      src: torch.Tensor):
     """Merge each token's partial rows.
 
     Args:
-        parts: ``[P, H, D]`` partial outputs (or gradients); lse_parts: ``[H, P]`` fp32 or None.
-        src: ``[T, K]`` int32 rows of ``parts`` per token, ``-1`` = none.
+        parts: partial outputs (or gradients) ``[rows_p, H, D]``, one tensor per part;
+        lse_parts: their LSEs ``[H, rows_p]`` fp32, or None to sum the rows.
+        src: ``[T, K]`` int64 ``part << 32 | row`` per token, ``-1`` = none.
     Returns:
-        with LSE: the exact softmax merge ``out [T, H, D]`` (parts' dtype) and ``lse [H, T]``
+        with LSEs: the exact softmax merge ``out [T, H, D]`` (parts' dtype) and ``lse [H, T]``
         (``-inf`` / zeros for a token without partials); without: the sum of the rows, None.
     """
+    start = torch.tensor([0] + [p.shape[0] for p in parts[:-1]], device=src.device).cumsum(0)
     valid = src >= 0
-    idx = src.clamp(min=0).long()
-    rows = _f(parts[idx]) * valid[..., None, None]                     # [T, K, H, D]
+    idx = torch.where(valid, start[(src >> 32).clamp(min=0)] + (src & 0xFFFFFFFF), 0)
+    flat = torch.cat(parts)
+    rows = _f(flat[idx]) * valid[..., None, None]                           # [T, K, H, D]
     if lse_parts is None:
-        return rows.sum(1).to(parts.dtype), None
-    part_lse = _f(lse_parts)[:, idx].permute(1, 2, 0).masked_fill(~valid[..., None], float("-inf"))
+        return rows.sum(1).to(flat.dtype), None
+    part_lse = _f(torch.cat(lse_parts, 1))[:, idx].permute(1, 2, 0).masked_fill(~valid[..., None], float("-inf"))
     lse = part_lse.logsumexp(1)                                             # [T, H]
     w = (part_lse - lse[:, None]).exp().nan_to_num(0.0)
-    return (w[..., None] * rows).sum(1).to(parts.dtype), lse.transpose(0, 1).contiguous()
+    return (w[..., None] * rows).sum(1).to(flat.dtype), lse.transpose(0, 1).contiguous()

@@ -78,14 +78,14 @@ def test_plan_tables_on_a_hand_built_forest():
     assert plan.leaf_len == L and plan.leaf_index.numel() == 4 * L
     assert plan.leaf_index.view(4, L)[:, :3].tolist() == [[5, 6, 6], [7, 7, 7], [9, 10, 10], [11, 12, 12]]
     assert plan.leaf_valid.view(4, L).sum(1).tolist() == [2, 1, 2, 2]
-    src = plan.src.tolist()
-    # partial rows: sys call 0..10, q1 call 11..15, q2 call 16..18, leaf slots from 19
-    assert src[0] == [0, -1, -1] and src[4] == [4, 12, -1]         # q1 token: sys call + q1 call
-    assert src[6] == [6, 14, 20] and src[12] == [19 + 3 * L + 1, -1, -1]  # response; solo leaf
+    src, kv = plan.src.tolist(), plan.kv_src[:, 0].tolist()
+    c = (lambda part, row: (part << 32) + row)  # parts: sys call, q1 call, q2 call, leaf batch
+    assert src[0] == [0, -1, -1] and src[4] == [4, c(1, 1), -1]    # q1 token: sys call + q1 call
+    assert src[6] == [6, c(1, 3), c(3, 1)]                          # response: + its leaf slot
+    assert src[12] == [c(3, 3 * L + 1), -1, -1]                     # solo sample: leaf only
     assert src[14] == [-1, -1, -1]                                  # padding
-    zero = 6 + 4 * L
-    assert plan.kv_src.tolist() == [0, 1, 2, 3, 4, 6, 7, 6 + L, 5, 6 + 2 * L, 7 + 2 * L,
-                                    6 + 3 * L, 7 + 3 * L, zero, zero, zero]
+    assert kv == [0, 1, 2, c(1, 0), c(1, 1), c(3, 0), c(3, 1), c(3, L), c(2, 0), c(3, 2 * L),
+                  c(3, 2 * L + 1), c(3, 3 * L), c(3, 3 * L + 1), -1, -1, -1]
 
 
 @pytest.mark.parametrize("bad", [np.zeros((0, 3)), np.array([[0, 2]]), np.array([[2, 2, 2]]),
@@ -119,9 +119,9 @@ def test_combine_reference_merges_exactly():
         s = full[:, :, a:b]
         lses.append(s.logsumexp(-1))
         parts.append(torch.einsum("htk,khd->thd", s.softmax(-1), vals[a:b]))
-    src = torch.tensor([[0, 5, 10], [1, 6, 11], [2, 7, 12], [3, 8, 13], [4, 9, 14]], dtype=torch.int32)
+    src = torch.tensor([[(p << 32) + t for p in range(3)] for t in range(5)])
     src[4, 1:] = -1  # token 4 only has its first partial ...
-    out, lse = combine_reference(torch.cat(parts), torch.cat(lses, 1), src)
+    out, lse = combine_reference(parts, lses, src)
     want = torch.einsum("htk,khd->thd", full.softmax(-1), vals)
     torch.testing.assert_close(out[:4], want[:4])
     torch.testing.assert_close(lse[:, :4], full.logsumexp(-1)[:, :4])
@@ -140,10 +140,7 @@ def _interp_combine():
 
     g = torch.Generator().manual_seed(1)
     for heads, dim, width in ((3, 12, 3), (4, 16, 1)):
-        parts = torch.randn(20, heads, dim, generator=g)
-        lse = torch.randn(heads, 20, generator=g) * 3
-        src = torch.randint(-1, 20, (9, width), generator=g, dtype=torch.int32)
-        src[0] = -1
+        parts, lse, src = random_parts(g, heads, dim, width, tokens=9, dtype=torch.float32)
         for with_lse in (True, False):
             l_in = lse if with_lse else None
             want = combine_reference(parts, l_in, src)
@@ -181,13 +178,24 @@ def test_cuda_backend_bf16_rule(seed, dtype):
         assert (got - want).abs().max().item() <= budget, name
 
 
+def random_parts(g, heads, dim, width, tokens, dtype, device="cpu", sizes=(7, 20, 5)):
+    """Parts of different lengths (one a strided view, as cuDNN returns them), their LSEs, and
+    a random src table (some slots empty, token 0 with no partial at all)."""
+    parts = [torch.randn(n, heads, dim, generator=g).to(device, dtype) for n in sizes]
+    parts[1] = torch.randn(heads, sizes[1], dim, generator=g).to(device, dtype).transpose(0, 1)
+    lses = [(torch.randn(heads, n, generator=g) * 3).to(device) for n in sizes]
+    part = torch.randint(0, len(sizes), (tokens, width), generator=g)
+    row = (torch.rand(tokens, width, generator=g) * torch.tensor(sizes)[part]).long()
+    src = torch.where(torch.rand(tokens, width, generator=g) < 0.2, -1, (part << 32) + row)
+    src[0] = -1
+    return parts, lses, src.to(device)
+
+
 @pytest.mark.gpu
 def test_triton_combine_on_gpu():
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
-        parts = torch.randn(5000, 14, 96, generator=g, device="cuda").to(dtype)
-        lse = torch.randn(14, 5000, generator=g, device="cuda") * 4
-        src = torch.randint(-1, 5000, (3000, 3), generator=g, device="cuda", dtype=torch.int32)
+        parts, lse, src = random_parts(g, 14, 96, 3, 3000, dtype, "cuda", sizes=(5000, 700, 3000))
         for l_in in (lse, None):
             want = combine_reference(parts, l_in, src)
             got = combine(parts, l_in, src)
