@@ -11,8 +11,9 @@ padded batches — and only differs when the model is handed a ZoRRo mask:
   prompt and all its responses — one batched call over the responses, exact log-sum-exp merge)
   and, built only when used, a FlexAttention ``BlockMask`` of the same rule (fully visible
   blocks run unmasked, invisible ones are skipped). ``attention="auto"`` takes the split path
-  whenever its kernels can (bf16 / fp16, head dim <= 128, at most ``MAX_INNER`` shared nodes)
-  and FlexAttention otherwise (fp32, deep multi-turn forests); ``"split"`` / ``"flex"`` force one.
+  when its kernels can (bf16 / fp16, head dim <= 128) and it pays (``_split_pays``: long shared
+  prefixes, at most ``MAX_INNER`` shared nodes), FlexAttention otherwise (fp32, short prompts
+  with long responses, deep multi-turn forests); ``"split"`` / ``"flex"`` force one.
 
 The visibility rule (see ``tree.py``): key ``j`` is visible from query ``i`` iff
 ``tin[j] <= tin[i] and tout[i] <= tout[j] and j <= i``.
@@ -141,13 +142,33 @@ def zorro_mask(tin: torch.Tensor, tout: torch.Tensor, nodes=None, attention: str
         return _visible(tin[:, :, None], tout[:, :, None], idx[:, None],
                         tin[:, None, :], tout[:, None, :], idx)[:, None]
     plan = None
-    if nodes is not None and attention != "flex":
-        inner = int((nodes[:, 2] > nodes[:, 1]).sum())
-        if attention == "split" or inner <= MAX_INNER:
-            plan = plan_split(nodes, rows * length, tin.device)
+    if nodes is not None and (attention == "split" or (attention == "auto" and _split_pays(nodes))):
+        plan = plan_split(nodes, rows * length, tin.device)
     if attention == "split" and plan is None:
         raise ValueError("zorro_attention='split' needs the packed rows' node table")
     return ZorroMask(tin, tout, plan, attention)
+
+
+SPLIT_MIN_SHARE = 1.5  # auto: split when shared-prefix work >= this x the responses' own work
+
+
+def _split_pays(nodes) -> bool:
+    """Whether ``auto`` should take the split path for this forest (``[N, 3]`` node table).
+
+    Split attention pays per call (leaf gathers, the combine) and wins by reading shared keys
+    with cuDNN; measured on the H200 (benchmarks/bench_zorro.py, 4 groups): ahead of
+    FlexAttention at P4096/R512 (shared/own work 33), P2048/R512 (12), P1024/R1024 (2.2),
+    behind at P256/R512 (1.06). So: at most ``MAX_INNER`` shared nodes and a shared-key work
+    (query x key pairs of the inner calls) of at least ``SPLIT_MIN_SHARE`` x the leaves' causal
+    pairs.
+    """
+    start, end, stop = (nodes[:, i].astype(float) for i in range(3))
+    inner = stop > end
+    if not inner.any() or inner.sum() > MAX_INNER:
+        return False
+    shared = ((stop - start) * (end - start))[inner].sum()
+    own = ((end - start) ** 2 / 2)[~inner].sum()
+    return bool(shared >= SPLIT_MIN_SHARE * own)
 
 
 def _visible(q_tin, q_tout, q_idx, k_tin, k_tout, k_idx):

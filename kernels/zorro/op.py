@@ -84,15 +84,19 @@ class _Cuda:
         b = (lambda x: x.transpose(1, 2))
         r = _A._scaled_dot_product_cudnn_attention(b(q), b(k), b(v), None, True, 0.0, True, False,
                                                    scale=scale)
-        return r[0].transpose(1, 2), r[1].view(q.shape[0], q.shape[2], q.shape[1]), r[2:8]
+        # r[1] is [B, H, L, 1]; its memory order differs between torch's dense and ragged
+        # (TORCH_CUDNN_SDPA_AVOID_RECOMPILE) paths, and the backward must get the same order.
+        return r[0].transpose(1, 2), r[1][..., 0], (*r[2:8], r[1].stride())
 
     @staticmethod
     def backward(do, q, k, v, o, lse, state, scale):
         b = (lambda x: x.transpose(1, 2))
-        cq, ck, mq, mk, seed, offset = state
+        cq, ck, mq, mk, seed, offset, lse_stride = state
+        lse4 = torch.empty_strided((*lse.shape, 1), lse_stride, device=lse.device, dtype=lse.dtype)
+        lse4.copy_(lse.unsqueeze(-1))
         g = _A._scaled_dot_product_cudnn_attention_backward(
-            b(do), b(q), b(k), b(v), b(o), lse.contiguous().unsqueeze(-1), seed, offset, None,
-            cq, ck, mq, mk, 0.0, True, scale=scale)
+            b(do), b(q), b(k), b(v), b(o), lse4, seed, offset, None, cq, ck, mq, mk, 0.0, True,
+            scale=scale)
         return tuple(x.transpose(1, 2) for x in g[:3])
 
 

@@ -168,7 +168,7 @@ def test_cuda_backend_bf16_rule(seed, dtype):
     results = []
     for fn, dt in ((masked_attention, torch.float64), (masked_attention, dtype),
                    (lambda *a: split_attention(*a[:3], plan, scale), dtype)):
-        xs = [x.to(dt).requires_grad_() for x in (q, k, v)]
+        xs = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
         out = fn(*xs, rows, scale) if fn is masked_attention else fn(*xs)
         out.backward(do.to(dt))
         results.append([out[real].double()] + [x.grad.double() for x in xs])
