@@ -98,12 +98,12 @@ def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                              "call compute_logprobs(..., zorro=False) for this model")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(attention_mask, ZorroMask):
-        why = unsupported_reason(query, key) if attention_mask.plan is not None else \
-            f"the forest has more than {MAX_INNER} shared nodes"
-        if why is None:
+        plan = attention_mask.plan
+        why = unsupported_reason(query, key) if plan is not None else None
+        if plan is not None and why is None:
             b, hq, length, d = query.shape
             flat = (lambda x: x.transpose(1, 2).reshape(b * length, x.shape[1], d))
-            out = split_attention(flat(query), flat(key), flat(value), attention_mask.plan, scale)
+            out = split_attention(flat(query), flat(key), flat(value), plan, scale)
             return out.view(b, length, hq, d), None
         if attention_mask.attention == "split":
             raise ValueError(f"zorro_attention='split' cannot run here: {why}; use 'auto' or 'flex'")
@@ -185,8 +185,6 @@ def interval_block_mask(tin: torch.Tensor, tout: torch.Tensor, block: int = FLEX
     blocks at a time (at most 2**26 token pairs in flight): *full* pairs run unmasked, *partial*
     pairs evaluate ``mask_mod`` per element, the rest are skipped.
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     if tin.dim() != 2 or tin.shape != tout.shape:
         raise ValueError(f"tin and tout must both be [rows, length]; got {tuple(tin.shape)} "
                          f"and {tuple(tout.shape)}")

@@ -1,0 +1,67 @@
+"""The ZoRRo attention switch: path choice, the mask object transformers must pass through,
+and the ``zorro_attention`` option's validation (the kernels are in tests/kernels)."""
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers.masking_utils import _preprocess_mask_arguments
+
+from polynya import compute_logprobs
+from polynya.config.logprob import LogProbConfig
+from polynya.config.train import TrainConfig
+from polynya.models import load_model
+from polynya.zorro.attention import MAX_INNER, ZorroMask, _split_pays, zorro_mask
+
+from .batches import random_batch
+
+
+def two_level(groups, prompt, responses, length):
+    """Node table of `groups` trees: a prompt node with `responses` leaves of `length` each."""
+    rows, cur = [], 0
+    for _ in range(groups):
+        stop = cur + prompt + responses * length
+        rows.append([cur, cur + prompt, stop])
+        rows += [[s, s + length, s + length] for s in range(cur + prompt, stop, length)]
+        cur = stop
+    return np.array(rows)
+
+
+def test_auto_takes_split_where_it_was_measured_ahead():
+    assert _split_pays(two_level(4, 4096, 8, 512))        # shared/own work 33
+    assert _split_pays(two_level(4, 1024, 8, 1024))       # 2.2
+    assert not _split_pays(two_level(4, 256, 8, 512))     # 1.06: FlexAttention was faster
+    assert not _split_pays(np.array([[0, 5, 5], [5, 9, 9]]))  # nothing shared
+    assert not _split_pays(two_level(MAX_INNER + 1, 4096, 2, 8))  # too many calls
+
+
+def test_zorro_mask_passes_through_transformers_untouched():
+    tin = torch.zeros(2, 16, dtype=torch.int32)
+    mask = ZorroMask(tin, tin, None, "auto")
+    assert mask.shape == (2, 1, 16, 16) and "flex" in repr(mask)
+    model = load_model("tiny:qwen3", seed=0)
+    embeds = torch.zeros(2, 16, model.config.hidden_size)
+    early, out, *_ = _preprocess_mask_arguments(model.config, embeds, mask, None, None, None)
+    assert early and out is mask
+
+
+@pytest.mark.parametrize("bad", ["cudnn", "", None, "Split"])
+def test_bad_zorro_attention_is_rejected(bad):
+    model = load_model("tiny:qwen3", seed=0)
+    batch = random_batch(random.Random(0), model.config.vocab_size, groups=2)
+    with pytest.raises(ValueError, match="zorro_attention"):
+        compute_logprobs(model, batch, zorro_attention=bad)
+    with pytest.raises(ValueError, match="zorro_attention"):
+        zorro_mask(torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
+                   attention=bad)
+    with pytest.raises(ValueError, match="zorro_attention"):
+        TrainConfig(model="tiny:qwen3", zorro_attention=bad)
+    with pytest.raises(ValueError, match="zorro_attention"):
+        LogProbConfig(model="tiny:qwen3", zorro_attention=bad)
+
+
+def test_cpu_ignores_the_gpu_path_choice():
+    model = load_model("tiny:qwen3", seed=0)
+    batch = random_batch(random.Random(1), model.config.vocab_size, groups=3)
+    runs = [compute_logprobs(model, batch, zorro_attention=a).logprobs for a in ("auto", "split", "flex")]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
