@@ -8,10 +8,16 @@ polynya never imports DeepSpeed, vLLM, Ray or an RL framework.
 from __future__ import annotations
 
 import importlib
+import os
 
 from .types import RolloutBatch, Sample, SamplingParams, TokenStats
 
 __version__ = "0.1.0"
+
+# cuDNN builds a plan for every new attention shape (~85 ms fwd + bwd on an H200) and RL brings
+# new lengths every step; torch's switch (read once, at the process's first cuDNN attention call,
+# hence here) reuses plans across power-of-two length buckets. See polynya.zorro.attention.
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 
 _LAZY = {
     "compute_logprobs": ("polynya.logprobs", "compute_logprobs"),

@@ -21,15 +21,13 @@ No model class is patched; the mask travels as the model's ordinary ``attention_
 is also there when gradient checkpointing recomputes a layer in the backward pass.
 
 cuDNN builds an execution plan for every new problem shape (~85 ms for forward + backward on an
-H200), and RL batches bring new prompt and response lengths every step. Importing this module
+H200), and RL batches bring new prompt and response lengths every step. ``import polynya``
 therefore sets torch's ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` unless the environment already
 says otherwise: cuDNN then reuses plans across lengths rounded up to powers of two. torch reads
 the switch once, at the process's first cuDNN attention call (so import polynya first; set it to
 ``0`` to keep torch's default).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 from transformers import AttentionInterface
@@ -42,7 +40,6 @@ from ..kernels.zorro import MAX_INNER, plan_split, split_attention, unsupported_
 
 NAME = "polynya"
 FLEX_BLOCK = 128
-os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 
 
 class ZorroMask(BlockMask):

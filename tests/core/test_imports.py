@@ -1,4 +1,6 @@
-"""Importing polynya (and its light subpackages) never imports a heavy optional dependency."""
+"""Importing polynya (and its light subpackages) never imports a heavy optional dependency, and
+sets torch's cuDNN plan-reuse switch unless the user set it."""
+import os
 import subprocess
 import sys
 
@@ -24,3 +26,13 @@ def test_missing_extra_names_the_pip_extra(monkeypatch):
         assert "polynya[vllm]" in str(exc)
     else:
         raise AssertionError("vllm backend without vllm must raise ImportError")
+
+
+def test_import_sets_cudnn_plan_reuse_unless_the_user_chose():
+    code = ("import os, polynya; print(os.environ.get('TORCH_CUDNN_SDPA_AVOID_RECOMPILE'))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, TORCH_CUDNN_SDPA_AVOID_RECOMPILE="0"),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
