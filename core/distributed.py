@@ -24,9 +24,10 @@ CHECKSUM_CHUNK = 1 << 24  # elements hashed at a time (bounds the int64 scratch 
 
 
 def free_port() -> int:
-    """A TCP port that is free on this host right now."""
+    """A TCP port that is free on this host right now (on every interface: it may host a
+    rendezvous that other nodes reach)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

@@ -57,7 +57,7 @@ class LinearTokenStats(torch.autograd.Function):
             h = hidden[s:e]
             dz = logit_grad(F.linear(h, weight, bias), target[s:e], lse[s:e],
                             ent[s:e] if use_ent else None, g_logp[s:e],
-                            g_ent[s:e].float() if use_ent else None, ctx.temperature)
+                            g_ent[s:e] if use_ent else None, ctx.temperature)
             if need_b:
                 d_bias += dz.float().sum(0)
             dz = dz.to(hidden.dtype)

@@ -76,17 +76,6 @@ def actor_options(pg, bundle: int, share: float, resource: str, **extra) -> dict
     return opts
 
 
-def _address() -> tuple[str, int]:
-    """(node IP, a free port) where this task runs: the rendezvous of a group of ranks."""
-    import socket
-
-    import ray
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-
 def start_actors(cfg, layout: Layout, pg) -> tuple[list, list, list]:
     """Trainer ranks, sampler replicas and log-prob ranks of ``cfg`` (an ``RLClientConfig``) on
     ``layout``'s bundles. Each rank group rendezvous at an address found on its first bundle."""
@@ -100,7 +89,7 @@ def start_actors(cfg, layout: Layout, pg) -> tuple[list, list, list]:
         return actor_options(pg, bundle, layout.share, cfg.device_resource, **kw)
 
     def rendezvous(bundle: int) -> tuple[str, int]:
-        task = ray.remote(_address).options(**opts(bundle))
+        task = ray.remote(workers.node_address).options(**opts(bundle))
         return ray.get(task.remote(), timeout=cfg.timeout_s)
 
     addr, port = rendezvous(layout.trainer[0])

@@ -23,7 +23,7 @@ def check_model_spec(model: object, owner: str) -> None:
         raise ValueError(f"{owner}.model must be a non-empty string (HF id, local path, or 'tiny:qwen3'), got {model!r}")
 
 
-ZORRO_ATTENTION = ("auto", "split", "flex")  # polynya.zorro.attention.ATTENTION_CHOICES
+ZORRO_ATTENTION = ("auto", "split", "flex")  # GPU attention paths of polynya.zorro.attention
 
 
 def check_zorro_attention(value: object, owner: str) -> None:

@@ -35,7 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..config.common import ZORRO_ATTENTION as ATTENTION_CHOICES
+from ..config.common import check_zorro_attention
 from ..kernels.zorro import MAX_INNER, plan_split, split_attention, unsupported_reason
 
 NAME = "polynya"
@@ -46,18 +46,40 @@ class ZorroMask(BlockMask):
     """The ``attention_mask`` of packed ZoRRo rows on CUDA (a ``BlockMask`` only so that
     transformers passes it through untouched, as it does every 4-D mask).
 
-    Attributes: tin, tout ``[R, L]`` (the visibility rule); plan: the split plan or None;
-    attention: the requested path (``ATTENTION_CHOICES``).
+    Holds the forest (``tin``, ``tout`` ``[R, L]``; ``nodes``, the packed rows' node table or
+    None) and the requested path; the first layer's call decides split vs FlexAttention for the
+    whole batch, and the split plan or the FlexAttention block mask is built then, once.
     """
 
-    def __init__(self, tin: torch.Tensor, tout: torch.Tensor, plan, attention: str):
-        self.tin, self.tout, self.plan, self.attention = tin, tout, plan, attention
-        self._flex = None
+    def __init__(self, tin: torch.Tensor, tout: torch.Tensor, nodes, attention: str):
+        self.tin, self.tout, self.nodes, self.attention = tin, tout, nodes, attention
+        self._pays = nodes is not None and (attention == "split" or
+                                            (attention == "auto" and _split_pays(nodes)))
+        self._flex = self._plan = None
+        self._why: dict = {}  # unsupported_reason per (device, dtype, heads, head dim)
 
     @property
     def shape(self):
         rows, length = self.tin.shape
         return (rows, 1, length, length)
+
+    def split_plan(self, query: torch.Tensor, key: torch.Tensor):
+        """The split plan when this batch takes split attention with these inputs, else None;
+        ``ValueError`` when ``"split"`` was asked for and the kernels cannot take the inputs."""
+        if not self._pays:
+            return None
+        sig = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+        if sig not in self._why:
+            self._why[sig] = unsupported_reason(query, key)
+        if self._why[sig] is not None:
+            if self.attention == "split":
+                raise ValueError(f"zorro_attention='split' cannot run here: {self._why[sig]}; "
+                                 "use 'auto' or 'flex'")
+            return None
+        if self._plan is None:
+            rows, length = self.tin.shape
+            self._plan = plan_split(self.nodes, rows * length, self.tin.device)
+        return self._plan
 
     def flex_mask(self) -> BlockMask:
         if self._flex is None:
@@ -65,7 +87,7 @@ class ZorroMask(BlockMask):
         return self._flex
 
     def __repr__(self) -> str:
-        path = "split" if self.plan is not None else "flex"
+        path = "split" if self._pays else "flex"
         return f"ZorroMask(shape={self.shape}, path={path}, attention={self.attention!r})"
 
 
@@ -95,15 +117,12 @@ def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                              "call compute_logprobs(..., zorro=False) for this model")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(attention_mask, ZorroMask):
-        plan = attention_mask.plan
-        why = unsupported_reason(query, key) if plan is not None else None
-        if plan is not None and why is None:
+        plan = attention_mask.split_plan(query, key)
+        if plan is not None:
             b, hq, length, d = query.shape
             flat = (lambda x: x.transpose(1, 2).reshape(b * length, x.shape[1], d))
             out = split_attention(flat(query), flat(key), flat(value), plan, scale)
             return out.view(b, length, hq, d), None
-        if attention_mask.attention == "split":
-            raise ValueError(f"zorro_attention='split' cannot run here: {why}; use 'auto' or 'flex'")
         attention_mask = attention_mask.flex_mask()
     out = _flex(query, key, value, attention_mask, scale)
     return out.transpose(1, 2).contiguous(), None
@@ -128,22 +147,19 @@ def zorro_mask(tin: torch.Tensor, tout: torch.Tensor, nodes=None, attention: str
 
     Args:
         tin, tout: ``[R, L]`` int32 preorder intervals of each token's node.
-        nodes: ``PackedRows.nodes`` (the split plan's input); None = FlexAttention only.
+        nodes: ``PackedRows.nodes`` (the split plan's input); None = FlexAttention only. The
+            split plan and the FlexAttention block mask are built lazily, by the first layer.
         attention: ``"auto"`` / ``"split"`` / ``"flex"`` (module docstring); CPU ignores it.
     """
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(f"zorro_attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
+    check_zorro_attention(attention, "compute_logprobs")
     rows, length = tin.shape
     if tin.device.type != "cuda":
         idx = torch.arange(length, device=tin.device)
         return _visible(tin[:, :, None], tout[:, :, None], idx[:, None],
                         tin[:, None, :], tout[:, None, :], idx)[:, None]
-    plan = None
-    if nodes is not None and (attention == "split" or (attention == "auto" and _split_pays(nodes))):
-        plan = plan_split(nodes, rows * length, tin.device)
-    if attention == "split" and plan is None:
+    if attention == "split" and nodes is None:
         raise ValueError("zorro_attention='split' needs the packed rows' node table")
-    return ZorroMask(tin, tout, plan, attention)
+    return ZorroMask(tin, tout, nodes, attention)
 
 
 SPLIT_MIN_SHARE = 1.5  # auto: split when shared-prefix work >= this x the responses' own work

@@ -61,13 +61,22 @@ def check_nodes(nodes: np.ndarray, num_tokens: int) -> None:
     start, end, stop = nodes.T
     if (start < 0).any() or (stop > num_tokens).any() or not ((start < end) & (end <= stop)).all():
         raise ValueError(f"every node needs 0 <= start < end <= stop <= {num_tokens}")
+    stack = []  # open subtrees, innermost last: they must nest or be disjoint (preorder layout)
+    for i in np.lexsort((-stop, start)):
+        while stack and stop[stack[-1]] <= start[i]:
+            stack.pop()
+        if stack and (stop[i] > stop[stack[-1]] or start[i] < end[stack[-1]]):
+            p = stack[-1]
+            raise ValueError(f"node {i} [{start[i]}, {end[i]}, {stop[i]}) neither nests in the "
+                             f"subtree of node {p} [{start[p]}, {end[p]}, {stop[p]}) nor follows it")
+        stack.append(i)
 
 
 def plan_split(nodes: np.ndarray, num_tokens: int, device: torch.device | str) -> SplitPlan:
     """Plan split attention for a node table ``[N, 3]`` (start, end, stop) in flat token indices.
 
-    ``stop`` is the end of the node's subtree (``== end`` for a leaf). Nodes of different trees
-    or rows never overlap; a subtree is contiguous (preorder).
+    ``stop`` is the end of the node's subtree (``== end`` for a leaf); subtrees nest or are
+    disjoint and a node's own tokens hold no other node (preorder layout), else ``ValueError``.
     """
     nodes = np.asarray(nodes, dtype=np.int64)
     check_nodes(nodes, num_tokens)
@@ -76,14 +85,9 @@ def plan_split(nodes: np.ndarray, num_tokens: int, device: torch.device | str) -
     leaves = nodes[is_leaf]
 
     count = np.zeros(num_tokens + 1, dtype=np.int64)  # partials per token (difference array)
-    for s, _, x in inner:
-        count[s] += 1
-        count[x] -= 1
-    for s, e, _ in leaves:
-        count[s] += 1
-        count[e] -= 1
-    count = np.cumsum(count)[:num_tokens]
-    width = max(1, int(count.max()))
+    np.add.at(count, nodes[:, 0], 1)
+    np.add.at(count, np.where(is_leaf, nodes[:, 1], nodes[:, 2]), -1)
+    width = max(1, int(np.cumsum(count).max()))
     lens = leaves[:, 1] - leaves[:, 0]
     leaf_len = -(-int(lens.max()) // LEAF_MULTIPLE) * LEAF_MULTIPLE if len(leaves) else 0
     src = np.full((num_tokens, width), -1, dtype=np.int64)

@@ -65,3 +65,13 @@ def test_cpu_ignores_the_gpu_path_choice():
     batch = random_batch(random.Random(1), model.config.vocab_size, groups=3)
     runs = [compute_logprobs(model, batch, zorro_attention=a).logprobs for a in ("auto", "split", "flex")]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+def test_split_plan_is_chosen_per_input_and_refused_with_a_reason():
+    rows = torch.zeros(1, 16, dtype=torch.int32)
+    nodes = two_level(1, 8, 2, 4)
+    q, k = torch.zeros(1, 4, 16, 8), torch.zeros(1, 2, 16, 8)
+    assert ZorroMask(rows, rows, nodes, "auto").split_plan(q, k) is None   # CPU: not the kernels
+    assert ZorroMask(rows, rows, nodes, "flex").split_plan(q, k) is None
+    with pytest.raises(ValueError, match="CUDA"):
+        ZorroMask(rows, rows, nodes, "split").split_plan(q, k)

@@ -47,6 +47,20 @@ def test_cpu_path_is_the_reference():
                        row_stats_reference(logits, target, 1.0, False)[0])
 
 
+def test_bad_inputs_are_rejected():
+    logits, target, g_lp, g_ent = make(5, 37, torch.float32, "cpu", 0)
+    _, lse, ent = row_stats(logits, target, 1.0, True)
+    for args in ((logits[0], target), (logits, target[:4]), (logits, target[:, None])):
+        with pytest.raises(ValueError, match="target"):
+            row_stats(*args, 1.0, False)
+    with pytest.raises(ValueError, match="temperature"):
+        row_stats(logits, target, 0.0, False)
+    with pytest.raises(ValueError, match="per-row"):
+        logit_grad(logits, target, lse[:4], None, g_lp, None, 1.0)
+    with pytest.raises(ValueError, match="both ent and g_ent"):
+        logit_grad(logits, target, lse, ent, g_lp, None, 1.0)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter is on")
 def test_triton_kernels_under_interpreter():
     run_under_interpreter(__file__)

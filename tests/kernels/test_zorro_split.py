@@ -89,7 +89,9 @@ def test_plan_tables_on_a_hand_built_forest():
 
 
 @pytest.mark.parametrize("bad", [np.zeros((0, 3)), np.array([[0, 2]]), np.array([[2, 2, 2]]),
-                                 np.array([[0, 3, 2]]), np.array([[0, 2, 40]]), np.array([[-1, 2, 2]])])
+                                 np.array([[0, 3, 2]]), np.array([[0, 2, 40]]), np.array([[-1, 2, 2]]),
+                                 np.array([[0, 2, 6], [4, 5, 8]]),      # subtrees cross
+                                 np.array([[0, 4, 8], [2, 3, 3]])])     # child inside parent's own tokens
 def test_bad_node_tables_are_rejected(bad):
     with pytest.raises(ValueError):
         check_nodes(bad, 16)
