@@ -48,6 +48,16 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
 
 def combine(parts: list[torch.Tensor], lse_parts: list[torch.Tensor] | None, src: torch.Tensor):
     """Merge partial rows per token (see ``reference.combine_reference``); Triton on CUDA."""
+    if not parts or any(p.dim() != 3 or p.shape[1:] != parts[0].shape[1:] or p.dtype != parts[0].dtype
+                        or p.device != parts[0].device for p in parts):
+        raise ValueError("combine needs one or more parts [rows, H, D] of one shape tail, dtype "
+                         "and device")
+    if lse_parts is not None and (len(lse_parts) != len(parts) or any(
+            x.shape != (p.shape[1], p.shape[0]) for p, x in zip(parts, lse_parts))):
+        raise ValueError("lse_parts must hold one [H, rows] tensor per part")
+    if src.dim() != 2 or src.dtype != torch.int64 or src.device != parts[0].device:
+        raise ValueError(f"src must be [tokens, K] int64 on {parts[0].device}, got "
+                         f"{tuple(src.shape)} {src.dtype} on {src.device}")
     if not parts[0].is_cuda:
         return ref.combine_reference(parts, lse_parts, src)
     return _launch_combine(parts, lse_parts, src)

@@ -130,6 +130,15 @@ def test_combine_reference_merges_exactly():
     torch.testing.assert_close(out[4], parts[0][4])  # ... so it keeps exactly that one
 
 
+def test_combine_rejects_bad_input():
+    parts, lses, src = random_parts(torch.Generator().manual_seed(2), 2, 4, 2, 5, torch.float32)
+    for bad in (([], lses, src), ([parts[0], parts[1][:, :1]], lses[:2], src),
+                (parts, lses[:2], src), (parts, [x.T for x in lses], src),
+                (parts, lses, src.int()), (parts, lses, src[:, 0])):
+        with pytest.raises(ValueError):
+            combine(*bad)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter is on")
 def test_triton_combine_under_interpreter():
     run_under_interpreter(__file__)
