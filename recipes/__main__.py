@@ -19,11 +19,9 @@ def main() -> None:
 
     @hydra.main(config_path="conf", config_name="config", version_base=None)
     def _app(cfg) -> None:
-        if cfg.framework != "builtin":
-            raise ValueError(f"framework={cfg.framework!r} is not available yet; use framework=builtin")
-        from .driver import GRPODriver
+        from .frameworks import run
 
-        GRPODriver(cfg).run()
+        run(cfg)
 
     _app()
 

@@ -1,0 +1,31 @@
+"""Where a recipe runs: one module per framework, each with ``run(cfg) -> None``.
+
+``framework=builtin`` is polynya's own GRPO driver (``polynya.recipes.driver``); adapters add
+``framework=<name>`` by shipping ``recipes/frameworks/<name>.py`` and
+``recipes/conf/framework/<name>.yaml``. The same task, data, reward and ``run`` settings go to
+every framework; a framework module translates them and nothing more.
+"""
+from __future__ import annotations
+
+import importlib
+
+from omegaconf import DictConfig
+
+
+def run(cfg: DictConfig) -> None:
+    """Run the composed recipe ``cfg`` on ``cfg.framework`` (ValueError for an unknown one)."""
+    name = cfg.framework
+    try:
+        module = importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        known = sorted(p.stem for p in _folder().glob("*.py") if not p.stem.startswith("_"))
+        raise ValueError(f"framework={name!r} is unknown; choose one of {known}") from None
+    module.run(cfg)
+
+
+def _folder():
+    from pathlib import Path
+
+    return Path(__file__).parent
