@@ -170,7 +170,7 @@ def run_split(model, port, steps, shape, overlap) -> dict:
         return {"version": got_version, "verified": checksum == trainer.weight_checksum(),
                 "manifest_ms": (t1 - t0) * 1e3, "sync_ms": total * 1e3, "recv_apply_ms": recv_s * 1e3}
 
-    first = sync(0)  # the sampler starts from the trainer's weights
+    first = sync(1)  # the sampler starts from the trainer's weights (version 1)
     rows = []
     prompts = [make_prompts(shape["prompts"], shape["P"], vocab, seed=s) for s in range(steps + 1)]
     if overlap:
@@ -190,7 +190,7 @@ def run_split(model, port, steps, shape, overlap) -> dict:
         info = trainer.step()
         torch.cuda.synchronize()
         t_train = time.perf_counter()
-        s = sync(step + 1)  # overlap: waits until the sampler has finished step n+1's rollouts
+        s = sync(step + 2)  # overlap: waits until the sampler has finished step n+1's rollouts
         rows.append({"step": step, "step_ms": (time.perf_counter() - t0) * 1e3,
                      "wait_generate_ms": (t_gen - t0) * 1e3, "sampler_generate_ms": gen_s * 1e3,
                      "gap_logprob_ms": (t_lp - t_gen) * 1e3, "train_ms": (t_train - t_lp) * 1e3,
