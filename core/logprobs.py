@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from .head import token_stats
+from .model_features import attention_features
 from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
-from .zorro.attention import FLEX_BLOCK, use_zorro_attention, zorro_mask
+from .zorro.attention import FLEX_BLOCK, ZORRO_SUPPORTS, use_zorro_attention, zorro_mask
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -82,11 +83,16 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
     device = _device(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     base = model.base_model
+    feats = attention_features(model.config)
     if zorro:
+        feats.require("ZoRRo Train", getattr(model.config, "name_or_path", "") or "this model",
+                      supported=ZORRO_SUPPORTS,
+                      alternative="call compute_logprobs(..., zorro=False) (TrainConfig / "
+                                  "LogProbConfig zorro=False) for this model")
         use_zorro_attention(model)
         rows = pack_rows(batch, max_tokens_per_row=max_tokens_per_row,
                          pad_multiple=FLEX_BLOCK if device.type == "cuda" else 1, pad_id=pad_id).to(device)
-        mask = zorro_mask(rows.tin, rows.tout, rows.nodes, zorro_attention)
+        mask = zorro_mask(rows.tin, rows.tout, rows.nodes, zorro_attention, rows.position_ids, feats)
         hidden = base(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask,
                       use_cache=False).last_hidden_state
         pred, tgt, orow, ocol = rows.pred_index, rows.pred_target, rows.out_row, rows.out_col
@@ -94,9 +100,8 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         ids, attn, pred, tgt, orow, ocol = (t.to(device) for t in _naive_inputs(batch, pad_id))
         hidden = base(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pred)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
     lp, ent = token_stats(model.get_output_embeddings(), hidden, tgt, temperature=temperature,
-                          entropy=entropy, softcap=softcap, chunk_size=chunk_size)
+                          entropy=entropy, softcap=feats.final_softcap, chunk_size=chunk_size)
     shape = (len(batch), batch.max_response_len)
     out_lp = lp.new_zeros(shape).index_put((orow, ocol), lp)
     out_ent = ent.new_zeros(shape).index_put((orow, ocol), ent) if entropy else None

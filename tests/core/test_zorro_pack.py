@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from polynya import RolloutBatch
 from polynya.zorro import build_forest, pack_rows, split_batch
-from polynya.zorro.attention import zorro_mask
+from polynya.zorro.attention import dense_mask
 
 from .batches import random_batch
 
@@ -35,7 +35,7 @@ def test_dense_mask_matches_prefix_visibility(seed):
     rng = random.Random(seed)
     batch = random_batch(rng, vocab=6, groups=3, max_group=3, max_prompt=4, max_response=3)
     rows = pack_rows(batch, max_tokens_per_row=20, pad_multiple=8)
-    mask = zorro_mask(rows.tin, rows.tout)[:, 0]
+    mask = dense_mask(rows.tin, rows.tout)[:, 0]
     seqs = [np.concatenate([p, r]) for p, r in zip(batch.prompts, batch.responses)]
     flat_len = rows.input_ids.shape[1]
     # map forest token -> flat row index through the packed ids/positions of each sample
@@ -99,7 +99,7 @@ def test_interval_block_mask_equals_flex_create_block_mask(seed, block):
     tin, tout = rows.tin, rows.tout
     length = tin.shape[1]
     ours = interval_block_mask(tin, tout, block)
-    dense = zorro_mask(tin, tout)[:, 0]
+    dense = dense_mask(tin, tout)[:, 0]
 
     def mm(b, h, q, k):
         return dense[b, q, k]
