@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .head import token_stats
-from .model_features import attention_features
+from .model_features import attention_features, model_name
 from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
 from .zorro.attention import FLEX_BLOCK, ZORRO_SUPPORTS, use_zorro_attention, zorro_mask
@@ -85,7 +85,7 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
     base = model.base_model
     feats = attention_features(model.config)
     if zorro:
-        feats.require("ZoRRo Train", getattr(model.config, "name_or_path", "") or "this model",
+        feats.require("ZoRRo Train", model_name(model),
                       supported=ZORRO_SUPPORTS,
                       alternative="call compute_logprobs(..., zorro=False) (TrainConfig / "
                                   "LogProbConfig zorro=False) for this model")

@@ -113,6 +113,11 @@ class AttentionFeatures:
         return window
 
 
+def model_name(model) -> str:
+    """How errors name a model: its HF id / path / polynya spec, else ``"this model"``."""
+    return getattr(getattr(model, "config", model), "name_or_path", "") or "this model"
+
+
 def text_config(config):
     """The decoder's config (multimodal configs nest it; plain ones are their own)."""
     get = getattr(config, "get_text_config", None)

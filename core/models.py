@@ -46,7 +46,7 @@ _TINY = {
     "mistral": dict(_SMALL, model_type="mistral", sliding_window=TINY_SLIDING_WINDOW),
     "gemma2": dict(_SMALL, model_type="gemma2", sliding_window=TINY_SLIDING_WINDOW,
                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                   final_logit_softcapping=5.0),
+                   final_logit_softcapping=5.0, initializer_range=0.2),  # scores reach the cap
     "gemma3": dict(_SMALL, model_type="gemma3_text", sliding_window=TINY_SLIDING_WINDOW,
                    sliding_window_pattern=2, query_pre_attn_scalar=24, final_logit_softcapping=5.0),
     "phi3": dict(_SMALL, model_type="phi3", num_key_value_heads=4),
@@ -116,6 +116,7 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "float32", device: str |
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
                                                      attn_implementation=attn_implementation)
         model = model.to(device=device, dtype=torch_dtype)
+        model.config.name_or_path = spec  # errors name the model as the user did
     else:
         if not os.path.isdir(spec) and "/" not in spec:
             raise ValueError(f"model {spec!r} is neither a local directory, an HF id, nor a tiny:/random: spec")
