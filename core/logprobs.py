@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .head import token_stats
-from .model_features import attention_features, model_name
+from .model_features import AttentionFeatures, attention_features, model_name
 from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
 from .zorro.attention import FLEX_BLOCK, ZORRO_SUPPORTS, use_zorro_attention, zorro_mask
@@ -36,6 +36,23 @@ def _check(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> N
         for i, s in enumerate(seqs):
             if s.size and int(s.max()) >= vocab:
                 raise ValueError(f"{name}[{i}] has token id {int(s.max())} >= vocab size {vocab}")
+
+
+def check_model(model: torch.nn.Module, *, zorro: bool, train: bool = False) -> AttentionFeatures:
+    """The model's attention features; ``ValueError`` (naming the model, the feature and the
+    alternative) when ZoRRo cannot honour one, or when training would drop a loss the model's
+    config asks for. Engines call it at load time; ``compute_logprobs`` on every call."""
+    feats = attention_features(model)
+    name = model_name(model)
+    if zorro:
+        feats.require("ZoRRo Train", name, supported=ZORRO_SUPPORTS,
+                      alternative="call compute_logprobs(..., zorro=False) (TrainConfig / "
+                                  "LogProbConfig zorro=False) for this model")
+    if train and feats.router_aux_loss:
+        raise ValueError(f"{name} sets output_router_logits=True (the MoE router load-balancing "
+                         f"loss, coefficient {feats.router_aux_loss_coef}), which polynya's "
+                         "losses do not add; set output_router_logits=False to train without it")
+    return feats
 
 
 def _naive_inputs(batch: RolloutBatch, pad_id: int):
@@ -83,12 +100,8 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
     device = _device(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     base = model.base_model
-    feats = attention_features(model.config)
+    feats = check_model(model, zorro=zorro)
     if zorro:
-        feats.require("ZoRRo Train", model_name(model),
-                      supported=ZORRO_SUPPORTS,
-                      alternative="call compute_logprobs(..., zorro=False) (TrainConfig / "
-                                  "LogProbConfig zorro=False) for this model")
         use_zorro_attention(model)
         rows = pack_rows(batch, max_tokens_per_row=max_tokens_per_row,
                          pad_multiple=FLEX_BLOCK if device.type == "cuda" else 1, pad_id=pad_id).to(device)

@@ -123,3 +123,19 @@ def test_a_misread_window_is_an_error_not_a_number():
     with pytest.raises(ValueError, match="no valid layer_idx"):
         f.check_call(None, {"sliding_window": 8})
     assert f.check_call(1, {"sliding_window": 8}) == 8
+
+
+def test_engines_refuse_at_load_what_they_cannot_honour():
+    """``check_model`` is what TrainingEngine / LogProbEngine run right after loading."""
+    from polynya.logprobs import check_model
+
+    oss = load_model("tiny:gpt-oss", seed=0)
+    with pytest.raises(ValueError) as err:
+        check_model(oss, zorro=True)
+    assert str(err.value) == REFUSED["gpt-oss"]
+    assert check_model(oss, zorro=False).sinks  # the naive path runs transformers' own attention
+    moe = load_model("tiny:qwen3-moe", seed=0, output_router_logits=True)
+    assert check_model(moe, zorro=True).router_aux_loss  # log-probs: no loss involved
+    with pytest.raises(ValueError, match="output_router_logits=True .* set output_router_logits=False"):
+        check_model(moe, zorro=True, train=True)
+    assert not check_model(load_model("tiny:gemma2", seed=0), zorro=True, train=True).sinks

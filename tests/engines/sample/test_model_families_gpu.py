@@ -1,0 +1,80 @@
+"""The native sampler's model-family matrix on the GPU (written to spec; run with ``-m gpu``).
+
+fp32: greedy tokens equal HF ``generate`` (eager attention) for prompts far longer than the tiny
+window (8 tokens, inside one 16-token page),
+with FCA + CUDA graphs and without — windowed layers decode through the Triton paged kernel
+with its ``window``, soft-capped ones through the kernels' ``softcap``. bf16: the first token
+(same prefill) equals HF's, and the runs agree for at least half their tokens on average (as in
+``test_native_engine_gpu.py``: bf16 rounding may flip near-ties).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from polynya import SamplingParams
+from polynya.config import SamplerConfig
+from polynya.engines import SamplingEngine
+from polynya.models import TINY_SLIDING_WINDOW, load_model
+
+from .test_model_families import FAMILIES, REFUSED
+
+pytestmark = pytest.mark.gpu
+WINDOWED = {"mistral", "gemma2", "gemma3", "qwen2-window"}
+NEW = 24
+
+
+def prompts() -> list[list[int]]:
+    g = np.random.default_rng(0)
+    system = g.integers(4, 512, size=80).tolist()  # >> the window, shared (FCA + prefix cache)
+    return [system + g.integers(4, 512, size=n).tolist() for n in (5, 37, 70)] + \
+        [g.integers(4, 512, size=130).tolist()]
+
+
+def hf_greedy(family, dtype) -> list[list[int]]:
+    model = load_model(f"tiny:{family}", dtype=dtype, device="cuda", attn_implementation="eager")
+    out = []
+    for p in prompts():
+        ids = torch.tensor([p], device="cuda")
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                             do_sample=False, eos_token_id=None, pad_token_id=1)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def engine_greedy(family, dtype, fca, graphs) -> list[list[list[int]]]:
+    cfg = SamplerConfig(f"tiny:{family}", dtype=dtype, device="cuda", fca=fca, cuda_graphs=graphs,
+                        block_size=16, num_blocks=512, max_num_seqs=32)
+    engine = SamplingEngine(cfg)
+    windows = engine.backend.runner.features.layer_windows
+    assert (TINY_SLIDING_WINDOW in windows) == (family in WINDOWED)
+    out = engine.generate(prompts(), SamplingParams(n=3, temperature=0, max_tokens=NEW,
+                                                    stop_token_ids=()))
+    return [[s.token_ids for s in o] for o in out]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_greedy_equals_hf_generate(family):
+    ref = hf_greedy(family, "float32")
+    for fca, graphs in ((True, True), (False, True), (True, False)):
+        got = engine_greedy(family, "float32", fca, graphs)
+        for r, samples in zip(ref, got):
+            assert all(s == r for s in samples), (family, fca, graphs)
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_greedy_short_run(family):
+    ref = hf_greedy(family, "bfloat16")
+    got = [o[0] for o in engine_greedy(family, "bfloat16", True, True)]
+    agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), NEW) for r, g in zip(ref, got)]
+    print(f"{family}: bf16 greedy agreement with HF generate (tokens of {NEW}): {agree}")
+    assert all(r[0] == g[0] for r, g in zip(ref, got))
+    assert sum(agree) >= 0.5 * NEW * len(agree)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_refusal_on_cuda(family):
+    with pytest.raises(ValueError) as err:
+        SamplingEngine(SamplerConfig(f"tiny:{family}", dtype="bfloat16", device="cuda"))
+    assert str(err.value) == REFUSED[family]
