@@ -66,12 +66,19 @@ def _flex(query, key, value, block_mask, scale, softcap=None):
         from torch.nn.attention.flex_attention import flex_attention
 
         _compiled_flex = torch.compile(flex_attention)
-    score_mod = None
-    if softcap is not None:
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return softcap * torch.tanh(score / softcap)
-    return _compiled_flex(query, key, value, score_mod=score_mod, block_mask=block_mask,
-                          scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    return _compiled_flex(query, key, value, score_mod=softcap_score_mod(softcap),
+                          block_mask=block_mask, scale=scale,
+                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+def softcap_score_mod(softcap: float | None):
+    """FlexAttention ``score_mod`` of a soft-cap (``c * tanh(score / c)``), or None."""
+    if softcap is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+    return score_mod
 
 
 def _ordinary(module, query, key, value, attention_mask, dropout, scaling, kwargs):
