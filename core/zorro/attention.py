@@ -39,10 +39,10 @@ the switch once, at the process's first cuDNN attention call (so import polynya 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from torch.nn.attention.flex_attention import BlockMask
 
 from ..config.common import check_zorro_attention
 from ..eager_attention import causal_mask, eager_attention

@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-
 from polynya import RolloutBatch, compute_logprobs
 from polynya.model_features import attention_features
 from polynya.models import TINY_SLIDING_WINDOW, load_model

@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-
 from polynya import RolloutBatch, compute_logprobs
 from polynya.models import load_model
 

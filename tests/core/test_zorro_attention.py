@@ -5,13 +5,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers.masking_utils import _preprocess_mask_arguments
-
 from polynya import compute_logprobs
 from polynya.config.logprob import LogProbConfig
 from polynya.config.train import TrainConfig
 from polynya.models import load_model
 from polynya.zorro.attention import MAX_INNER, ZorroMask, _split_pays, zorro_mask
+from transformers.masking_utils import _preprocess_mask_arguments
 
 from .batches import random_batch
 
@@ -81,11 +80,10 @@ def test_split_plan_is_chosen_per_input_and_refused_with_a_reason():
 def test_flex_path_with_window_and_softcap_equals_dense_on_cpu(window, softcap):
     """The GPU path's math (windowed block mask + soft-cap score_mod through FlexAttention,
     uncompiled: forward only on CPU) equals the dense CPU path on a packed forest."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     from polynya.eager_attention import eager_attention
     from polynya.zorro import pack_rows
     from polynya.zorro.attention import FLEX_BLOCK, softcap_score_mod
+    from torch.nn.attention.flex_attention import flex_attention
 
     batch = random_batch(random.Random(3), 50, groups=3, max_group=3, max_prompt=20,
                          max_response=12)

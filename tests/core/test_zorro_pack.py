@@ -92,8 +92,8 @@ def test_interval_block_mask_equals_flex_create_block_mask(seed, block, window):
     ``create_block_mask`` does, and its mask_mod is the dense rule (multiple rows, padding,
     sliding windows by position)."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask
     from polynya.zorro.attention import interval_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
 
     rng = random.Random(seed)
     batch = random_batch(rng, vocab=6, groups=4, max_group=4, max_prompt=12, max_response=9)

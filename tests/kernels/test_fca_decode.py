@@ -15,10 +15,10 @@ import sys
 
 import pytest
 import torch
-from triton_interp import run_under_interpreter
 from polynya.kernels.fca import DecodeConfig, fca_decode, paged_decode, plan_forest
 from polynya.kernels.fca.reference import paged_decode_reference
 from polynya.kernels.fca.testing import build_forest, random_kv
+from triton_interp import run_under_interpreter
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
