@@ -3,9 +3,10 @@
 fp32: greedy tokens equal HF ``generate`` (eager attention) for prompts far longer than the tiny
 window (8 tokens, inside one 16-token page),
 with FCA + CUDA graphs and without — windowed layers decode through the Triton paged kernel
-with its ``window``, soft-capped ones through the kernels' ``softcap``. bf16: the first token
-(same prefill) equals HF's, and the runs agree for at least half their tokens on average (as in
-``test_native_engine_gpu.py``: bf16 rounding may flip near-ties).
+with its ``window``, soft-capped ones through the kernels' ``softcap``. bf16 (rounding may
+flip near-ties, so token equality is the wrong test): every token the bf16 engine picks
+greedily is a near-argmax of the fp32 model teacher-forced on the same tokens — its fp32 logit
+is within twice transformers' own bf16 logit error of the best one.
 """
 from __future__ import annotations
 
@@ -64,13 +65,19 @@ def test_fp32_greedy_equals_hf_generate(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_greedy_short_run(family):
-    ref = hf_greedy(family, "bfloat16")
+def test_bf16_greedy_picks_fp32_near_argmax(family):
     got = [o[0] for o in engine_greedy(family, "bfloat16", True, True)]
-    agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), NEW) for r, g in zip(ref, got)]
-    print(f"{family}: bf16 greedy agreement with HF generate (tokens of {NEW}): {agree}")
-    assert all(r[0] == g[0] for r, g in zip(ref, got))
-    assert sum(agree) >= 0.5 * NEW * len(agree)
+    f32, b16 = (load_model(f"tiny:{family}", dtype=d, device="cuda", attn_implementation="eager")
+                for d in ("float32", "bfloat16"))
+    for prompt, toks in zip(prompts(), got):
+        ids = torch.tensor([prompt + toks], device="cuda")
+        with torch.no_grad():
+            ref = f32(ids).logits[0, len(prompt) - 1:-1].float()
+            low = b16(ids).logits[0, len(prompt) - 1:-1].float()
+        budget = (low - ref).abs().max().item()
+        chosen = ref.gather(1, torch.tensor(toks, device="cuda")[:, None])[:, 0]
+        gap = (ref.max(1).values - chosen).max().item()
+        assert gap <= 2 * budget + 1e-3, (family, gap, budget)
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
