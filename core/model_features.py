@@ -94,10 +94,13 @@ class AttentionFeatures:
         ``kwargs`` are what the model passed to its attention interface (``sliding_window``,
         ``softcap``, ``s_aux``). ``ValueError`` when they disagree with the config's reading.
         """
-        if layer_idx is None or not 0 <= layer_idx < len(self.layer_windows):
+        if isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layer_windows):
+            window = self.layer_windows[layer_idx]
+        elif not self.windowed:  # every layer is full: the layer's index does not matter
+            window = None
+        else:
             raise ValueError(f"attention module of {self.model_type} has no valid layer_idx "
                              f"({layer_idx!r}); polynya cannot tell which window applies")
-        window = self.layer_windows[layer_idx]
         passed = kwargs.get("sliding_window")
         if passed != window:
             raise ValueError(f"{self.model_type} layer {layer_idx}: the model attends with "

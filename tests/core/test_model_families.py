@@ -122,6 +122,12 @@ def test_a_misread_window_is_an_error_not_a_number():
     with pytest.raises(ValueError, match="no valid layer_idx"):
         f.check_call(None, {"sliding_window": 8})
     assert f.check_call(1, {"sliding_window": 8}) == 8
+    plain = attention_features(load_model("tiny:qwen3", seed=0).config)
+    assert plain.check_call(None, {}) is None  # no windows: a module without layer_idx is fine
+    with pytest.raises(ValueError, match="sliding_window=8 but its config reads as None"):
+        plain.check_call(0, {"sliding_window": 8})
+    with pytest.raises(ValueError, match="softcap=3.0"):
+        plain.check_call(0, {"softcap": 3.0})
 
 
 def test_engines_refuse_at_load_what_they_cannot_honour():
