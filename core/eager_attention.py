@@ -22,6 +22,9 @@ def causal_mask(q_len: int, k_len: int, device, window: int | None = None) -> to
     return keep & (i - j < window) if window is not None else keep
 
 
+SCORES_PER_CHUNK = 1 << 27  # fp32 scores alive at once (512 MiB): queries run in chunks
+
+
 def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     mask: torch.Tensor | None, scale: float, softcap: float | None = None
                     ) -> torch.Tensor:
@@ -32,14 +35,22 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scale: softmax scale; softcap: ``c`` of ``c * tanh(score / c)`` or None.
     Returns:
         ``[b, Hq, Lq, D]`` in the query's dtype. A query with no visible key gets zeros.
+        Queries run in chunks of at most ``SCORES_PER_CHUNK`` scores (a long prefill never
+        holds all ``[Hq, Lq, Lk]`` scores at once); autograd flows through every chunk.
     """
     rep = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(rep, 1) if rep > 1 else key
     v = value.repeat_interleave(rep, 1) if rep > 1 else value
-    scores = torch.matmul(query, k.transpose(-1, -2)).float() * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(-1).nan_to_num(0.0).to(value.dtype)
-    return torch.matmul(probs, v)
+    b, h, lq, lk = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    step = max(1, SCORES_PER_CHUNK // max(1, b * h * lk))
+    outs = []
+    for s in range(0, lq, step):
+        scores = torch.matmul(query[:, :, s:s + step], k.transpose(-1, -2)).float() * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if mask is not None:
+            m = mask[..., s:s + step, :] if mask.shape[-2] != 1 else mask
+            scores = scores.masked_fill(~m, float("-inf"))
+        probs = scores.softmax(-1).nan_to_num(0.0).to(value.dtype)
+        outs.append(torch.matmul(probs, v))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
