@@ -128,15 +128,16 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
             ki = k_cache[table].flatten(0, 1)[:total]
             vi = v_cache[table].flatten(0, 1)[:total]
         ki, vi = (x.transpose(0, 1)[None].to(q.dtype) for x in (ki, vi))
+        w = window if window is not None and total > window else None  # else a no-op
         if softcap is not None:
-            oi = eager_attention(qi, ki, vi, causal_mask(end - start, total, q.device, window),
+            oi = eager_attention(qi, ki, vi, causal_mask(end - start, total, q.device, w),
                                  scale, softcap)
-        elif cached == 0 and window is None:
+        elif cached == 0 and w is None:
             oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
                                                 enable_gqa=True)
         else:
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=causal_mask(end - start, total, q.device, window),
+                qi, ki, vi, attn_mask=causal_mask(end - start, total, q.device, w),
                 scale=scale, enable_gqa=True)
         out[start:end] = oi[0].transpose(0, 1)
     return out
