@@ -1,10 +1,11 @@
 """ZoRRo attention, hooked into any HF decoder through transformers' ``AttentionInterface``.
 
 ``use_zorro_attention(model)`` switches the model to the ``"polynya"`` implementation. It behaves
-exactly like ``"sdpa"`` (same mask creation, same kernel) for every ordinary call — generation,
-padded batches — and only differs when the model is handed a ZoRRo mask:
+like ``"sdpa"`` (same mask creation, same kernel; ``eager_attention`` for a call that carries a
+soft-cap, which SDPA cannot apply) for every ordinary call — generation, padded batches — and
+only differs when the model is handed a ZoRRo mask.
 
-The mask is a ``ZorroMask`` (``mask.py``) that carries the forest and gives each layer what
+That mask is a ``ZorroMask`` (``mask.py``) that carries the forest and gives each layer what
 its path needs — the layer's sliding window (``polynya.model_features``, by ``module.layer_idx``
 and cross-checked against the ``sliding_window`` the model passes) and soft-cap (the ``softcap``
 the model passes) included:
