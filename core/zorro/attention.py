@@ -39,6 +39,8 @@ the switch once, at the process's first cuDNN attention call (so import polynya 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
@@ -72,8 +74,10 @@ def _flex(query, key, value, block_mask, scale, softcap=None):
                           enable_gqa=query.shape[1] != key.shape[1])
 
 
+@functools.lru_cache(maxsize=16)
 def softcap_score_mod(softcap: float | None):
-    """FlexAttention ``score_mod`` of a soft-cap (``c * tanh(score / c)``), or None."""
+    """FlexAttention ``score_mod`` of a soft-cap (``c * tanh(score / c)``), or None; one function
+    object per cap, so the compiled FlexAttention is not re-traced on every call."""
     if softcap is None:
         return None
 
