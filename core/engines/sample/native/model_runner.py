@@ -47,7 +47,8 @@ class ModelRunner:
         limits = [self.num_blocks * self.block_size]
         limits += [x for x in (self.max_positions, config.max_model_len) if x]
         self.max_model_len = min(limits)
-        self.use_fca = config.fca
+        # FCA serves full-attention layers only (windowed ones decode paged): no plan without one
+        self.use_fca = config.fca and None in self.features.layer_windows
         self.weights_offloaded = False
         self._copy_plans: dict = {}  # FlatBuckets layout -> BucketCopyPlan (dropped when weights move)
         self.kv: torch.Tensor | None = None
