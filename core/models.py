@@ -49,7 +49,8 @@ _TINY = {
                    final_logit_softcapping=5.0, initializer_range=0.2),  # scores reach the cap
     "gemma3": dict(_SMALL, model_type="gemma3_text", sliding_window=TINY_SLIDING_WINDOW,
                    sliding_window_pattern=2, query_pre_attn_scalar=24, final_logit_softcapping=5.0),
-    "phi3": dict(_SMALL, model_type="phi3", num_key_value_heads=4),
+    "phi3": dict(_SMALL, model_type="phi3", num_key_value_heads=4,
+                 sliding_window=TINY_SLIDING_WINDOW),  # as Phi-3-mini's 2047
     "olmo2": dict(_SMALL, model_type="olmo2"),
     "gpt-oss": dict(_SMALL, model_type="gpt_oss", sliding_window=TINY_SLIDING_WINDOW,
                     num_local_experts=4, num_experts_per_tok=2,

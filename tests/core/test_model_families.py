@@ -70,6 +70,7 @@ def test_zorro_equals_transformers_eager(family):
 
 
 WITHOUT = {"mistral": dict(sliding_window=None), "qwen2-window": dict(use_sliding_window=False),
+           "phi3": dict(sliding_window=None),
            "gemma2": dict(layer_types=["full_attention"] * 2),
            "gemma2-softcap": dict(attn_logit_softcapping=None)}
 

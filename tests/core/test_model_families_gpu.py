@@ -18,7 +18,7 @@ from .test_model_families import REFUSED, ZORRO_FAMILIES
 
 pytestmark = pytest.mark.gpu
 WINDOW = 160
-WINDOWED = {"mistral", "gemma2", "gemma3", "qwen2-window"}
+WINDOWED = {"mistral", "gemma2", "gemma3", "phi3", "qwen2-window"}
 
 
 def _load(family, dtype, attn=None):

@@ -21,7 +21,7 @@ from polynya.models import TINY_SLIDING_WINDOW, load_model
 from .test_model_families import FAMILIES, REFUSED
 
 pytestmark = pytest.mark.gpu
-WINDOWED = {"mistral", "gemma2", "gemma3", "qwen2-window"}
+WINDOWED = {"mistral", "gemma2", "gemma3", "phi3", "qwen2-window"}
 NEW = 24
 
 
