@@ -145,3 +145,18 @@ def test_engines_refuse_at_load_what_they_cannot_honour():
     with pytest.raises(ValueError, match="output_router_logits=True .* set output_router_logits=False"):
         check_model(moe, zorro=True, train=True)
     assert not check_model(load_model("tiny:gemma2", seed=0), zorro=True, train=True).sinks
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral"])
+def test_naive_path_equals_the_full_hf_model(family):
+    """compute_logprobs runs the base model + its own LM head (final soft-cap included): equal to
+    the log-softmax of transformers' full forward, sample by sample."""
+    model = load_model(f"tiny:{family}", seed=5, attn_implementation="eager")
+    batch = window_batch(4, model.config.vocab_size, groups=2)
+    st = compute_logprobs(model, batch, zorro=False, temperature=0.7)
+    for i, (p, r) in enumerate(zip(batch.prompts, batch.responses)):
+        ids = torch.tensor([list(p) + list(r)])
+        with torch.no_grad():
+            logits = model(ids).logits[0, p.size - 1:-1].float() / 0.7
+        ref = logits.log_softmax(-1).gather(1, torch.tensor(r)[:, None])[:, 0]
+        torch.testing.assert_close(st.logprobs[i, :r.size].detach(), ref, atol=1e-5, rtol=0)
