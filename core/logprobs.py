@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from .head import token_stats
+from .model_features import AttentionFeatures, attention_features, model_name
 from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
-from .zorro.attention import FLEX_BLOCK, use_zorro_attention, zorro_mask
+from .zorro.attention import FLEX_BLOCK, ZORRO_SUPPORTS, use_zorro_attention, zorro_mask
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -35,6 +36,23 @@ def _check(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> N
         for i, s in enumerate(seqs):
             if s.size and int(s.max()) >= vocab:
                 raise ValueError(f"{name}[{i}] has token id {int(s.max())} >= vocab size {vocab}")
+
+
+def check_model(model: torch.nn.Module, *, zorro: bool, train: bool = False) -> AttentionFeatures:
+    """The model's attention features; ``ValueError`` (naming the model, the feature and the
+    alternative) when ZoRRo cannot honour one, or when training would drop a loss the model's
+    config asks for. Engines call it at load time; ``compute_logprobs`` on every call."""
+    feats = attention_features(model)
+    name = model_name(model)
+    if zorro:
+        feats.require("ZoRRo Train", name, supported=ZORRO_SUPPORTS,
+                      alternative="call compute_logprobs(..., zorro=False) (TrainConfig / "
+                                  "LogProbConfig zorro=False) for this model")
+    if train and feats.router_aux_loss:
+        raise ValueError(f"{name} sets output_router_logits=True (the MoE router load-balancing "
+                         f"loss, coefficient {feats.router_aux_loss_coef}), which polynya's "
+                         "losses do not add; set output_router_logits=False to train without it")
+    return feats
 
 
 def _naive_inputs(batch: RolloutBatch, pad_id: int):
@@ -82,11 +100,12 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
     device = _device(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     base = model.base_model
+    feats = check_model(model, zorro=zorro)
     if zorro:
         use_zorro_attention(model)
         rows = pack_rows(batch, max_tokens_per_row=max_tokens_per_row,
                          pad_multiple=FLEX_BLOCK if device.type == "cuda" else 1, pad_id=pad_id).to(device)
-        mask = zorro_mask(rows.tin, rows.tout, rows.nodes, zorro_attention)
+        mask = zorro_mask(rows.tin, rows.tout, rows.nodes, zorro_attention, rows.position_ids, feats)
         hidden = base(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask,
                       use_cache=False).last_hidden_state
         pred, tgt, orow, ocol = rows.pred_index, rows.pred_target, rows.out_row, rows.out_col
@@ -94,9 +113,8 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         ids, attn, pred, tgt, orow, ocol = (t.to(device) for t in _naive_inputs(batch, pad_id))
         hidden = base(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pred)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
     lp, ent = token_stats(model.get_output_embeddings(), hidden, tgt, temperature=temperature,
-                          entropy=entropy, softcap=softcap, chunk_size=chunk_size)
+                          entropy=entropy, softcap=feats.final_softcap, chunk_size=chunk_size)
     shape = (len(batch), batch.max_response_len)
     out_lp = lp.new_zeros(shape).index_put((orow, ocol), lp)
     out_ent = ent.new_zeros(shape).index_put((orow, ocol), ent) if entropy else None

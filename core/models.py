@@ -3,8 +3,11 @@
 A model *spec* is one of:
 
 - an HF hub id or a local directory (``"Qwen/Qwen3-0.6B"``, ``"/ckpt/step100"``): real weights;
-- ``"tiny:<family>"`` with family ``qwen3`` | ``llama`` | ``qwen3-moe``: a few-layer random model
-  whose vocabulary matches :func:`tiny_tokenizer` — nothing is downloaded;
+- ``"tiny:<family>"`` with family ``qwen3`` | ``llama`` | ``qwen3-moe`` (and, for the model-family
+  matrix, ``qwen2`` | ``qwen2-window`` | ``mistral`` | ``gemma2`` | ``gemma3`` | ``phi3`` |
+  ``olmo2`` | ``gpt-oss``, with windows of ``TINY_SLIDING_WINDOW`` tokens and small soft-caps
+  so that ignoring them shows): a few-layer random model whose vocabulary matches
+  :func:`tiny_tokenizer` — nothing is downloaded;
 - ``"random:<shape>"`` with shape ``qwen3-0.6b`` | ``qwen3-1.7b`` | ``qwen3-4b``: the real
   architecture and sizes with random weights (benchmarks; no download).
 
@@ -24,6 +27,9 @@ TINY_VOCAB = 512  # tiny_tokenizer's vocabulary (bytes + merges + specials)
 TINY_WINDOW = 8192  # context of tiny models: long enough for the long-context QA sample
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16)
+TINY_SLIDING_WINDOW = 8  # windows of the tiny sliding-window families: shorter than test prompts
 _TINY = {
     "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16),
@@ -33,6 +39,22 @@ _TINY = {
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       norm_topk_prob=True),
+    # the model-family matrix (tests/core/test_model_families.py): windows, soft-caps, scales
+    "qwen2": dict(_SMALL, model_type="qwen2"),
+    "qwen2-window": dict(_SMALL, model_type="qwen2", use_sliding_window=True,
+                         sliding_window=TINY_SLIDING_WINDOW, max_window_layers=1),
+    "mistral": dict(_SMALL, model_type="mistral", sliding_window=TINY_SLIDING_WINDOW),
+    "gemma2": dict(_SMALL, model_type="gemma2", sliding_window=TINY_SLIDING_WINDOW,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=5.0, initializer_range=0.2),  # scores reach the cap
+    "gemma3": dict(_SMALL, model_type="gemma3_text", sliding_window=TINY_SLIDING_WINDOW,
+                   sliding_window_pattern=2, query_pre_attn_scalar=24, final_logit_softcapping=5.0),
+    "phi3": dict(_SMALL, model_type="phi3", num_key_value_heads=4,
+                 sliding_window=TINY_SLIDING_WINDOW),  # as Phi-3-mini's 2047
+    "olmo2": dict(_SMALL, model_type="olmo2"),
+    "gpt-oss": dict(_SMALL, model_type="gpt_oss", sliding_window=TINY_SLIDING_WINDOW,
+                    num_local_experts=4, num_experts_per_tok=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 _QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, max_position_embeddings=40960,
               rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
@@ -74,12 +96,14 @@ def is_synthetic(spec: str) -> bool:
 
 
 def load_model(spec: str, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               seed: int = 0, attn_implementation: str = "sdpa", **config_overrides):
+               seed: int = 0, attn_implementation: str | None = None, **config_overrides):
     """Build or load a causal LM.
 
     Args:
         spec: HF id, local path, ``tiny:<family>`` or ``random:<shape>`` (module docstring).
         dtype: parameter dtype. device: where the model lives. seed: init seed for random specs.
+        attn_implementation: transformers' attention (None: its default — SDPA where the model
+            supports it, else eager, e.g. for Gemma 2's soft-capping or gpt-oss's sinks).
     Returns:
         a ``transformers`` ``PreTrainedModel`` in eval mode.
     """
@@ -93,6 +117,7 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "float32", device: str |
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
                                                      attn_implementation=attn_implementation)
         model = model.to(device=device, dtype=torch_dtype)
+        model.config.name_or_path = spec  # errors name the model as the user did
     else:
         if not os.path.isdir(spec) and "/" not in spec:
             raise ValueError(f"model {spec!r} is neither a local directory, an HF id, nor a tiny:/random: spec")

@@ -68,6 +68,7 @@ class LogProbEngine:
     def __init__(self, config: LogProbConfig):
         if not isinstance(config, LogProbConfig):
             raise ValueError(f"LogProbEngine needs a LogProbConfig, got {type(config).__name__}")
+        from ..logprobs import check_model
         from ..models import load_model
 
         self.config = config
@@ -75,6 +76,7 @@ class LogProbEngine:
         self.rank, self.world_size = dsu.init_deepspeed(self.device)
         deepspeed = dsu.import_deepspeed()
         model = load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed)
+        check_model(model, zorro=config.zorro)  # refuse before DeepSpeed starts
         model.requires_grad_(False)
         ds_cfg = dsu.ds_config(zero_stage=config.zero_stage, dtype=resolve_dtype(config.dtype),
                                train=False, overrides=config.deepspeed,

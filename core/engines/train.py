@@ -92,11 +92,13 @@ class TrainingEngine:
 
     # ------------------------------------------------------------------ set-up
     def _build(self, deepspeed):
+        from ..logprobs import check_model
         from ..models import load_model
 
         cfg = self.config
         torch.manual_seed(cfg.seed)
         model = load_model(cfg.model, dtype=cfg.dtype, device=self.device, seed=cfg.seed)
+        check_model(model, zorro=cfg.zorro, train=True)  # refuse before DeepSpeed starts
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.optim.betas,

@@ -4,7 +4,10 @@ Launchers, checks and heuristics live in ``op.py``. Conventions shared by all ke
 caches are ``[num_blocks, PAGE, Hkv, D]`` with a unit last stride; a token ``t`` of a request
 lives at ``cache[bt[row, t // PAGE], t % PAGE]``; scores are kept in log2 units (``qk_scale``
 already holds ``log2(e)``); a partial result is ``(o / l, m + log2 l)`` in fp32, and the merge
-combines a request's partials by log-sum-exp.
+combines a request's partials by log-sum-exp. ``SOFTCAP`` kernels cap every score at
+``cap * tanh(score / cap)`` (Gemma 2): ``cap_in = scale / cap`` and ``cap_out = cap * log2(e)``
+replace ``qk_scale``. A ``window > 0`` (paged decode only: there a token's index is its
+position) restricts request ``b`` to its last ``window`` positions.
 """
 import triton
 import triton.language as tl
@@ -49,10 +52,21 @@ def _fca_classes_kernel(bt_ptr, sl_ptr, cnt_ptr, rep_ptr, rank_ptr, B, MB,
 
 
 @triton.jit
+def _scores(q, k, qk_scale, cap_in, cap_out, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Scores of q against a key tile in log2 units (soft-capped when ``SOFTCAP``)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if SOFTCAP:  # cap * tanh(x), tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both saturations
+        s = (1.0 - 2.0 / (tl.exp2(s * (cap_in * 2.8853900817779268)) + 1.0)) * cap_out
+    else:
+        s = s * qk_scale
+    return s
+
+
+@triton.jit
 def _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, bt_row_ptr, head,
-            tok0, tok1, qk_scale,
+            tok0, tok1, qk_scale, cap_in, cap_out,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-            PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
+            PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax of q [BLOCK_M, D] over tokens [tok0, tok1) of one block-table row."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
@@ -66,7 +80,7 @@ def _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, bt_row_ptr, hea
         within = t % PAGE
         k_off = bid * s_kb + within * s_kt + head * s_kh
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = _scores(q, k, qk_scale, cap_in, cap_out, DOT_PREC, SOFTCAP)
         s = tl.where(tm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -94,10 +108,10 @@ def _store_partial(ws_o, ws_lse, req, slot, qh, rowok, acc, m_i, l_i, S, HQ,
 @triton.jit
 def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                  bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot, sh_nmem, sh_mem,
-                 ws_o, ws_lse, qk_scale, S, HQ, HKV, G,
+                 ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV, G,
                  QPK: tl.constexpr, NSUB: tl.constexpr, MSUB: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
+                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
     """Unit (item, member sub-tile, kv head): members x QPK query heads as one M tile."""
     item = w // (NSUB * HKV)
     rem = w % (NSUB * HKV)
@@ -119,7 +133,8 @@ def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_v
         tok1 = tl.minimum(tl.load(sh_c1 + item) * PAGE, tl.load(sl_ptr + row))
         acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                                 bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
-                                qk_scale, BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+                                qk_scale, cap_in, cap_out, BLOCK_M, BLOCK_N, HEAD_D, PAGE,
+                                DOT_PREC, SOFTCAP)
         _store_partial(ws_o, ws_lse, req, tl.load(sh_slot + item), qh, rowok,
                        acc, m_i, l_i, S, HQ, HEAD_D)
 
@@ -127,12 +142,13 @@ def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_v
 @triton.jit
 def _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                    bt_ptr, s_bt, len_ptr, slot_off_ptr, ws_o, ws_lse, b, head, sp, nsplit,
-                   qk_scale, S, HQ,
+                   qk_scale, cap_in, cap_out, window, S, HQ,
                    QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SLOT_OFF: tl.constexpr):
+                   SLOT_OFF: tl.constexpr, SOFTCAP: tl.constexpr):
     """Request b, kv head, split sp of nsplit (even in blocks): its QPK query heads (M padded)
-    over block-table row b, tokens [0, len[b]); one partial into slot (offset +) sp."""
+    over block-table row b, tokens [lo, len[b]) with lo = max(0, len[b] - window) when
+    ``window > 0`` else 0; one partial into slot (offset +) sp."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     rowok = offs_m < QPK
@@ -140,12 +156,15 @@ def _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
                 mask=rowok[:, None], other=0.0)
     n = tl.load(len_ptr + b)
-    cols = tl.cdiv(tl.cdiv(n, PAGE), nsplit)
-    tok0 = sp * cols * PAGE
+    lo = tl.where(window > 0, tl.maximum(n - window, 0), 0)
+    first = lo // PAGE
+    cols = tl.cdiv(tl.cdiv(n, PAGE) - first, nsplit)
+    tok0 = (first + sp * cols) * PAGE
     tok1 = tl.minimum(tok0 + cols * PAGE, n)
+    tok0 = tl.maximum(tok0, lo)
     acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                             bt_ptr + b.to(tl.int64) * s_bt, head, tok0, tok1, qk_scale,
-                            BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+                            cap_in, cap_out, BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC, SOFTCAP)
     slot = sp
     if SLOT_OFF:
         slot += tl.load(slot_off_ptr + b)
@@ -159,12 +178,12 @@ def _fca_attend_kernel(
         bt_ptr, s_bt, sl_ptr,
         n_shared_ptr, sh_row, sh_c0, sh_c1, sh_slot, sh_nmem, sh_mem,
         pv_bt, s_pv, pv_len, n_sh_slots, B,
-        ws_o, ws_lse, counter_ptr, qk_scale, S, HQ, HKV, G,
+        ws_o, ws_lse, counter_ptr, qk_scale, cap_in, cap_out, S, HQ, HKV, G,
         QPK: tl.constexpr, NSUB: tl.constexpr, MSUB: tl.constexpr, NSPLIT: tl.constexpr,
         BLOCK_M_SH: tl.constexpr, BLOCK_M_PV: tl.constexpr, BLOCK_N_SH: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
         DOT_PREC: tl.constexpr, DO_SHARED: tl.constexpr, DO_PRIVATE: tl.constexpr,
-        DYNAMIC: tl.constexpr, INTERLEAVE: tl.constexpr):
+        DYNAMIC: tl.constexpr, INTERLEAVE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Persistent FCA pass over shared units (item, member sub-tile, kv head) and private
     units (request, split, kv head) of the plan's virtual private rows; each writes one
     partial per member. Shared units come first, or spread evenly among the private ones
@@ -195,25 +214,27 @@ def _fca_attend_kernel(
             if is_sh:
                 _shared_unit(i_sh, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                              s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
-                             sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, S, HQ, HKV, G, QPK, NSUB,
-                             MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC)
+                             sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV,
+                             G, QPK, NSUB, MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC,
+                             SOFTCAP)
             else:
                 _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                                s_vh, pv_bt, s_pv, pv_len, n_sh_slots, ws_o, ws_lse,
                                u // (NSPLIT * HKV), u % HKV, (u // HKV) % NSPLIT, NSPLIT,
-                               qk_scale, S, HQ, QPK, BLOCK_M_PV, BLOCK_N, HEAD_D, PAGE,
-                               DOT_PREC, True)
+                               qk_scale, cap_in, cap_out, 0, S, HQ, QPK, BLOCK_M_PV, BLOCK_N,
+                               HEAD_D, PAGE, DOT_PREC, True, SOFTCAP)
         elif DO_SHARED:
             _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                          s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
-                         sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, S, HQ, HKV, G, QPK, NSUB,
-                         MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC)
+                         sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV,
+                         G, QPK, NSUB, MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC,
+                         SOFTCAP)
         else:
             _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                            s_vh, pv_bt, s_pv, pv_len, n_sh_slots, ws_o, ws_lse,
                            w // (NSPLIT * HKV), w % HKV, (w // HKV) % NSPLIT, NSPLIT,
-                           qk_scale, S, HQ, QPK, BLOCK_M_PV, BLOCK_N, HEAD_D, PAGE,
-                           DOT_PREC, True)
+                           qk_scale, cap_in, cap_out, 0, S, HQ, QPK, BLOCK_M_PV, BLOCK_N,
+                           HEAD_D, PAGE, DOT_PREC, True, SOFTCAP)
         if DYNAMIC:
             w = tl.atomic_add(counter_ptr, 1)
         else:
@@ -224,10 +245,11 @@ def _fca_attend_kernel(
 def _paged_decode_kernel(
         q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
         bt_ptr, s_bt, sl_ptr, out_ptr, s_ob, s_oh, lse_ptr, ws_o, ws_lse, slot_off_ptr,
-        qk_scale, S, HQ,
+        qk_scale, cap_in, cap_out, window, S, HQ,
         QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_D: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
-        SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, SLOT_OFF: tl.constexpr):
+        SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, SLOT_OFF: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     """Plain paged decode, no sharing: program (request, kv head, split) reads its own blocks.
     With SPLIT it writes a partial per split into slot (offset +) split, for
     ``_merge_partials_kernel``; FCA runs it on the plan's virtual private rows."""
@@ -237,8 +259,8 @@ def _paged_decode_kernel(
     if SPLIT:
         _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                        bt_ptr, s_bt, sl_ptr, slot_off_ptr, ws_o, ws_lse, b, head, sp,
-                       tl.num_programs(2), qk_scale, S, HQ, QPK, BLOCK_M, BLOCK_N, HEAD_D, PAGE,
-                       DOT_PREC, SLOT_OFF)
+                       tl.num_programs(2), qk_scale, cap_in, cap_out, window, S, HQ, QPK,
+                       BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC, SLOT_OFF, SOFTCAP)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_D)
@@ -246,9 +268,12 @@ def _paged_decode_kernel(
         qh = head * QPK + tl.where(rowok, offs_m, 0)
         q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qh[:, None] * s_qh + offs_d[None, :],
                     mask=rowok[:, None], other=0.0)
+        n = tl.load(sl_ptr + b)
+        lo = tl.where(window > 0, tl.maximum(n - window, 0), 0)
         acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                                bt_ptr + b.to(tl.int64) * s_bt, head, 0, tl.load(sl_ptr + b),
-                                qk_scale, BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC)
+                                bt_ptr + b.to(tl.int64) * s_bt, head, lo, n,
+                                qk_scale, cap_in, cap_out, BLOCK_M, BLOCK_N, HEAD_D, PAGE,
+                                DOT_PREC, SOFTCAP)
         out = acc / l_i[:, None]
         tl.store(out_ptr + b.to(tl.int64) * s_ob + qh[:, None] * s_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rowok[:, None])

@@ -8,6 +8,11 @@ the Triton kernels of ``kernel.py``; on CPU they fall back to ``paged_decode_ref
     plan = plan_forest(block_tables, seq_lens, block_size)   # once per step
     out = fca_decode(q, k_cache, v_cache, plan)               # every layer
 
+``softcap`` (both) caps every score at ``softcap * tanh(score / softcap)`` (Gemma 2); ``window``
+(``paged_decode`` only) restricts each request to its last ``window`` KV positions (sliding-window
+layers: FCA's shared nodes are not windowed, so a sampler runs those layers through
+``paged_decode``).
+
 Value checks that need the host (block ids within the cache, seq_lens) cost one sync; they run
 once per plan and cache size for ``fca_decode``, on every call of ``paged_decode`` unless
 ``validate=False``, and never while a CUDA graph is being captured.
@@ -128,6 +133,18 @@ def _check_block_ids(lo: int, hi: int, num_blocks: int) -> None:
         raise ValueError(f"block ids must be in [0, {num_blocks}); the tables use {lo}..{hi}")
 
 
+def _check_modifiers(softcap: float | None, window: int | None) -> None:
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a number > 0 or None, got {softcap!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+
+
+def _cap_args(scale: float, softcap: float | None) -> tuple[float, float]:
+    """Kernel arguments of the soft-cap: ``cap_in = scale / cap``, ``cap_out = cap * log2(e)``."""
+    return (scale / softcap, softcap * _LOG2E) if softcap is not None else (0.0, 0.0)
+
+
 def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -167,6 +184,7 @@ def fca_decode(
     validate: bool | None = None,
     backend: str = "auto",
     config: DecodeConfig | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Forest cascade decode attention: shared prefixes read once per group, merged exactly.
 
@@ -176,12 +194,14 @@ def fca_decode(
         plan: from ``plan_forest`` on this step's block tables (same device as q).
         scale: softmax scale, default ``1 / sqrt(D)``.
         return_lse: also return ``lse [B, Hq]`` fp32 (natural log).
+        softcap: cap every score at ``softcap * tanh(score / softcap)`` (None: no cap).
 
     Returns:
         ``out [B, Hq, D]`` in q's dtype (and ``lse``).
     """
     if not isinstance(plan, ForestPlan):
         raise ValueError("plan must be a ForestPlan from plan_forest")
+    _check_modifiers(softcap, None)
     check_decode_inputs(q, k_cache, v_cache, plan.batch_size, plan.block_tables.device)
     if k_cache.shape[1] != plan.block_size:
         raise ValueError(f"cache block size {k_cache.shape[1]} != plan's {plan.block_size}")
@@ -192,10 +212,10 @@ def fca_decode(
         plan.checked_num_blocks = k_cache.shape[0]
     if not _use_triton(q, backend):
         return paged_decode_reference(q, k_cache, v_cache, plan.block_tables, plan.seq_lens,
-                                      scale, return_lse)
+                                      scale, return_lse, softcap=softcap)
     _check_triton_shapes(q, k_cache, v_cache)
     return _fca_triton(q, k_cache, v_cache, plan, scale, return_lse,
-                      _resolve(config, q.shape[-1]))
+                      _resolve(config, q.shape[-1]), softcap)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -213,7 +233,8 @@ def _num_splits(batch: int, hkv: int, max_tokens: int, device, cfg: DecodeConfig
     return max(1, min(want, triton_cdiv(max_tokens, 256)))
 
 
-def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: DecodeConfig):
+def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: DecodeConfig,
+                softcap: float | None = None):
     from .kernel import _fca_attend_kernel, _merge_partials_kernel, _paged_decode_kernel
 
     B, Hq, D = q.shape
@@ -236,12 +257,13 @@ def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: D
                plan.n_shared, plan.sh_row, plan.sh_c0, plan.sh_c1, plan.sh_slot, plan.sh_nmem,
                plan.sh_mem, plan.pv_bt, plan.pv_bt.stride(0), plan.pv_len, plan.n_sh_slots,
                B, ws_o, ws_lse)
-    tail = (scale * _LOG2E, S, Hq, Hkv, plan.max_group)
+    cap_in, cap_out = _cap_args(scale, softcap)
+    tail = (scale * _LOG2E, cap_in, cap_out, S, Hq, Hkv, plan.max_group)
     common = {"QPK": qpk, "NSUB": nsub, "MSUB": msub, "NSPLIT": nsplit, "BLOCK_M_SH": block_m_sh,
                   "BLOCK_M_PV": block_m_pv, "BLOCK_N_SH": cfg.block_n_shared or cfg.block_n,
                   "BLOCK_N": cfg.block_n, "HEAD_D": D, "PAGE": page, "DOT_PREC": dot_prec,
                   "DYNAMIC": cfg.dynamic, "INTERLEAVE": cfg.interleave,
-                  "num_stages": cfg.num_stages}
+                  "SOFTCAP": softcap is not None, "num_stages": cfg.num_stages}
     sms = _num_sms(q.device)
     if cfg.mode == "fused":
         nprog = sms * cfg.progs_per_sm
@@ -259,10 +281,10 @@ def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: D
         def private_pass():
             _paged_decode_kernel[(B, Hkv, nsplit)](
                 *kv, plan.pv_bt, plan.pv_bt.stride(0), plan.pv_len, q, 0, 0, q, ws_o, ws_lse,
-                plan.n_sh_slots, scale * _LOG2E, S, Hq, QPK=qpk, BLOCK_M=block_m_pv,
-                BLOCK_N=cfg.block_n, HEAD_D=D, PAGE=page, DOT_PREC=dot_prec, SPLIT=True,
-                WRITE_LSE=False, SLOT_OFF=True, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                plan.n_sh_slots, scale * _LOG2E, cap_in, cap_out, 0, S, Hq, QPK=qpk,
+                BLOCK_M=block_m_pv, BLOCK_N=cfg.block_n, HEAD_D=D, PAGE=page,
+                DOT_PREC=dot_prec, SPLIT=True, WRITE_LSE=False, SLOT_OFF=True,
+                SOFTCAP=softcap is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
         if cfg.mode == "split" or not q.is_cuda:
             shared_pass()
@@ -297,12 +319,16 @@ def paged_decode(
     backend: str = "auto",
     config: DecodeConfig | None = None,
     num_splits: int | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain paged decode attention (no prefix sharing): the fair baseline and general path.
 
     Args/Returns as ``fca_decode``, with ``block_tables [B, max_blocks]`` int32 and
-    ``seq_lens [B]`` int32 instead of a plan. ``num_splits`` overrides the split-K heuristic.
+    ``seq_lens [B]`` int32 instead of a plan. ``num_splits`` overrides the split-K heuristic;
+    ``window``: each request reads only its last ``window`` positions (sliding-window layers).
     """
+    _check_modifiers(softcap, window)
     check_tables(block_tables, seq_lens, k_cache.shape[1] if k_cache.dim() == 4 else 1,
                  validate)
     check_decode_inputs(q, k_cache, v_cache, block_tables.shape[0], block_tables.device)
@@ -311,10 +337,10 @@ def paged_decode(
         _check_block_ids(lo, hi, k_cache.shape[0])
     if not _use_triton(q, backend):
         return paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                      return_lse)
+                                      return_lse, softcap=softcap, window=window)
     _check_triton_shapes(q, k_cache, v_cache)
     return _paged_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, return_lse,
-                         _resolve(config, q.shape[-1]), num_splits)
+                         _resolve(config, q.shape[-1]), num_splits, softcap, window)
 
 
 def _id_range(block_tables, seq_lens, block_size) -> torch.Tensor:
@@ -326,7 +352,8 @@ def _id_range(block_tables, seq_lens, block_size) -> torch.Tensor:
 
 
 def _paged_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, return_lse,
-                  cfg: DecodeConfig, num_splits: int | None):
+                  cfg: DecodeConfig, num_splits: int | None, softcap: float | None = None,
+                  window: int | None = None):
     from .kernel import _merge_partials_kernel, _paged_decode_kernel
 
     B, Hq, D = q.shape
@@ -337,7 +364,8 @@ def _paged_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, return_lse
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     if num_splits is None:
-        num_splits = _num_splits(B, Hkv, MB * page, q.device, cfg)
+        span = MB * page if window is None else min(MB * page, window + page)
+        num_splits = _num_splits(B, Hkv, span, q.device, cfg)
     num_splits = max(1, min(int(num_splits), MB))
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32) if return_lse else out
@@ -349,10 +377,10 @@ def _paged_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, return_lse
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, *_kv_strides(k_cache, v_cache),
         bt, bt.stride(0), sl, out, out.stride(0), out.stride(1), lse, ws_o, ws_lse, sl,
-        scale * _LOG2E, num_splits, Hq, QPK=qpk, BLOCK_M=max(16, _next_pow2(qpk)),
-        BLOCK_N=cfg.block_n, HEAD_D=D, PAGE=page, DOT_PREC=_dot_prec(q.dtype), SPLIT=split,
-        WRITE_LSE=return_lse, SLOT_OFF=False, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        scale * _LOG2E, *_cap_args(scale, softcap), window or 0, num_splits, Hq, QPK=qpk,
+        BLOCK_M=max(16, _next_pow2(qpk)), BLOCK_N=cfg.block_n, HEAD_D=D, PAGE=page,
+        DOT_PREC=_dot_prec(q.dtype), SPLIT=split, WRITE_LSE=return_lse, SLOT_OFF=False,
+        SOFTCAP=softcap is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         _merge_partials_kernel[(B, Hkv)](
             ws_o, ws_lse, sl, out, out.stride(0), out.stride(1), lse, sl,

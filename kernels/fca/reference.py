@@ -23,6 +23,8 @@ def paged_decode_reference(
     seq_lens: torch.Tensor,
     scale: float | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged KV cache, computed in fp32.
 
@@ -34,6 +36,8 @@ def paged_decode_reference(
         seq_lens: ``[B]`` int, ``1 <= seq_len <= max_blocks * block_size``.
         scale: softmax scale, default ``1 / sqrt(D)``.
         return_lse: also return the natural-log log-sum-exp of the scaled scores.
+        softcap: scores become ``softcap * tanh(score / softcap)`` (None: unchanged).
+        window: each request sees only its last ``window`` positions (None: all of them).
 
     Returns:
         ``out [B, Hq, D]`` in ``q.dtype`` (and ``lse [B, Hq]`` fp32 if ``return_lse``).
@@ -50,8 +54,13 @@ def paged_decode_reference(
     k = k.repeat_interleave(rep, dim=2)  # [B, T, Hq, D]
     v = v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(T, device=q.device)
-    keep = pos[None, :] < seq_lens.to(q.device).long()[:, None]  # [B, T]
+    lens = seq_lens.to(q.device).long()[:, None]
+    keep = pos[None, :] < lens  # [B, T]
+    if window is not None:
+        keep &= pos[None, :] >= lens - window
     scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hq]
     probs = torch.exp(scores - lse[..., None])

@@ -5,13 +5,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers.masking_utils import _preprocess_mask_arguments
-
 from polynya import compute_logprobs
 from polynya.config.logprob import LogProbConfig
 from polynya.config.train import TrainConfig
 from polynya.models import load_model
 from polynya.zorro.attention import MAX_INNER, ZorroMask, _split_pays, zorro_mask
+from transformers.masking_utils import _preprocess_mask_arguments
 
 from .batches import random_batch
 
@@ -75,3 +74,29 @@ def test_split_plan_is_chosen_per_input_and_refused_with_a_reason():
     assert ZorroMask(rows, rows, nodes, "flex").split_plan(q, k) is None
     with pytest.raises(ValueError, match="CUDA"):
         ZorroMask(rows, rows, nodes, "split").split_plan(q, k)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, 0.8), (6, None), (9, 1.5)])
+def test_flex_path_with_window_and_softcap_equals_dense_on_cpu(window, softcap):
+    """The GPU path's math (windowed block mask + soft-cap score_mod through FlexAttention,
+    uncompiled: forward only on CPU) equals the dense CPU path on a packed forest."""
+    from polynya.eager_attention import eager_attention
+    from polynya.zorro import pack_rows
+    from polynya.zorro.attention import FLEX_BLOCK, softcap_score_mod
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch = random_batch(random.Random(3), 50, groups=3, max_group=3, max_prompt=20,
+                         max_response=12)
+    rows = pack_rows(batch, pad_multiple=FLEX_BLOCK)
+    mask = ZorroMask(rows.tin, rows.tout, rows.nodes, "flex", rows.position_ids)
+    g = torch.Generator().manual_seed(0)
+    r, length = rows.tin.shape
+    q = torch.randn(r, 4, length, 16, generator=g) * 2
+    k, v = (torch.randn(r, 2, length, 16, generator=g) for _ in range(2))
+    got = flex_attention(q, k, v, score_mod=softcap_score_mod(softcap),
+                         block_mask=mask.flex_mask(window), scale=0.3, enable_gqa=True)
+    ref = eager_attention(q, k, v, mask.dense(window), 0.3, softcap)
+    real = rows.tin[0] != np.iinfo(np.int32).max
+    torch.testing.assert_close(got[:, :, real], ref[:, :, real], atol=1e-5, rtol=1e-5)
+    plain = eager_attention(q, k, v, mask.dense(), 0.3)
+    assert (ref - plain)[:, :, real].abs().max() > 1e-3

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from polynya import RolloutBatch
 from polynya.zorro import build_forest, pack_rows, split_batch
-from polynya.zorro.attention import zorro_mask
+from polynya.zorro.attention import dense_mask
 
 from .batches import random_batch
 
@@ -35,7 +35,7 @@ def test_dense_mask_matches_prefix_visibility(seed):
     rng = random.Random(seed)
     batch = random_batch(rng, vocab=6, groups=3, max_group=3, max_prompt=4, max_response=3)
     rows = pack_rows(batch, max_tokens_per_row=20, pad_multiple=8)
-    mask = zorro_mask(rows.tin, rows.tout)[:, 0]
+    mask = dense_mask(rows.tin, rows.tout)[:, 0]
     seqs = [np.concatenate([p, r]) for p, r in zip(batch.prompts, batch.responses)]
     flat_len = rows.input_ids.shape[1]
     # map forest token -> flat row index through the packed ids/positions of each sample
@@ -85,21 +85,28 @@ def test_group_ids_merge_units_with_different_prompts():
     assert sorted(map(sorted, parts)) == [[0, 1], [2]]
 
 
-@pytest.mark.parametrize("seed,block", [(0, 8), (1, 8), (2, 16), (3, 4)])
-def test_interval_block_mask_equals_flex_create_block_mask(seed, block):
+@pytest.mark.parametrize("seed,block,window", [(0, 8, None), (1, 8, None), (2, 16, None),
+                                               (3, 4, None), (4, 4, 5), (5, 8, 11), (6, 4, 1)])
+def test_interval_block_mask_equals_flex_create_block_mask(seed, block, window):
     """The compile-free BlockMask builder classifies every block pair as FlexAttention's own
-    ``create_block_mask`` does, and its mask_mod is the dense rule (multiple rows, padding)."""
+    ``create_block_mask`` does, and its mask_mod is the dense rule (multiple rows, padding,
+    sliding windows by position)."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask
     from polynya.zorro.attention import interval_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
 
     rng = random.Random(seed)
     batch = random_batch(rng, vocab=6, groups=4, max_group=4, max_prompt=12, max_response=9)
     rows = pack_rows(batch, max_tokens_per_row=48, pad_multiple=block)
     tin, tout = rows.tin, rows.tout
     length = tin.shape[1]
-    ours = interval_block_mask(tin, tout, block)
-    dense = zorro_mask(tin, tout)[:, 0]
+    pos = rows.position_ids
+    ours = interval_block_mask(tin, tout, block, pos, window)
+    dense = dense_mask(tin, tout, pos, window)[:, 0]
+    if window is not None:  # the window drops keys only by position distance
+        full = dense_mask(tin, tout)[:, 0]
+        far = pos[:, :, None] - pos[:, None, :] >= window
+        assert torch.equal(dense, full & ~far) and (full & far).any()
 
     def mm(b, h, q, k):
         return dense[b, q, k]
@@ -119,7 +126,7 @@ def test_interval_block_mask_equals_flex_create_block_mask(seed, block):
     for b in range(tin.shape[0]):
         assert torch.equal(ours.mask_mod(torch.tensor(b), 0, q, k), dense[b])
     assert ours.kv_num_blocks.sum() > 0
-    if block < 16:  # small blocks: some lie wholly inside a prompt read by its responses
+    if block < 16 and window is None:  # small blocks: some lie inside a prompt read by all
         assert ours.full_kv_num_blocks.sum() > 0
 
 

@@ -15,16 +15,17 @@ import sys
 
 import pytest
 import torch
-from triton_interp import run_under_interpreter
 from polynya.kernels.fca import DecodeConfig, fca_decode, paged_decode, plan_forest
 from polynya.kernels.fca.reference import paged_decode_reference
 from polynya.kernels.fca.testing import build_forest, random_kv
+from triton_interp import run_under_interpreter
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def loop_reference(q, k, v, bt, sl, scale=None):
-    """Independent fp64 oracle: one request at a time, K/V gathered token by token."""
+def loop_reference(q, k, v, bt, sl, scale=None, softcap=None, window=None):
+    """Independent fp64 oracle: one request at a time, K/V gathered token by token (the last
+    ``window`` of them when given; scores soft-capped when ``softcap``)."""
     B, Hq, D = q.shape
     bs, Hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -32,10 +33,13 @@ def loop_reference(q, k, v, bt, sl, scale=None):
     lse = torch.empty(B, Hq, dtype=torch.float64)
     for b in range(B):
         n = int(sl[b])
-        ks = torch.stack([k[int(bt[b, t // bs]), t % bs] for t in range(n)]).double()
-        vs = torch.stack([v[int(bt[b, t // bs]), t % bs] for t in range(n)]).double()
+        keep = range(max(0, n - window) if window else 0, n)
+        ks = torch.stack([k[int(bt[b, t // bs]), t % bs] for t in keep]).double()
+        vs = torch.stack([v[int(bt[b, t // bs]), t % bs] for t in keep]).double()
         for h in range(Hq):
             s = ks[:, h // (Hq // Hkv)] @ q[b, h].double() * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
             lse[b, h] = torch.logsumexp(s, 0)
             out[b, h] = torch.softmax(s, 0) @ vs[:, h // (Hq // Hkv)]
     return out, lse
@@ -56,6 +60,32 @@ def test_reference_matches_loop(hq, hkv):
     ref, ref_lse = loop_reference(q, k, v, bt, sl, scale=0.3)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap,window", [(0.7, None), (None, 5), (1.5, 9), (None, 1)])
+def test_reference_softcap_and_window_match_loop(softcap, window):
+    q, k, v, bt, sl = make_case([(2, 9), (3, (1, 10))], 4, 6, 2, 8, torch.float32, "cpu", 6)
+    q = q * 3  # scores well past the cap
+    out, lse = paged_decode_reference(q, k, v, bt, sl, scale=0.3, return_lse=True,
+                                      softcap=softcap, window=window)
+    ref, ref_lse = loop_reference(q, k, v, bt, sl, 0.3, softcap, window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    plain = paged_decode_reference(q, k, v, bt, sl, scale=0.3)
+    assert (out - plain).abs().max() > 1e-3  # the modifier changed the answer
+    if softcap is not None and window is None:  # FCA: soft-caps (windows run paged)
+        plan = plan_forest(bt, sl, 4, min_shared_tokens=4)
+        torch.testing.assert_close(fca_decode(q, k, v, plan, scale=0.3, softcap=softcap), out)
+    torch.testing.assert_close(paged_decode(q, k, v, bt, sl, scale=0.3, softcap=softcap,
+                                            window=window), out)
+
+
+@pytest.mark.parametrize("bad", [dict(softcap=0.0), dict(softcap=-1), dict(window=0),
+                                 dict(window=2.5), dict(window=True)])
+def test_bad_modifiers_are_rejected(bad):
+    q, k, v, bt, sl = make_case([(2, 8), (2, 5)], 4, 4, 2, 16, torch.float32, "cpu", 3)
+    with pytest.raises(ValueError, match="softcap|window"):
+        paged_decode(q, k, v, bt, sl, **bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -155,6 +185,18 @@ def _interp_cases():
                                     config=cfg, num_splits=splits)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
             torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+        cap, win = (0.8, None) if i % 2 else (None, 2 * bs + 3)
+        q3 = q * 3  # scores past the cap; the window cuts mid-page
+        for mod in (dict(softcap=cap, window=win), dict(softcap=1.3, window=bs)):
+            ref_m, ref_m_lse = paged_decode_reference(q3, k, v, bt, sl, return_lse=True, **mod)
+            for splits in (None, 1, 3):
+                out, lse = paged_decode(q3, k, v, bt, sl, return_lse=True, backend="triton",
+                                        config=cfg, num_splits=splits, **mod)
+                torch.testing.assert_close(out, ref_m, atol=2e-5, rtol=2e-5)
+                torch.testing.assert_close(lse, ref_m_lse, atol=2e-5, rtol=2e-5)
+        ref_c = paged_decode_reference(q3, k, v, bt, sl, softcap=0.9)
+        out = fca_decode(q3, k, v, plan, backend="triton", config=cfg, softcap=0.9)
+        torch.testing.assert_close(out, ref_c, atol=2e-5, rtol=2e-5)
         full = (torch.arange(bt.shape[1])[None] + 1) * bs <= sl[:, None]
         cnt, rep, rank = _classes_torch(bt, full)
         got = classes_triton(bt, sl, bs)
@@ -216,6 +258,44 @@ def test_gpu_matches_reference(dtype, d, bs, hq, hkv, forest):
     _, ref_lse = paged_decode_reference(q.float(), k.float(), v.float(), bt, sl,
                                         return_lse=True)
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("softcap,window", [(30.0, None), (None, 256), (20.0, 100)])
+def test_gpu_softcap_and_window(dtype, softcap, window):
+    """Gemma-2-style soft-caps (FCA and paged) and sliding windows (paged) vs the fp32
+    reference; bf16 within 2x of torch's own bf16 attention under the same modifiers."""
+    q, k, v, bt, sl = make_case(GPU_FORESTS[0], 16, 16, 4, 128, dtype, "cuda", 3)
+    q = q * 4  # scores reach the cap
+    mod = dict(softcap=softcap, window=window)
+    ref = paged_decode_reference(q.float(), k.float(), v.float(), bt, sl, **mod)
+    outs = [paged_decode(q, k, v, bt, sl, **mod)]
+    if window is None:
+        outs.append(fca_decode(q, k, v, plan_forest(bt, sl, 16), softcap=softcap))
+    for out in outs:
+        err = (out.float() - ref).abs().max().item()
+        if dtype == torch.float32:
+            assert err < 1e-4, err
+        else:  # torch's own bf16 computation of the same modified attention
+            budget = (_lowp_modified(q, k, v, bt, sl, **mod).float() - ref).abs().max().item()
+            assert err <= 2 * budget + 1e-6, (err, budget)
+
+
+def _lowp_modified(q, k, v, bt, sl, softcap=None, window=None):
+    B, Hq, D = q.shape
+    bs, Hkv = k.shape[1], k.shape[2]
+    T = bt.shape[1] * bs
+    kk = k[bt.long().clamp(min=0)].reshape(B, T, Hkv, D).repeat_interleave(Hq // Hkv, 2)
+    vv = v[bt.long().clamp(min=0)].reshape(B, T, Hkv, D).repeat_interleave(Hq // Hkv, 2)
+    s = (torch.einsum("bhd,bthd->bht", q, kk) / math.sqrt(D))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(T, device=q.device)[None, :]
+    keep = (pos < sl[:, None]) & ((pos >= sl[:, None] - window) if window else True)
+    p = torch.softmax(s.float().masked_fill(~keep[:, None], float("-inf")), -1).to(q.dtype)
+    return torch.einsum("bht,bthd->bhd", p, vv)
 
 
 @pytest.mark.gpu

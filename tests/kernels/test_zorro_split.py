@@ -13,13 +13,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from triton_interp import run_under_interpreter
-
 from polynya.kernels.zorro import combine, plan_split, split_attention
 from polynya.kernels.zorro.plan import LEAF_MULTIPLE, check_nodes
 from polynya.kernels.zorro.reference import combine_reference
 from polynya.zorro import pack_rows
-from polynya.zorro.attention import zorro_mask
+from polynya.zorro.attention import dense_mask
+from triton_interp import run_under_interpreter
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
 from batches import random_batch  # noqa: E402
@@ -40,7 +39,7 @@ def make_case(seed, hq=4, hkv=2, d=16, dtype=torch.float64, device="cpu", **kw):
 
 def masked_attention(q, k, v, rows, scale):
     """Plain attention under the ZoRRo dense mask, per packed row, fp64 autograd oracle."""
-    mask = zorro_mask(rows.tin, rows.tout)[:, 0].to(q.device)          # [R, L, L]
+    mask = dense_mask(rows.tin, rows.tout)[:, 0].to(q.device)          # [R, L, L]
     r, length = mask.shape[:2]
     rep = q.shape[1] // k.shape[1]
     qs, ks, vs = (x.view(r, length, x.shape[1], -1) for x in (q, k, v))
@@ -146,8 +145,8 @@ def test_triton_combine_under_interpreter():
 
 def _interp_combine():
     """Runs in the child (TRITON_INTERPRET=1): the Triton combine vs the reference, fp32."""
-    from polynya.kernels.zorro.kernel import _combine_kernel  # noqa: F401  (imports under the interpreter)
     from polynya.kernels.zorro import op
+    from polynya.kernels.zorro.kernel import _combine_kernel  # noqa: F401  (imports under the interpreter)
 
     g = torch.Generator().manual_seed(1)
     for heads, dim, width in ((3, 12, 3), (4, 16, 1)):

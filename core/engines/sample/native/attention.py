@@ -16,6 +16,12 @@ their true ``position_ids``). Per layer the function
    forest plan built once per step (``ctx.plan``), or ``paged_decode`` when FCA is off or no
    two sequences of the step share a page.
 
+What the model's attention needs (``polynya.model_features``) is honoured per layer: a
+sliding-window layer's prefill masks keys more than ``W - 1`` positions back and its decode
+reads only the last ``W`` positions through ``paged_decode`` (FCA's shared nodes are not
+windowed, so windowed layers skip FCA; full layers of the same step keep it); a soft-cap
+(Gemma 2) runs the prefill through ``eager_attention`` and the decode kernels' ``softcap``.
+
 Because step 1 runs for all sequences before step 2, a sequence may read pages that another
 sequence of the same prefill writes (two identical prompts in one batch share their pages).
 """
@@ -26,10 +32,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from polynya.eager_attention import causal_mask, eager_attention
 from polynya.kernels.fca import fca_decode, paged_decode
+from polynya.model_features import SOFTCAP, WINDOWS, AttentionFeatures
 
 NAME = "polynya_paged"
 CTX_KWARG = "polynya_ctx"
+SUPPORTS = frozenset({WINDOWS, SOFTCAP})  # model features the native sampler implements
 
 
 @dataclass
@@ -46,6 +55,7 @@ class StepContext:
             when nothing of it is cached (its new keys are then its whole context).
         block_tables: decode: ``[B, max_blocks]`` int32. seq_lens: decode: ``[B]`` int32 KV length.
         plan: decode with FCA: the ``ForestPlan`` of this step (shared by every layer).
+        features: the model's attention features (per-layer windows); None = all full.
     """
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -57,6 +67,7 @@ class StepContext:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     plan: Any = None
+    features: AttentionFeatures | None = None
 
 
 def register() -> None:
@@ -82,6 +93,11 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if ctx is None:
         raise RuntimeError(f"attention {NAME!r} needs a StepContext in kwargs[{CTX_KWARG!r}]; "
                            "run the model through polynya's ModelRunner")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("the native sampler does not implement attention sinks")
+    window = (ctx.features.check_call(module.layer_idx, kwargs) if ctx.features is not None
+              else kwargs.get("sliding_window"))
+    softcap = kwargs.get("softcap")
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
@@ -90,42 +106,54 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     k_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
     if ctx.is_prefill:
-        out = _prefill(q, k, v, k_cache, v_cache, ctx, scaling)
+        out = _prefill(q, k, v, k_cache, v_cache, ctx, scaling, window, softcap)
     else:
-        out = _decode(q, k_cache, v_cache, ctx, scaling)
+        out = _decode(q, k_cache, v_cache, ctx, scaling, window, softcap)
     return out.unsqueeze(0), None
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, ctx: StepContext, scale: float | None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its full context; ``[T, Hq, D]``."""
+             v_cache: torch.Tensor, ctx: StepContext, scale: float | None,
+             window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal (windowed) attention of each sequence's new tokens over its full context;
+    ``[T, Hq, D]``."""
     out = torch.empty_like(q)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
     for (start, end), cached, table in zip(ctx.q_ranges, ctx.cached_lens, ctx.prefill_tables):
         qi = q[start:end].transpose(0, 1)[None]  # [1, Hq, L, D]
+        total = cached + end - start
         if cached == 0:  # nothing cached: the new keys are the whole context
             ki, vi = k[start:end], v[start:end]
-            mask, causal = None, True
         else:
-            total = cached + end - start
             ki = k_cache[table].flatten(0, 1)[:total]
             vi = v_cache[table].flatten(0, 1)[:total]
-            rows = torch.arange(cached, total, device=q.device)[:, None]
-            mask, causal = torch.arange(total, device=q.device)[None, :] <= rows, False
-        oi = F.scaled_dot_product_attention(qi, ki.transpose(0, 1)[None].to(q.dtype),
-                                            vi.transpose(0, 1)[None].to(q.dtype), attn_mask=mask,
-                                            is_causal=causal, scale=scale, enable_gqa=True)
+        ki, vi = (x.transpose(0, 1)[None].to(q.dtype) for x in (ki, vi))
+        w = window if window is not None and total > window else None  # else a no-op
+        if softcap is not None:
+            oi = eager_attention(qi, ki, vi, causal_mask(end - start, total, q.device, w),
+                                 scale, softcap)
+        elif cached == 0 and w is None:
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                enable_gqa=True)
+        else:
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=causal_mask(end - start, total, q.device, w),
+                scale=scale, enable_gqa=True)
         out[start:end] = oi[0].transpose(0, 1)
     return out
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
-            scale: float | None) -> torch.Tensor:
-    """One query per sequence over its pages; ``[B, Hq, D]``."""
+            scale: float | None, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
+    """One query per sequence over its pages (its last ``window`` positions in a windowed
+    layer, which takes the paged path); ``[B, Hq, D]``."""
     # block tables come from the block manager (valid by construction): skip the host-syncing
     # value checks so neither path stalls the GPU once per layer
     q = q.contiguous()
-    if ctx.plan is not None:
-        return fca_decode(q, k_cache, v_cache, ctx.plan, scale=scale, validate=False)
+    if ctx.plan is not None and window is None:
+        return fca_decode(q, k_cache, v_cache, ctx.plan, scale=scale, validate=False,
+                          softcap=softcap)
     return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, scale=scale,
-                        validate=False)
+                        validate=False, softcap=softcap, window=window)
 

@@ -14,6 +14,7 @@ import torch
 from polynya.config.common import resolve_dtype
 from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
+from polynya.model_features import attention_features
 from polynya.models import load_model
 from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, split_weight_pieces
 
@@ -33,20 +34,21 @@ class ModelRunner:
         self.model = load_model(config.model, dtype=self.dtype, device=self.device, seed=config.seed,
                                 attn_implementation=attention.NAME)
         hf = self.model.config
-        if any(t != "full_attention" for t in (getattr(hf, "layer_types", None) or ())):
-            raise ValueError(f"{config.model}: sliding-window / hybrid attention layers are not "
-                             "supported by the native sampler")
+        self.features = attention_features(self.model)
+        self.features.require("the native sampler", config.model, supported=attention.SUPPORTS,
+                              alternative="use SamplerConfig(backend='vllm') for this model")
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.vocab_size = hf.vocab_size
-        self.window = getattr(hf, "max_position_embeddings", None)
+        self.max_positions = getattr(hf, "max_position_embeddings", None)
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
         limits = [self.num_blocks * self.block_size]
-        limits += [x for x in (self.window, config.max_model_len) if x]
+        limits += [x for x in (self.max_positions, config.max_model_len) if x]
         self.max_model_len = min(limits)
-        self.use_fca = config.fca
+        # FCA serves full-attention layers only (windowed ones decode paged): no plan without one
+        self.use_fca = config.fca and None in self.features.layer_windows
         self.weights_offloaded = False
         self._copy_plans: dict = {}  # FlatBuckets layout -> BucketCopyPlan (dropped when weights move)
         self.kv: torch.Tensor | None = None
@@ -124,7 +126,7 @@ class ModelRunner:
             last.append(start - 1)
         ctx = attention.StepContext(self._caches(), self._to_device(np.concatenate(slots), torch.int64),
                                     is_prefill=True, q_ranges=ranges, cached_lens=cached,
-                                    prefill_tables=tables)
+                                    prefill_tables=tables, features=self.features)
         return (np.asarray(ids, dtype=np.int64), np.concatenate(pos), ctx,
                 self._to_device(np.asarray(last, dtype=np.int64), torch.int64))
 
@@ -157,7 +159,7 @@ class ModelRunner:
         if fca:  # once per step; every layer reuses it
             plan = plan_forest(tables, lens, self.block_size, validate=False)
         ctx = attention.StepContext(self._caches(), slots, is_prefill=False, block_tables=tables,
-                                    seq_lens=lens, plan=plan)
+                                    seq_lens=lens, plan=plan, features=self.features)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **{attention.CTX_KWARG: ctx})
         return out.logits[0]
 
