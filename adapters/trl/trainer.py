@@ -33,7 +33,11 @@ from typing import Any
 import torch
 import trl
 from transformers import TrainerCallback
-from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+from trl.trainer.utils import (
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
 
 from ...config.sampler import SamplerConfig
 from ...distributed import checksum_named_tensors
@@ -41,14 +45,21 @@ from ...engines.sample import SamplingEngine
 from ...logprobs import compute_logprobs
 from ...sync import SyncError, engine_checksum
 from ...types import SamplingParams
-from .translate import (check_groups, group_chunks, group_permutation, permute_rows,
-                        rollout_batch, to_trl_layout, unique_prompts)
+from .translate import (
+    check_groups,
+    group_chunks,
+    group_permutation,
+    permute_rows,
+    rollout_batch,
+    to_trl_layout,
+    unique_prompts,
+)
 
 
 class _PushWeights(TrainerCallback):
     """After every optimizer step, the sampler gets the trainer's weights (checked)."""
 
-    def __init__(self, trainer: "GRPOTrainer"):
+    def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
