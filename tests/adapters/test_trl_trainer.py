@@ -154,3 +154,22 @@ def test_refuses_settings_it_cannot_honour(model_dir, tmp_path, change, match):
     with pytest.raises(ValueError, match=match):
         GRPOTrainer(model_dir, reward_funcs=reward_digits, args=_args(tmp_path, **change),
                     train_dataset=_dataset(), processing_class=tiny_tokenizer())
+
+
+def test_default_sampler_and_naive_logprobs(run, model_dir, tmp_path):
+    """sampler_config=None: the policy's checkpoint, dtype and device; zorro=False still equals TRL."""
+    trainer = GRPOTrainer(model_dir, reward_funcs=reward_digits, args=_args(tmp_path), zorro=False,
+                          train_dataset=_dataset(), processing_class=tiny_tokenizer())
+    cfg = trainer.sampler.config
+    assert (cfg.model, cfg.dtype, cfg.device) == (model_dir, "float32", "cpu")
+    policy = dict(trainer.model.named_parameters())
+    assert engine_checksum(trainer.sampler) == checksum_named_tensors(policy.items())
+    ids, mask, keep = run["calls"][0][:3]
+    lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep,
+                                                            batch_size=2, compute_entropy=True)
+    with torch.no_grad():
+        ref_lp, ref_ent, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, keep, compute_entropy=True)
+    m = mask[:, -keep:].bool()
+    torch.testing.assert_close(lp.detach()[m], ref_lp[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.detach()[m], ref_ent[m], atol=1e-5, rtol=1e-5)
