@@ -35,32 +35,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool, eps
     return adv.flatten()
 
 
-def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
-    """A task prompt as token ids: wrapped in the tokenizer's chat template when asked (and the
-    tokenizer has one), else plain text without special tokens."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def load_prompts(task_cfg, task, tokenizer) -> tuple[list[Example], list[list[int]]]:
-    """The task's ``train_split`` examples whose encoded prompt fits ``max_prompt_tokens``,
-    with those token ids (``ValueError`` when none fits). Every framework uses this."""
-    examples = task.load(task_cfg.train_split, task_cfg.source)
-    kept, ids = [], []
-    for ex in examples:
-        toks = encode_prompt(tokenizer, ex.prompt, task_cfg.chat_template)
-        if 0 < len(toks) <= task_cfg.max_prompt_tokens:
-            kept.append(ex)
-            ids.append(toks)
-    if not kept:
-        raise ValueError(f"no {task_cfg.name} prompt fits task.max_prompt_tokens="
-                         f"{task_cfg.max_prompt_tokens}")
-    return kept, ids
-
-
 class GRPODriver:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -76,8 +50,25 @@ class GRPODriver:
             self.client_config = self.client_config.replace(reference_model=True)
 
     # ------------------------------------------------------------------ data
+    def _encode(self, text: str) -> list[int]:
+        if self.cfg.task.chat_template and getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def _load_prompts(self) -> tuple[list[Example], list[list[int]]]:
-        return load_prompts(self.cfg.task, self.task, self.tokenizer)
+        examples = self.task.load(self.cfg.task.train_split, self.cfg.task.source)
+        kept, ids = [], []
+        for ex in examples:
+            toks = self._encode(ex.prompt)
+            if 0 < len(toks) <= self.cfg.task.max_prompt_tokens:
+                kept.append(ex)
+                ids.append(toks)
+        if not kept:
+            raise ValueError(f"no {self.cfg.task.name} prompt fits task.max_prompt_tokens="
+                             f"{self.cfg.task.max_prompt_tokens}")
+        return kept, ids
 
     def _pick(self, step: int) -> list[int]:
         rng = random.Random(self.run_cfg.seed * 1_000_003 + step)

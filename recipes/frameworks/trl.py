@@ -3,8 +3,8 @@
 
     polynya-recipe framework=trl task=toy          # CPU, tiny model, a few minutes
 
-Translation (nothing else): the task's prompts (filtered by ``task.max_prompt_tokens`` exactly as
-the built-in driver does) become a TRL dataset, the task's ``reward`` a TRL reward function;
+Translation (nothing else): the task's prompts (loaded and filtered by the built-in driver's own
+code, ``GRPODriver(cfg).examples``; no engine is built) become a TRL dataset, the task's ``reward`` a TRL reward function;
 ``run`` and ``client.train`` map onto ``GRPOConfig`` (one optimizer step per
 ``prompts_per_step x group_size`` batch, as the built-in driver); ``client.sampling`` is the
 sampler's ``SamplerConfig`` and ``client.zorro_train`` turns ZoRRo on or off. A ``tiny:`` /
@@ -21,10 +21,8 @@ from omegaconf import DictConfig
 
 from ...losses import resolve_loss
 from ...models import is_synthetic, load_model, load_tokenizer
-from ..driver import load_prompts
+from ..driver import GRPODriver
 from ..metrics import MetricsLogger
-from ..schema import to_client_config
-from ..tasks import get_task
 
 # polynya loss -> (TRL loss_type, importance_sampling_level)
 _LOSSES = {"grpo": ("grpo", "token"), "dapo": ("dapo", "token"), "dr_grpo": ("dr_grpo", "token"),
@@ -44,14 +42,11 @@ def run(cfg: DictConfig) -> None:
     except ImportError as exc:
         raise ImportError(f"framework=trl needs TRL: pip install 'polynya[trl]' ({exc})") from exc
 
-    client = to_client_config(cfg.client)
-    rc, out_dir = cfg.run, cfg.run.out_dir
+    data = GRPODriver(cfg)  # the built-in driver's task, filtered prompts, reward options, config
+    client, task, examples, tokenizer = data.client_config, data.task, data.examples, data.tokenizer
+    rc, out_dir, reward_kwargs = cfg.run, cfg.run.out_dir, data.reward_kwargs
     os.makedirs(out_dir, exist_ok=True)
-    task = get_task(cfg.task.name)
     model_path = _model_path(client, out_dir)
-    tokenizer = load_tokenizer(client.model_name)
-    examples, _ = load_prompts(cfg.task, task, tokenizer)
-    reward_kwargs = dict(cfg.task.reward)
 
     def task_reward(completions, example_index, **kwargs):
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
