@@ -24,6 +24,7 @@ from ..distributed import combine_signatures, tensor_signature
 from ..sync import SyncError, SyncGroup
 from ..sync.manifest import dtype_from_name
 from ..types import SamplingParams
+from .openai_compat import add_openai_routes
 
 _PARAM_KEYS = (
     "n",
@@ -133,7 +134,6 @@ def _device(engine) -> torch.device:
 def add_ecosystem_routes(app, client, tokenizer) -> None:
     from fastapi import Request
 
-    from .openai_compat import add_openai_routes
     from .server import read_json
 
     samplers = list(getattr(client, "samplers", []))
