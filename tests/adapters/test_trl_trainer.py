@@ -15,7 +15,7 @@ from polynya.adapters.trl import GRPOTrainer
 from polynya.config import SamplerConfig
 from polynya.distributed import checksum_named_tensors
 from polynya.models import load_model, tiny_tokenizer
-from polynya.sync import engine_checksum
+from polynya.sync import SyncError, engine_checksum
 from transformers import TrainerCallback
 
 G = 4
@@ -173,3 +173,48 @@ def test_default_sampler_and_naive_logprobs(run, model_dir, tmp_path):
     m = mask[:, -keep:].bool()
     torch.testing.assert_close(lp.detach()[m], ref_lp[m], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent.detach()[m], ref_ent[m], atol=1e-5, rtol=1e-5)
+
+
+def test_reference_and_old_logprobs_go_through_the_adapter(model_dir, tmp_path):
+    """beta > 0 (TRL's reference model) and num_iterations=2 (old-policy log-probs, a generation
+    batch reused across optimizer steps): every no-grad log-prob call equals TRL's own."""
+    trainer = GRPOTrainer(model_dir, reward_funcs=reward_digits,
+                          args=_args(tmp_path, beta=0.04, num_iterations=2, max_steps=2),
+                          train_dataset=_dataset(), processing_class=tiny_tokenizer(),
+                          sampler_config=SamplerConfig(model_dir, dtype="float32", kv_cache_memory_gb=0.05))
+    inner, seen = trainer._get_per_token_logps_and_entropies, []
+
+    def spy(model, input_ids, attention_mask, logits_to_keep, **kw):
+        out = inner(model, input_ids, attention_mask, logits_to_keep, **kw)
+        if not kw.get("compute_entropy"):
+            with torch.no_grad():
+                ref = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                    trainer, model, input_ids, attention_mask, logits_to_keep)
+            m = attention_mask[:, -logits_to_keep:].bool()
+            torch.testing.assert_close(out[0][m], ref[0][m], atol=1e-5, rtol=1e-5)
+            seen.append(model is trainer.ref_model)
+        return out
+
+    trainer._get_per_token_logps_and_entropies = spy
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert seen.count(True) == 1 and seen.count(False) == 1  # one generation: ref + old log-probs
+    assert all("kl" in h for h in trainer.state.log_history if "reward" in h)
+
+
+def test_a_corrupted_push_is_refused(model_dir, tmp_path):
+    trainer = GRPOTrainer(model_dir, reward_funcs=reward_digits, args=_args(tmp_path),
+                          train_dataset=_dataset(), processing_class=tiny_tokenizer(),
+                          sampler_config=SamplerConfig(model_dir, dtype="float32", kv_cache_memory_gb=0.05))
+    load = trainer.sampler.load_weights
+
+    def faulty(weights, version=None):  # a transport that flips one value
+        weights = [(n, t.clone() if i == 0 else t) for i, (n, t) in enumerate(weights)]
+        weights[0][1].view(-1)[0] += 1.0
+        return load(weights, version=version)
+
+    trainer.sampler.load_weights = faulty
+    trainer.state.global_step = 1  # as after an optimizer step
+    with pytest.raises(SyncError, match="hash"):
+        trainer.push_weights()
+    assert trainer._pushed_step == 0  # not marked as pushed: the next generation pushes again
