@@ -73,8 +73,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         *args, **kwargs: exactly ``trl.GRPOTrainer``'s.
         sampler_config: the native sampler (``SamplerConfig``); default: the policy's own
             checkpoint (``model`` if a path/id, else ``model.config._name_or_path``) in the
-            policy's dtype on the accelerator's device. Its weights are replaced by the policy's
-            before the first generation either way.
+            policy's dtype on the accelerator's device, sampling seed ``args.seed`` + the
+            process index. Its weights are replaced by the policy's at construction either way.
         zorro: log-probs with ZoRRo (shared prompts computed once); False: one row per sample.
     """
 
@@ -121,7 +121,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 raise ValueError("cannot tell which checkpoint the sampler should load: pass "
                                  "sampler_config=SamplerConfig(<path or id>, ...)")
             dtype = str(policy.dtype).removeprefix("torch.")
-            return SamplerConfig(spec, dtype=dtype, device=device)
+            seed = self.args.seed + self.accelerator.process_index  # distinct samples per rank
+            return SamplerConfig(spec, dtype=dtype, device=device, seed=seed)
         return config if config.device is not None else dataclasses.replace(config, device=device)
 
     # ------------------------------------------------------------------ weights
