@@ -26,6 +26,7 @@ language models, MoE router aux loss, ``cast_lm_head_to_fp32``, ``repetition_pen
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -88,7 +89,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.zorro = zorro
         self._check_trainer()
-        self.sampler = SamplingEngine(self._sampler_config(sampler_config, args, kwargs))
+        with _plain_model_loading(self.args):
+            self.sampler = SamplingEngine(self._sampler_config(sampler_config, args, kwargs))
         self._pushed_step: int | None = None
         self.push_weights()
         self.add_callback(_PushWeights(self))
@@ -202,6 +204,27 @@ class GRPOTrainer(trl.GRPOTrainer):
             parts = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(p) for p in parts]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+@contextlib.contextmanager
+def _plain_model_loading(args):
+    """Under DeepSpeed ZeRO-3, transformers partitions every model it builds (``zero.Init``) while
+    the run's DeepSpeed config is registered; the sampler needs whole weights, so the config is
+    unregistered (transformers' own setters) while the sampler loads, then registered again."""
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    if hf_config is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import (
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(hf_config)
 
 
 def _check_args(args, kwargs: dict) -> None:
