@@ -184,8 +184,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         logps, ents = [], []
         for rows in group_chunks(batch, batch_size or len(batch)):
             part = batch.select(rows) if len(rows) != len(batch) else batch
-            stats = compute_logprobs(policy, part, zorro=self.zorro, entropy=compute_entropy,
-                                     temperature=self.temperature)
+            with self.accelerator.autocast():  # TRL's precision: bf16 autocast when args.bf16
+                stats = compute_logprobs(policy, part, zorro=self.zorro, entropy=compute_entropy,
+                                         temperature=self.temperature)
             logps.append(to_trl_layout(stats.logprobs, logits_to_keep))
             if compute_entropy:
                 ents.append(to_trl_layout(stats.entropy, logits_to_keep))

@@ -218,3 +218,20 @@ def test_a_corrupted_push_is_refused(model_dir, tmp_path):
     with pytest.raises(SyncError, match="hash"):
         trainer.push_weights()
     assert trainer._pushed_step == 0  # not marked as pushed: the next generation pushes again
+
+
+def test_bf16_autocast_error_within_twice_trl_own(run):
+    """Under bf16 autocast (what TRL's ``accelerator.autocast()`` applies with ``args.bf16``),
+    polynya's log-probs are as close to the fp32 values as TRL's own bf16 ones (<= 2x its error)."""
+    trainer = run["trainer"]
+    ids, mask, keep = run["calls"][1][:3]
+    m = mask[:, -keep:].bool()
+    base = trl.GRPOTrainer._get_per_token_logps_and_entropies
+    with torch.no_grad():
+        fp32 = base(trainer, trainer.model, ids, mask, keep)[0][m]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, keep)[0][m]
+            trl_bf16 = base(trainer, trainer.model, ids, mask, keep)[0][m]
+    trl_err, our_err = (trl_bf16 - fp32).abs().max(), (ours - fp32).abs().max()
+    assert trl_err > 0  # TRL really computed in bf16 here
+    assert our_err <= 2 * trl_err, (our_err, trl_err)
