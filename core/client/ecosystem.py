@@ -1,8 +1,8 @@
 """vLLM-compatible routes on the polynya server, so TRL's server mode and SkyRL's remote engine
 client can drive the native sampler unchanged (payloads as those clients send them):
 
-- ``POST /v1/completions`` — OpenAI completions with ``prompt`` as token ids (one list or a list
-  of lists); choices carry ``text``, ``token_ids``, ``logprobs`` and ``finish_reason``;
+- ``/v1/models``, ``/server_info``, ``POST /v1/completions``, ``POST /v1/chat/completions``:
+  ``openai_compat.py`` (vLLM's OpenAI-compatible answers, as TRL's ``VLLMClient`` reads them);
 - ``POST /inference/v1/generate`` — ``{"token_ids": [...], "sampling_params": {...}}``;
 - weight transfer (vLLM's RLHF router): ``/init_weight_transfer_engine``
   ``{"init_info": {"master_address", "master_port", "rank_offset", "world_size"}}`` joins a
@@ -24,6 +24,7 @@ from ..distributed import combine_signatures, tensor_signature
 from ..sync import SyncError, SyncGroup
 from ..sync.manifest import dtype_from_name
 from ..types import SamplingParams
+from .openai_compat import add_openai_routes
 
 _PARAM_KEYS = (
     "n",
@@ -144,44 +145,7 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
         await resumed.wait()
         return await client.generate_async(prompts, params)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> dict:
-        body = await read_json(request)
-        prompts = _prompt_lists(body.get("prompt"))
-        want_lp = body.get("logprobs") is not None
-        out = await gen(prompts, _params(body, want_lp))
-        choices = []
-        for group in out:
-            for s in group:
-                text = tokenizer.decode(s.token_ids) if tokenizer is not None else ""
-                lp = (
-                    {"token_logprobs": s.logprobs, "tokens": [f"token_id:{t}" for t in s.token_ids]}
-                    if want_lp
-                    else None
-                )
-                choices.append(
-                    {
-                        "index": len(choices),
-                        "text": text,
-                        "token_ids": s.token_ids,
-                        "logprobs": lp,
-                        "finish_reason": s.finish_reason,
-                    }
-                )
-        n_prompt = sum(len(p) for p in prompts)
-        n_out = sum(len(c["token_ids"]) for c in choices)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model"),
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": n_out,
-                "total_tokens": n_prompt + n_out,
-            },
-        }
+    add_openai_routes(app, client, tokenizer, gen)  # /v1/models, /server_info, /v1/(chat/)completions
 
     @app.post("/inference/v1/generate")
     async def generate(request: Request) -> dict:

@@ -93,7 +93,9 @@ def _batch_tensors(**override):
         ("/rl/compute_logprobs", dict(content=_batch_tensors(response_lens=None)), 400, "missing"),
         ("/rl/sleep", dict(json={"engine": "gpu"}), 400, "engine"),
         ("/rl/save", dict(json={"path": 3}), 400, "path"),
-        ("/v1/completions", dict(json={"prompt": "text please"}), 400, "token ids"),
+        ("/v1/completions", dict(json={"prompt": [[5, 6], []]}), 400, "token ids"),
+        ("/v1/completions", dict(json={"prompt": [5], "repetition_penalty": 1.2}), 400, "repetition_penalty"),
+        ("/v1/completions", dict(json={"prompt": [5], "best_of": 2}), 400, "best_of"),
         ("/init_weight_transfer_engine", dict(json={}), 400, "init_info"),
         ("/update_weights", dict(json={"update_info": {"names": []}}), 409, "start_weight_update"),
     ],
@@ -140,7 +142,7 @@ def test_ecosystem_generation_routes(raw):
             "max_tokens": 4,
             "temperature": 0,
             "n": 2,
-            "logprobs": 1,
+            "logprobs": 0,
         },
     ).json()
     assert len(r["choices"]) == 4 and all(len(c["token_ids"]) == 4 for c in r["choices"])

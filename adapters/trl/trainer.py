@@ -1,0 +1,250 @@
+"""``polynya.adapters.trl.GRPOTrainer``: TRL's ``GRPOTrainer`` on polynya's engines.
+
+    from polynya.adapters.trl import GRPOTrainer          # instead of: from trl import GRPOTrainer
+    from polynya.config import SamplerConfig
+    trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=ds,
+                          sampler_config=SamplerConfig(model_path, dtype="bfloat16"), zorro=True)
+    trainer.train()
+
+Everything TRL does stays TRL's (datasets, rewards, advantages, loss types, logging, callbacks,
+accelerate/DeepSpeed set-up). Three of its hooks are translated to polynya:
+
+- ``_generate_single_turn``: TRL's prompts (each repeated ``num_generations`` times in a row) go
+  to polynya's native sampler in-process as one request per prompt with ``n`` = its repeats
+  (prefilled once, ``n`` forks share its KV blocks); completions and their log-probs come back
+  in TRL's row order. Before generating, the sampler gets the trainer's current weights if an
+  optimizer step happened since the last push, verified by checksum.
+- ``_get_per_token_logps_and_entropies``: the padded batch becomes a ``RolloutBatch`` and goes
+  through ``polynya.compute_logprobs`` (ZoRRo: each prompt computed once per micro-batch).
+- ``_prepare_inputs``: TRL shuffles the generation batch row by row and splits it into
+  ``steps_per_generation`` micro-batches; here whole groups are shuffled, so every micro-batch
+  holds whole prompt groups (what lets ZoRRo share the prompt).
+
+Not supported (refused at construction with the reason): vLLM (``use_vllm``), PEFT, vision-
+language models, MoE router aux loss, ``cast_lm_head_to_fp32``, ``repetition_penalty != 1``,
+``generation_kwargs``, multi-process DDP/FSDP (DeepSpeed is the data-parallel path).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import trl
+from transformers import TrainerCallback
+from trl.trainer.utils import (
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
+
+from ...config.sampler import SamplerConfig
+from ...distributed import checksum_named_tensors
+from ...engines.sample import SamplingEngine
+from ...logprobs import compute_logprobs
+from ...sync import SyncError, engine_checksum
+from ...types import SamplingParams
+from .translate import (
+    check_groups,
+    group_chunks,
+    group_permutation,
+    permute_rows,
+    rollout_batch,
+    to_trl_layout,
+    unique_prompts,
+)
+
+
+class _PushWeights(TrainerCallback):
+    """After every optimizer step, the sampler gets the trainer's weights (checked)."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.push_weights()
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` with generation, log-probs and batching on polynya (module docstring).
+
+    Args:
+        *args, **kwargs: exactly ``trl.GRPOTrainer``'s.
+        sampler_config: the native sampler (``SamplerConfig``); default: the policy's own
+            checkpoint (``model`` if a path/id, else ``model.config._name_or_path``) in the
+            policy's dtype on the accelerator's device, sampling seed ``args.seed`` + the
+            process index. Its weights are replaced by the policy's at construction either way.
+        zorro: log-probs with ZoRRo (shared prompts computed once); False: one row per sample.
+    """
+
+    def __init__(self, *args, sampler_config: SamplerConfig | None = None, zorro: bool = True,
+                 **kwargs):
+        if not isinstance(zorro, bool):
+            raise ValueError(f"zorro must be a bool, got {zorro!r}")
+        if sampler_config is not None and not isinstance(sampler_config, SamplerConfig):
+            raise ValueError(f"sampler_config must be a polynya SamplerConfig, got {type(sampler_config).__name__}")
+        _check_args(kwargs.get("args", args[2] if len(args) > 2 else None), kwargs)
+        super().__init__(*args, **kwargs)
+        self.zorro = zorro
+        self._check_trainer()
+        with _plain_model_loading(self.args):
+            self.sampler = SamplingEngine(self._sampler_config(sampler_config, args, kwargs))
+        self._pushed_step: int | None = None
+        self.push_weights()
+        self.add_callback(_PushWeights(self))
+
+    # ------------------------------------------------------------------ set-up checks
+    def _check_trainer(self) -> None:
+        if self._is_vlm:
+            raise ValueError("polynya's TRL adapter supports text-only models; vision-language "
+                             "models need trl.GRPOTrainer")
+        if self.aux_loss_enabled:
+            raise ValueError("the MoE router aux loss (router_aux_loss_coef != 0) is not computed by "
+                             "polynya.compute_logprobs; set router_aux_loss_coef=0")
+        if self.accelerator.num_processes > 1 and not self.is_deepspeed_enabled:
+            raise ValueError("with several processes polynya's TRL adapter needs DeepSpeed "
+                             "(accelerate launch --config_file <deepspeed zero config>): log-probs "
+                             "run on the unwrapped model, which DDP/FSDP would not synchronise")
+        g = self.num_generations
+        if self.args.per_device_train_batch_size % g:
+            raise ValueError(f"per_device_train_batch_size={self.args.per_device_train_batch_size} must "
+                             f"be a multiple of num_generations={g} so every micro-batch holds whole "
+                             "prompt groups")
+
+    def _sampler_config(self, config: SamplerConfig | None, args, kwargs) -> SamplerConfig:
+        policy = self.accelerator.unwrap_model(self.model)
+        device = str(self.accelerator.device)
+        if config is None:
+            model = kwargs.get("model", args[0] if args else None)
+            spec = model if isinstance(model, str) else policy.config._name_or_path
+            if not spec:
+                raise ValueError("cannot tell which checkpoint the sampler should load: pass "
+                                 "sampler_config=SamplerConfig(<path or id>, ...)")
+            dtype = str(policy.dtype).removeprefix("torch.")
+            seed = self.args.seed + self.accelerator.process_index  # distinct samples per rank
+            return SamplerConfig(spec, dtype=dtype, device=device, seed=seed)
+        return config if config.device is not None else dataclasses.replace(config, device=device)
+
+    # ------------------------------------------------------------------ weights
+    def _policy_weights(self):
+        """``(name, tensor)`` of the unwrapped policy, gathered one at a time under ZeRO-3."""
+        policy = self.accelerator.unwrap_model(self.model)
+        for name, param in policy.named_parameters():
+            with self._dist.gather_params([param]):
+                yield name, param.data
+
+    def push_weights(self) -> None:
+        """Copy the policy's weights into the sampler (cast to its dtype), then check that the
+        sampler's checksum equals the policy's; ``SyncError`` if not. No-op when the optimizer
+        has not stepped since the last push."""
+        if self._pushed_step == self.state.global_step:
+            return
+        start = time.perf_counter()
+        dtype, zero3 = getattr(torch, self.sampler.config.dtype), self._dist.is_zero3
+        # under ZeRO-3 a gathered tensor is released when the next one is gathered: keep a copy
+        want = [(n, t.to(dtype, copy=zero3)) for n, t in self._policy_weights()]
+        self.sampler.load_weights(want)
+        expected, got = checksum_named_tensors(want), engine_checksum(self.sampler)
+        if got != expected:
+            raise SyncError(f"sampler weights after the push hash to {got}, the policy's to {expected}")
+        self._pushed_step = self.state.global_step
+        self._metrics["train"]["polynya/sync_s"].append(time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, n: int) -> SamplingParams:
+        temperature = self.temperature
+        return SamplingParams(
+            n=n, temperature=temperature, top_p=self.top_p,
+            top_k=-1 if not self.top_k else int(self.top_k),  # TRL's 0 = off
+            min_p=self.min_p or 0.0, max_tokens=self.max_completion_length,
+            stop_token_ids=list(self.eos_token_ids), logprobs=True)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        if images is not None or multimodal_fields or has_tool_images:
+            raise ValueError("polynya's TRL adapter generates from text prompts only")
+        self.push_weights()
+        prompts, counts = unique_prompts(prompt_ids)
+        params = [self._sampling_params(n) for n in counts]
+        groups = self.sampler.generate(prompts, params)
+        samples = [s for g in groups for s in g]
+        return [list(s.token_ids) for s in samples], [list(s.logprobs) for s in samples]
+
+    # ------------------------------------------------------------------ log-probs
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **multimodal):
+        given = [k for k, v in multimodal.items() if v is not None]
+        if given or compute_aux_loss:
+            raise ValueError(f"polynya's TRL adapter computes text-only log-probs; got {given or 'aux loss'}")
+        batch = rollout_batch(input_ids, attention_mask, logits_to_keep)
+        policy = self.accelerator.unwrap_model(model)
+        logps, ents = [], []
+        for rows in group_chunks(batch, batch_size or len(batch)):
+            part = batch.select(rows) if len(rows) != len(batch) else batch
+            with self.accelerator.autocast():  # TRL's precision: bf16 autocast when args.bf16
+                stats = compute_logprobs(policy, part, zorro=self.zorro, entropy=compute_entropy,
+                                         temperature=self.temperature)
+            logps.append(to_trl_layout(stats.logprobs, logits_to_keep))
+            if compute_entropy:
+                ents.append(to_trl_layout(stats.entropy, logits_to_keep))
+        return torch.cat(logps), (torch.cat(ents) if compute_entropy else None), None
+
+    # ------------------------------------------------------------------ batching
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
+            check_groups(batch["prompt_ids"], batch["prompt_mask"], self.num_generations)
+            perm = group_permutation(batch["prompt_ids"].shape[0], self.num_generations)
+            batch = permute_rows(batch, perm)
+            parts = split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(p) for p in parts]
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+@contextlib.contextmanager
+def _plain_model_loading(args):
+    """Under DeepSpeed ZeRO-3, transformers partitions every model it builds (``zero.Init``) while
+    the run's DeepSpeed config is registered; the sampler needs whole weights, so the config is
+    unregistered (transformers' own setters) while the sampler loads, then registered again."""
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    if hf_config is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import (
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(hf_config)
+
+
+def _check_args(args, kwargs: dict) -> None:
+    """Refuse TRL settings whose meaning the adapter cannot keep (before TRL builds anything)."""
+    if kwargs.get("peft_config") is not None:
+        raise ValueError("PEFT is not supported by polynya's TRL adapter yet (the sampler would need "
+                         "merged adapter weights); use trl.GRPOTrainer")
+    if args is None:
+        return
+    problems = []
+    if args.use_vllm:
+        problems.append("use_vllm=True (the adapter generates on polynya's sampler; set use_vllm=False)")
+    if getattr(args, "use_transformers_continuous_batching", False):
+        problems.append("use_transformers_continuous_batching=True")
+    if args.repetition_penalty != 1.0:
+        problems.append(f"repetition_penalty={args.repetition_penalty} (the native sampler has none)")
+    if args.generation_kwargs:
+        problems.append(f"generation_kwargs={args.generation_kwargs} (not translated)")
+    if args.cast_lm_head_to_fp32:
+        problems.append("cast_lm_head_to_fp32=True")
+    if problems:
+        raise ValueError("polynya's TRL adapter cannot honour: " + "; ".join(problems))

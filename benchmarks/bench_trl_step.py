@@ -1,0 +1,190 @@
+"""A whole TRL GRPO step: ``polynya.adapters.trl.GRPOTrainer`` vs TRL's own ``GRPOTrainer``
+(``use_vllm=False``: HF ``generate``), same model, data, reward and settings, one GPU.
+
+    python benchmarks/bench_trl_step.py                      # H200: both shapes, ~10 min
+    python benchmarks/bench_trl_step.py --model tiny:qwen3 --prompt-tokens 32 \\
+        --long-prompt-tokens 96 --max-new-tokens 8 --steps 2   # CPU smoke run of the script
+
+Shapes (8 prompts x ``--group-size`` 8, ``--max-new-tokens`` 128 new tokens, random Qwen3-0.6B
+shape in bf16 with the locally trained tokenizer): ``gsm8k`` (~``--prompt-tokens`` 256 distinct
+tokens per prompt) and ``longqa`` (a ~``--long-prompt-tokens`` 3000-token context shared by all 8
+prompts, then a short distinct question). TRL's settings for both arms: one optimizer step per
+generation batch of 64 completions, ``per_device_train_batch_size=8`` (one group per
+micro-batch) x ``gradient_accumulation_steps=8``, gradient checkpointing, ``beta=0``, a reward
+that counts digits. Each arm runs ``--steps`` optimizer steps; the JSON reports the median step
+after the first (CUDA events around each step, CUDA-synchronised), and the median time of the
+generation call inside it (``_generate_single_turn``, timed by wrapping it on the instance here).
+Random weights rarely emit EOS, so both arms generate the full ``--max-new-tokens`` per sample.
+
+Results: ``<--out>/bench_trl_step.json`` and ``.png`` (step ms per shape, TRL vs polynya).
+
+GPU machine (Python 3.12, torch 2.11, transformers 5.17, no package index): carry TRL and what it
+imports that the machine lacks. Built here with
+``python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+-d .whl-trl trl==1.16.0 accelerate==1.15.0 datasets==5.2.0 dill multiprocess xxhash fsspec psutil
+pandas python-dateutil pytz tzdata pyarrow`` (68 MB, of which pyarrow 55 MB and pandas 12 MB: over
+the 64 MiB a call carries, so first check ``python3 -c "import pyarrow, pandas"`` there and drop
+those present, or carry pyarrow in a first call and the rest in a second, installing both into an
+ignored folder of the work tree, which the device machine keeps between calls), plus the DeepSpeed-
+free ``hydra``/``omegaconf`` wheels of ``../shared/gpu/carry-wheels.sh`` (polynya.recipes is not
+used here, so they are optional). Then::
+
+    python3 -m pip install -q --no-index --no-deps --target .site .whl-trl/*.whl \\
+      && PYTHONPATH=$PWD/.site:$PWD python3 benchmarks/bench_trl_step.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import environment, markdown_table, paired_bars, save  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def _text_of_tokens(tok, n: int, seed: int) -> str:
+    """Text whose encoding is about ``n`` tokens (random non-special ids, decoded, re-encoded and
+    cut at ``n``: decoding random ids merges and splits differently)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(len(tok.all_special_ids) + 4, len(tok) - 1, (n,), generator=g).tolist()
+    return tok.decode(tok(tok.decode(ids))["input_ids"][:n])
+
+
+def prompts_for(shape: str, args, tok) -> list[str]:
+    if shape == "gsm8k":
+        return [_text_of_tokens(tok, args.prompt_tokens, seed=i) for i in range(args.prompts)]
+    context = _text_of_tokens(tok, args.long_prompt_tokens, seed=1000)
+    return [context + f"\nQuestion {i}: " + _text_of_tokens(tok, 24, seed=2000 + i) for i in range(args.prompts)]
+
+
+def reward_digits(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+class StepTimer:
+    """Times optimizer steps (trainer callback) and the generation call (instance wrapper)."""
+
+    def __init__(self, trainer, cuda: bool):
+        from transformers import TrainerCallback
+
+        self.cuda, self.steps, self.gens, self._t = cuda, [], [], 0.0
+        timer = self
+
+        class _CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                timer._sync()
+                timer._t = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                timer._sync()
+                timer.steps.append(1e3 * (time.perf_counter() - timer._t))
+
+        trainer.add_callback(_CB())
+        inner = trainer._generate_single_turn
+
+        def timed(*a, **k):
+            self._sync()
+            t = time.perf_counter()
+            out = inner(*a, **k)
+            self._sync()
+            self.gens.append(1e3 * (time.perf_counter() - t))
+            return out
+
+        trainer._generate_single_turn = timed  # benchmark instrumentation only
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict:
+    import trl
+    from datasets import Dataset
+
+    from polynya.adapters.trl import GRPOTrainer
+    from polynya.config import SamplerConfig
+
+    config = trl.GRPOConfig(
+        output_dir=os.path.join(args.out, "trl_runs", f"{arm}-{shape}"), max_steps=args.steps,
+        per_device_train_batch_size=args.group_size, gradient_accumulation_steps=args.prompts,
+        num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0,
+        learning_rate=1e-6, beta=0.0, gradient_checkpointing=cuda, bf16=cuda and args.dtype == "bfloat16",
+        use_cpu=not cuda, model_init_kwargs={"dtype": args.dtype}, logging_steps=1, report_to=[],
+        save_strategy="no", disable_tqdm=True, seed=0, cache_implementation=args.hf_cache)
+    data = Dataset.from_list([{"prompt": p} for p in prompts_for(shape, args, tok)])
+    common = dict(reward_funcs=reward_digits, args=config, train_dataset=data, processing_class=tok)
+    if arm == "trl":
+        trainer = trl.GRPOTrainer(model_dir, **common)
+    else:
+        sampler = SamplerConfig(model_dir, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
+                                max_num_seqs=max(64, args.prompts * args.group_size))
+        trainer = GRPOTrainer(model_dir, sampler_config=sampler, zorro=True, **common)
+    timer = StepTimer(trainer, cuda)
+    start = time.perf_counter()
+    trainer.train()
+    steady = lambda xs: xs[1:] or xs  # noqa: E731  (the first step pays compilation / graph capture)
+    prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in data["prompt"])
+    row = {"shape": shape, "arm": "polynya" if arm == "polynya" else "TRL (HF generate)",
+           "prompt_tokens": round(prompt_len), "step_ms": round(statistics.median(steady(timer.steps)), 1),
+           "generate_ms": round(statistics.median(steady(timer.gens)), 1),
+           "steps_ms": [round(x, 1) for x in timer.steps], "wall_s": round(time.perf_counter() - start, 1),
+           "completion_len": trainer.state.log_history[-2].get("completions/mean_length")}
+    if arm == "polynya":
+        row["sampler"] = {k: v for k, v in trainer.sampler.stats().items() if isinstance(v, (int, float))}
+    del trainer
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen3-0.6b")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--shapes", default="gsm8k,longqa")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--long-prompt-tokens", type=int, default=3000)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--hf-cache", default=None, help="TRL's cache_implementation for HF generate (e.g. static)")
+    ap.add_argument("--kv-cache-gb", type=float, default=16.0)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if not cuda:
+        args.kv_cache_gb = min(args.kv_cache_gb, 0.25)
+
+    from polynya.models import load_model, load_tokenizer
+
+    model_dir = tempfile.mkdtemp(prefix="bench_trl_model_")
+    load_model(args.model, dtype=args.dtype, seed=0).save_pretrained(model_dir)
+    tok = load_tokenizer(args.model)
+    tok.save_pretrained(model_dir)
+    rows = []
+    for shape in args.shapes.split(","):
+        pair = [run_arm(arm, shape, args, model_dir, tok, cuda) for arm in ("trl", "polynya")]
+        pair[1]["speedup"] = round(pair[0]["step_ms"] / pair[1]["step_ms"], 2)
+        pair[1]["generate_speedup"] = round(pair[0]["generate_ms"] / pair[1]["generate_ms"], 2)
+        rows += pair
+        print(pair, flush=True)
+    path = save(dict(environment(), **vars(args), rows=rows), args.out, "bench_trl_step")
+    shapes = args.shapes.split(",")
+    paired_bars(path.replace(".json", ".png"), shapes, [r["step_ms"] for r in rows[0::2]], "TRL (HF generate)",
+                [r["step_ms"] for r in rows[1::2]], "polynya adapter", "GRPO step ms")
+    for r in rows:
+        r.setdefault("speedup", "")
+    print(markdown_table(rows, [("shape", "shape"), ("arm", "arm"), ("prompt_tokens", "prompt tokens"),
+                                ("generate_ms", "generate ms"), ("step_ms", "step ms"), ("speedup", "step speed-up")]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""vLLM's OpenAI-compatible text routes on the polynya server, as vLLM answers them, so TRL's
+``trl.generation.vllm_client.VLLMClient`` (and any OpenAI-style client) can generate on the
+native sampler:
+
+- ``GET /v1/models`` — the served model (``data[0].id``, ``max_model_len``);
+- ``GET /server_info`` — ``{"vllm_config": {...}}`` with the fields TRL reads:
+  ``model_config.logprobs_mode`` (``processed_logprobs``: the sampler's log-probs are taken after
+  temperature and filters) and ``weight_transfer_config`` (``None``: TRL's weight sync speaks
+  vLLM's NCCL rendezvous, which this server does not, so TRL refuses ``init_communicator`` with a
+  clear message instead of hanging);
+- ``POST /v1/completions`` — ``prompt`` as text, a list of texts, token ids or a list of
+  token-id lists; ``n`` completions per prompt, prompt-major; ``top_k`` 0 or -1 = off (vLLM's and
+  TRL's convention); ``logprobs`` 0 = the sampled token's log-prob (as ``tokens`` /
+  ``token_logprobs`` / ``top_logprobs``); every choice carries ``prompt_token_ids`` and
+  ``token_ids`` (vLLM's ``return_token_ids``, always on); ``return_tokens_as_token_ids`` names
+  tokens ``"token_id:<id>"``; the ``model`` field is not checked (the answer names the served one);
+- ``POST /v1/chat/completions`` — ``messages`` rendered with the tokenizer's chat template
+  (``chat_template`` / ``chat_template_kwargs`` honoured), top-level ``prompt_token_ids``,
+  per-choice ``message``, ``token_ids`` and ``logprobs.content``.
+
+Refused with 400 (never silently ignored): ``repetition_penalty`` != 1, presence/frequency
+penalties, ``logprobs`` / ``top_logprobs`` > 0 (the native sampler keeps the sampled token's
+log-prob only), stop strings, ``echo``, streaming, structured outputs, tools, images, and any
+other field this module does not know. ``prompt_logprobs`` gets 501: scoring a given sequence's
+top-k needs a full-vocabulary forward on the sampler's weights, which no engine offers yet.
+"""
+
+import time
+import uuid
+from typing import Any
+
+from ..types import SamplingParams
+
+_SAMPLING = ("n", "temperature", "top_p", "min_p", "max_tokens", "seed", "stop_token_ids")
+_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "echo": False, "stream": False, "ignore_eos": False}
+_COMMON = {"model", "top_k", "logprobs", "return_token_ids", "return_tokens_as_token_ids", "user",
+           "skip_special_tokens", "stop", "prompt_logprobs", "structured_outputs", *_SAMPLING, *_NEUTRAL}
+_COMPLETION_KEYS = _COMMON | {"prompt"}
+_CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "chat_template", "chat_template_kwargs",
+                        "add_generation_prompt", "tools", "tool_choice"}
+
+
+def sampling_params(body: dict[str, Any], keys: set[str]) -> SamplingParams:
+    """vLLM request fields -> ``SamplingParams`` (``ValueError`` naming what is not supported)."""
+    unknown = sorted(set(body) - keys)
+    if unknown:
+        raise ValueError(f"unsupported request field(s) {unknown}; polynya's server takes {sorted(keys)}")
+    for k, neutral in _NEUTRAL.items():
+        if k in body and body[k] is not None and body[k] != neutral and k != "ignore_eos":
+            raise ValueError(f"{k}={body[k]!r} is not supported by polynya's sampler (only {neutral!r})")
+    for k in ("stop", "structured_outputs", "tools"):
+        if body.get(k):
+            raise ValueError(f"{k!r} is not supported by polynya's sampler")
+    if body.get("prompt_logprobs") is not None:
+        raise NotImplementedError("prompt_logprobs (TRL's get_sequence_logprobs) is not served: "
+                                  "top-k scoring of a given sequence needs a full-vocabulary "
+                                  "forward on the sampler's weights, which polynya does not offer yet")
+    kw = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    kw.setdefault("max_tokens", 16)  # the OpenAI / vLLM default
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1: off), got {top_k!r}")
+        kw["top_k"] = -1 if top_k == 0 else top_k
+    if body.get("ignore_eos"):
+        kw["stop_token_ids"] = []
+    return SamplingParams(**kw, logprobs=True)
+
+
+def _want_logprobs(value, name: str) -> bool:
+    if value is None or value is False:
+        return False
+    if value is True or value == 0:
+        return True
+    raise ValueError(f"{name}={value!r}: polynya's sampler returns the sampled token's log-prob only "
+                     f"(use {name}=0)")
+
+
+def _prompts(prompt, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        return [prompt]
+    if not (isinstance(prompt, list) and prompt):
+        raise ValueError("prompt must be text, a list of texts, token ids or a list of token-id lists")
+    out = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("text prompts need the server's tokenizer; send token ids")
+            p = tokenizer.encode(p, add_special_tokens=True)
+        if not (isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p)):
+            raise ValueError(f"prompt[{i}] must be text or a non-empty list of token ids")
+        out.append(p)
+    return out
+
+
+def _token_name(t: int, as_ids: bool, tokenizer) -> str:
+    return f"token_id:{t}" if as_ids or tokenizer is None else tokenizer.decode([t])
+
+
+def _text(ids, tokenizer, body) -> str:
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(ids, skip_special_tokens=body.get("skip_special_tokens", True))
+
+
+def _usage(prompts, samples) -> dict:
+    p, c = sum(map(len, prompts)), sum(len(s.token_ids) for s in samples)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def completion_response(body: dict, prompts, groups, tokenizer, model: str, want_lp: bool) -> dict:
+    """vLLM's ``/v1/completions`` answer for ``groups`` (per prompt, its ``n`` samples)."""
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    choices = []
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            names = [_token_name(t, as_ids, tokenizer) for t in s.token_ids]
+            lp = None
+            if want_lp:
+                lp = {"tokens": names, "token_logprobs": list(s.logprobs),
+                      "top_logprobs": [{n: v} for n, v in zip(names, s.logprobs)],
+                      "text_offset": None}
+            choices.append({"index": len(choices), "text": _text(s.token_ids, tokenizer, body),
+                            "logprobs": lp, "finish_reason": s.finish_reason, "stop_reason": None,
+                            "prompt_logprobs": None, "prompt_token_ids": list(prompt),
+                            "token_ids": list(s.token_ids)})
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": _usage(prompts, [s for g in groups for s in g])}
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    """The chat ``messages`` rendered and tokenized with the tokenizer's (or the given) template."""
+    if tokenizer is None:
+        raise ValueError("chat needs the server's tokenizer")
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be text (images and content parts are not supported)")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be an object")
+    out = tokenizer.apply_chat_template(messages, chat_template=body.get("chat_template"), tokenize=True,
+                                        add_generation_prompt=body.get("add_generation_prompt", True),
+                                        **kwargs)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return list(ids)
+
+
+def chat_response(body: dict, prompt, group, tokenizer, model: str, want_lp: bool) -> dict:
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    choices = []
+    for s in group:
+        lp = None
+        if want_lp:
+            lp = {"content": [{"token": _token_name(t, as_ids, tokenizer), "logprob": v, "bytes": None,
+                               "top_logprobs": []} for t, v in zip(s.token_ids, s.logprobs)]}
+        choices.append({"index": len(choices),
+                        "message": {"role": "assistant", "content": _text(s.token_ids, tokenizer, body)},
+                        "logprobs": lp, "finish_reason": s.finish_reason, "stop_reason": None,
+                        "token_ids": list(s.token_ids)})
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "prompt_token_ids": list(prompt), "choices": choices,
+            "usage": _usage([prompt], group)}
+
+
+def add_openai_routes(app, client, tokenizer, generate) -> None:
+    """Register the routes on ``app``; ``generate(prompts, params)`` is the server's (pausable)
+    generation coroutine."""
+    from fastapi import Request
+
+    from .server import read_json
+
+    config = getattr(client, "config", None)
+    model = getattr(config, "model_name", "polynya")
+    samplers = list(getattr(client, "samplers", []))
+    max_len = int(getattr(getattr(samplers[0], "backend", None), "max_model_len", 0) or 0) if samplers else 0
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
+                                            "owned_by": "polynya", "root": model, "max_model_len": max_len}]}
+
+    @app.get("/server_info")
+    async def server_info(config_format: str = "json") -> dict:
+        return {"vllm_config": {
+            "model_config": {"model": model, "max_model_len": max_len, "logprobs_mode": "processed_logprobs"},
+            "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+            "weight_transfer_config": None}}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        body = await read_json(request)
+        params = sampling_params(body, _COMPLETION_KEYS)
+        want_lp = _want_logprobs(body.get("logprobs"), "logprobs")
+        prompts = _prompts(body.get("prompt"), tokenizer)
+        groups = await generate(prompts, params)
+        return completion_response(body, prompts, groups, tokenizer, model, want_lp)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict:
+        body = await read_json(request)
+        params = sampling_params(body, _CHAT_KEYS)
+        want_lp = _want_logprobs(body.get("logprobs"), "logprobs") and (
+            body.get("top_logprobs") is None or _want_logprobs(body["top_logprobs"], "top_logprobs"))
+        if body.get("tool_choice") not in (None, "none"):
+            raise ValueError("tool_choice other than 'none' is not supported")
+        prompt = chat_prompt(body, tokenizer)
+        groups = await generate([prompt], params)
+        return chat_response(body, prompt, groups[0], tokenizer, model, want_lp)
