@@ -52,3 +52,32 @@ def test_buffers_hold_the_batch_and_padding_rows(monkeypatch):
           np.array([1]), fca=False)
     assert sorted(g.graphs) == [(1, False), (4, True)]
     assert cuda_graph.DecodeGraphs.bucket(g, 17) is None
+
+
+class _UncapturableGraphs(_CPUGraphs):
+    """A model whose decode step does host work (e.g. a MoE layer): capture fails."""
+
+    def _capture(self, b, fca):
+        raise cuda_graph.GraphCaptureError("Cannot copy between CPU and CUDA tensors during capture")
+
+
+def test_uncapturable_model_decodes_eagerly_with_the_same_tokens(monkeypatch):
+    """A capture failure falls back to the eager decode step (same tokens) and says why (the
+    real failure, qwen3-moe's grouped_mm on the H200, is in test_model_families_gpu.py)."""
+    import pytest
+    from polynya import SamplingParams
+    from polynya.config import SamplerConfig
+    from polynya.engines import SamplingEngine
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=6)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    want = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu")).generate(prompts, params)
+    engine = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu"))
+    runner = engine.backend.runner
+    runner.graphs = _UncapturableGraphs(runner._decode_forward, 4, 8, runner.block_size,
+                                        runner.num_blocks, torch.device("cpu"))
+    with pytest.warns(RuntimeWarning, match="cannot be captured as a CUDA graph"):
+        got = engine.generate(prompts, params)
+    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
+    assert runner.graphs is None and "during capture" in runner.graphs_error

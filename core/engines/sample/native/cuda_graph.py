@@ -19,6 +19,11 @@ import numpy as np
 import torch
 
 
+class GraphCaptureError(RuntimeError):
+    """The model's decode step cannot be captured (it does host work per step); the caller
+    decodes eagerly instead."""
+
+
 def buckets(max_batch: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 16, and ``max_batch``."""
     sizes = [b for b in (1, 2, 4, 8, *range(16, max_batch + 1, 16)) if b < max_batch]
@@ -61,8 +66,11 @@ class DecodeGraphs:
                 self.forward(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.forward(*args)
+        try:
+            with torch.cuda.graph(graph):
+                out = self.forward(*args)
+        except RuntimeError as exc:  # e.g. a MoE layer that copies a host tensor per step
+            raise GraphCaptureError(str(exc)) from exc
         return graph, out
 
     def run(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, tables: np.ndarray,

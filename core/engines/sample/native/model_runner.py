@@ -9,6 +9,8 @@ the block tables; every layer reuses it.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from polynya.config.common import resolve_dtype
@@ -19,7 +21,7 @@ from polynya.models import load_model
 from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, split_weight_pieces
 
 from . import attention
-from .cuda_graph import DecodeGraphs
+from .cuda_graph import DecodeGraphs, GraphCaptureError
 from .sequence import Sequence
 
 
@@ -53,6 +55,7 @@ class ModelRunner:
         self._copy_plans: dict = {}  # FlatBuckets layout -> BucketCopyPlan (dropped when weights move)
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
+        self.graphs_error: str | None = None  # why decode runs without CUDA graphs
         self.allocate_kv()
 
     # ---------------------------------------------------------------- cache
@@ -72,10 +75,17 @@ class ModelRunner:
         shape = (self.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
                  self.head_dim)
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda" and self.config.cuda_graphs:
+        if self.device.type == "cuda" and self.config.cuda_graphs and self.graphs_error is None:
             width = -(-self.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(self._decode_forward, self.config.max_num_seqs, width,
                                        self.block_size, self.num_blocks, self.device)
+
+    def _disable_graphs(self, exc: GraphCaptureError) -> None:
+        """Decode eagerly from now on (the path every correctness test checks), and say why."""
+        self.graphs, self.graphs_error = None, str(exc)
+        warnings.warn(f"{self.config.model}: the decode step cannot be captured as a CUDA graph "
+                      f"({exc}); decoding without CUDA graphs (set cuda_graphs=False to silence)",
+                      RuntimeWarning, stacklevel=3)
 
     def free_kv(self) -> None:
         self.kv = None
@@ -180,7 +190,10 @@ class ModelRunner:
         ids, pos, slots, tables, lens = self._decode_inputs(seqs)
         fca = self.use_fca and self.shares_pages(seqs)
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
-            return self.graphs.run(ids, pos, slots, tables, lens, fca)
+            try:
+                return self.graphs.run(ids, pos, slots, tables, lens, fca)
+            except GraphCaptureError as exc:
+                self._disable_graphs(exc)
         return self._decode_forward(self._to_device(ids, torch.int64)[None],
                                     self._to_device(pos, torch.int64)[None],
                                     self._to_device(slots, torch.int64),
