@@ -360,6 +360,7 @@ def main() -> None:
         res["copy"] = p2p_copy(res["split"]["weight_bytes"])
     save(res, args.out, "bench_two_gpu")
     report(res)
+    plot(res, os.path.join(args.out, "bench_two_gpu.png"))
 
 
 def report(res: dict) -> None:
@@ -385,6 +386,40 @@ def report(res: dict) -> None:
         if "steps" in res.get(k, {}):
             print(k, [(round(s["loss"], 5), round(s["grad_norm"], 4), round(s["ms"], 1))
                       for s in res[k]["steps"]])
+
+def plot(res: dict, path: str) -> None:
+    """Left: median warm step time per arm (ms). Right: ZeRO-2 step time on 1 vs 2 GPUs (ms).
+    No-op without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    arms = [a for a in ("colocated", "split", "overlap") if res.get(a, {}).get("steps")]
+    steps = [median([s["step_ms"] for s in res[a]["steps"][1:]]) for a in arms]
+    left.bar(arms, steps, color=["tab:gray", "tab:blue", "tab:green"][: len(arms)])
+    for x, y in enumerate(steps):
+        left.text(x, y, f"{y:.0f}", ha="center", va="bottom")
+    left.set_ylabel("RL step, ms (median of warm steps)")
+    left.set_title("GRPO step: 1 GPU colocated vs 2 GPUs split", fontsize=10)
+    dp = [k for k in ("dp1", "dp2") if res.get(k, {}).get("steps")]
+    times = [median([s["ms"] for s in res[k]["steps"][1:]]) for k in dp]
+    right.bar([f"{res[k]['world']} GPU" for k in dp], times, color="tab:purple")
+    for x, y in enumerate(times):
+        right.text(x, y, f"{y:.0f}", ha="center", va="bottom")
+    right.set_ylabel("train step, ms (median)")
+    right.set_title("ZeRO-2 data parallel, same global batch", fontsize=10)
+    env, shape = res["env"], res["shape"]
+    fig.suptitle(f"{res['model']} bf16 · {shape['prompts']}x{shape['G']} P{shape['P']} "
+                 f"new {shape['new']} · {env['gpu']} x2 · torch {env['torch']} · {env['date']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
 
 if __name__ == "__main__":
     main()
