@@ -52,7 +52,7 @@ def sampler_config(config, model_path: str) -> SamplerConfig:
     return SamplerConfig(str(model_path), **fields)
 
 
-def sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
+def to_sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
     """verl's (vLLM-style) sampling dict -> ``SamplingParams``; unknown or unsupported keys refused."""
     p = dict(params)
     for key, neutral in _IGNORED.items():
@@ -99,7 +99,7 @@ class PolynyaRolloutServer:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
                              f"max_model_len={self.max_model_len}")
         default = min(self.config.response_length, room)
-        params = sampling_params(sampling_params, default)
+        params = to_sampling_params(sampling_params, default)
         params.max_tokens = max(1, min(params.max_tokens, room))
         if not self.gate.is_set():
             if self.reject:
