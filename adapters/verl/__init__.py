@@ -7,10 +7,8 @@ Installing the extra registers, through verl's ``verl.plugins`` entry point (``p
 - rollout ``polynya`` (``rollout``): polynya's sampler answering verl's server calls;
 - checkpoint engine ``polynya`` (``checkpoint``): bucketed weight broadcast, checksum-verified.
 
-The swap is a few overrides of verl's ``ppo_trainer.yaml`` (README, "Adapters -> verl")::
-
-    hydra.searchpath=[pkg://polynya.adapters.verl.config] model_engine=polynya
-    actor_rollout_ref.rollout.name=polynya actor_rollout_ref.rollout.checkpoint_engine.backend=polynya
+The swap is a few overrides of verl's ``ppo_trainer.yaml`` (``overrides.SWAP``; README,
+"Adapters -> verl"); ``polynya-recipe framework=verl`` writes a whole verl run with them.
 
 Importing this package imports nothing of verl; the submodules do.
 """

@@ -12,17 +12,10 @@ from hydra.errors import InstantiationException
 from omegaconf import open_dict
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
+from polynya.adapters.verl.overrides import SWAP
 from polynya.adapters.verl.rollout import sampler_config
 from polynya.adapters.verl.settings import DeepSpeedActorConfig, DeepSpeedEngineConfig, train_config
 
-# The swap documented in README ("Adapters -> verl"), verbatim.
-SWAP = [
-    "hydra.searchpath=[pkg://polynya.adapters.verl.config]",
-    "model_engine=polynya",
-    "actor_rollout_ref.rollout.name=polynya",
-    "actor_rollout_ref.rollout.checkpoint_engine.backend=polynya",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-]
 RUN = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
        "trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo"]
 
