@@ -22,6 +22,7 @@ multimodal inputs are refused.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from verl.workers.rollout.base import BaseRollout
@@ -153,9 +154,10 @@ class PolynyaRolloutServer:
 class PolynyaServerAdapter(BaseRollout):
     """Worker side of the ``polynya`` rollout: forwards to this replica's server actor."""
 
-    def __init__(self, config, model_config, device_mesh, replica_rank: int = 0, **kwargs):
+    def __init__(self, config, model_config, device_mesh, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
-        self.replica_rank = replica_rank
+        # one GPU per replica: the hybrid worker of rank r feeds replica r (as verl's vLLM adapter)
+        self.replica_rank = int(os.environ.get("RANK", "0")) if replica_rank < 0 else replica_rank
         self.is_leader_rank = True
         self._server = None
 
