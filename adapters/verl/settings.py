@@ -79,8 +79,11 @@ def _optim(opt) -> tuple[float, OptimConfig]:
     if name != "adamw" or getattr(opt, "optimizer_impl", "torch.optim") != "torch.optim":
         raise ValueError(f"polynya's deepspeed engine trains with torch.optim.AdamW; set "
                          f"actor_rollout_ref.actor.optim.optimizer=AdamW (got {opt.optimizer!r})")
-    if getattr(opt, "override_optimizer_config", None):
-        raise ValueError("actor.optim.override_optimizer_config is not supported by polynya's engine")
+    extra = dict(getattr(opt, "override_optimizer_config", None) or {})  # verl passes it to AdamW(...)
+    eps = float(extra.pop("eps", 1e-8))
+    if extra:
+        raise ValueError(f"actor.optim.override_optimizer_config keys {sorted(extra)} are not supported by "
+                         "polynya's engine (only eps)")
     # polynya's schedule advances per optimizer step (mini-batch), verl's per training step; they
     # only agree for a constant rate without warm-up, so anything else is refused, not guessed.
     warmup = opt.lr_warmup_steps if opt.lr_warmup_steps is not None and opt.lr_warmup_steps >= 0 else 0
@@ -88,7 +91,7 @@ def _optim(opt) -> tuple[float, OptimConfig]:
     if kind != "constant" or warmup > 0 or opt.lr_warmup_steps_ratio > 0:
         raise ValueError("polynya's deepspeed engine supports actor.optim.lr_scheduler_type=constant "
                          "without warm-up (lr_warmup_steps<=0, lr_warmup_steps_ratio=0) for now")
-    return float(opt.lr), OptimConfig(betas=tuple(opt.betas), weight_decay=float(opt.weight_decay),
+    return float(opt.lr), OptimConfig(betas=tuple(opt.betas), eps=eps, weight_decay=float(opt.weight_decay),
                                       grad_clip=float(opt.clip_grad))
 
 
