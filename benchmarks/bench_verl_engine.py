@@ -32,7 +32,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, ROOT)
-from common import environment, markdown_table, median, paired_bars, save  # noqa: E402
+from common import environment, markdown_table, median, paired_bars, save
 
 SHAPES = [(1024, 512, 8), (256, 512, 8)]
 
@@ -68,10 +68,9 @@ def make_batch(shape, groups: int, vocab: int, seed: int = 0):
 
 
 def build_engine(model: str, zorro: bool, device: str, budget: int):
-    from verl.workers.config import FSDPOptimizerConfig
-
     from polynya.adapters.verl.engine import DeepSpeedLMEngine
     from polynya.adapters.verl.settings import DeepSpeedEngineConfig
+    from verl.workers.config import FSDPOptimizerConfig
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     cfg = DeepSpeedEngineConfig(dtype=dtype, zero_stage=2, zorro=zorro, seed=0, use_dynamic_bsz=True,
@@ -83,11 +82,10 @@ def build_engine(model: str, zorro: bool, device: str, budget: int):
 
 
 def arm(model: str, zorro: bool, data_fn, device: str, iters: int, budget: int) -> dict:
+    from polynya.adapters.verl.settings import DeepSpeedActorConfig
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
-
-    from polynya.adapters.verl.settings import DeepSpeedActorConfig
 
     engine = build_engine(model, zorro, device, budget)
     loss_fn = partial(ppo_loss, config=DeepSpeedActorConfig(rollout_n=1, ppo_mini_batch_size=1, use_dynamic_bsz=True))
@@ -112,13 +110,16 @@ def arm(model: str, zorro: bool, data_fn, device: str, iters: int, budget: int) 
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
-    del engine
+    return {"loss": first[0], "grad_norm": first[1], "micro_batches": first[2], "step_s": median(times),
+            "peak_gib": peak, "logprobs": logprobs}
+
+
+def free(device: str) -> None:
+    """Drop the finished arm's engine before the next one is built."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    return {"loss": first[0], "grad_norm": first[1], "micro_batches": first[2], "step_s": median(times),
-            "peak_gib": peak, "logprobs": logprobs}
 
 
 def main() -> None:
@@ -140,7 +141,9 @@ def main() -> None:
     for shape in shapes:
         data_fn = partial(make_batch, shape, args.groups, vocab)
         on = arm(args.model, True, data_fn, args.device, args.iters, args.budget)
+        free(args.device)
         off = arm(args.model, False, data_fn, args.device, args.iters, args.budget)
+        free(args.device)
         diff = float((on["logprobs"] - off["logprobs"]).abs().max())
         rows.append({"shape": "P{}/R{}/G{}".format(*shape), "groups": args.groups,
                      "zorro_s": round(on["step_s"], 4), "naive_s": round(off["step_s"], 4),

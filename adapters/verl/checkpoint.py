@@ -20,10 +20,9 @@ import socket
 from collections.abc import AsyncIterator, Iterable
 
 import torch
-from verl.checkpoint_engine.base import CheckpointEngine
-
 from polynya.distributed import combine_signatures, free_port, tensor_signature
 from polynya.sync import BucketSpec, StagedUpdate, SyncError, SyncGroup, SyncManifest
+from verl.checkpoint_engine.base import CheckpointEngine
 
 SENDER = 0
 

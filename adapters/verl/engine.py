@@ -44,6 +44,7 @@ class DeepSpeedLMEngine(BaseEngine):
             raise ValueError("param_offload needs deepspeed.zero_stage >= 1 (DeepSpeed's offload_states)")
         self.mode = None
         self.trainer = None
+        self._lr = self.config.lr  # the rate of the last update
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
@@ -102,12 +103,12 @@ class DeepSpeedLMEngine(BaseEngine):
 
     def lr_scheduler_step(self) -> float:
         """The rate of the last update (polynya's rate is constant: see ``settings``)."""
-        return getattr(self, "_lr", self.config.lr)
+        return self._lr
 
     def forward_backward_batch(self, data, loss_function, forward_only: bool = False) -> dict:
         rows = read_batch(data)
         device = self.trainer.device
-        num_tokens = data["loss_mask"].sum().to(device) if "loss_mask" in data.keys() else \
+        num_tokens = data["loss_mask"].sum().to(device) if "loss_mask" in data else \
             data["response_mask"].sum().to(device)
         dist.all_reduce(num_tokens, group=self.get_data_parallel_group())
         tu.assign_non_tensor(data, batch_num_tokens=num_tokens.item(), dp_size=self.get_data_parallel_size())

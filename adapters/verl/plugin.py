@@ -21,7 +21,7 @@ def _load() -> None:
         from .registry import register_all
 
         register_all()
-    except Exception as exc:  # noqa: BLE001 - verl would swallow it; say it loudly instead
+    except Exception as exc:  # noqa: BLE001 - verl would swallow it at DEBUG; say it loudly instead
         where = traceback.extract_tb(exc.__traceback__)[-1]
         warnings.warn(
             f"polynya's verl plugin failed to load ({type(exc).__name__}: {exc}; at "

@@ -25,11 +25,10 @@ import asyncio
 import os
 from typing import Any
 
-from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutReplica, TokenOutput
-
 from polynya.config import SamplerConfig
 from polynya.types import SamplingParams
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 SERVER_PREFIX = "polynya_rollout_server"
 _IGNORED = {"repetition_penalty": 1.0, "ignore_eos": False}

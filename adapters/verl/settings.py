@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl.workers.config import ActorConfig, EngineConfig
-
 from polynya.config.train import OptimConfig, TrainConfig
+from verl.workers.config import ActorConfig, EngineConfig
 
 STRATEGY = "deepspeed"
 _VERL_MODEL = "<verl actor_rollout_ref.model.path>"  # stands in for the path while validating

@@ -7,8 +7,6 @@ import argparse
 import asyncio
 import json
 
-import torch
-
 from polynya.adapters.verl.checkpoint import PolynyaCheckpointEngine
 from polynya.models import load_model
 

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from polynya.adapters.verl.checkpoint import PolynyaCheckpointEngine
 from polynya.distributed import checksum_named_tensors
 from polynya.models import load_model

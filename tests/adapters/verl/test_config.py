@@ -10,11 +10,10 @@ import verl
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from omegaconf import open_dict
-from verl.utils.config import omega_conf_to_dataclass, validate_config
-
 from polynya.adapters.verl.overrides import SWAP
 from polynya.adapters.verl.rollout import sampler_config
 from polynya.adapters.verl.settings import DeepSpeedActorConfig, DeepSpeedEngineConfig, train_config
+from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 RUN = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
        "trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo"]

@@ -24,12 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 def one_step(rows: list[int] | None = None):
     """Build the engine (ZeRO-2, fp32, ZoRRo), train one step on ``rows`` of the test batch;
     return (summed micro-batch losses, grad norm, full weights, real micro-batches)."""
+    from polynya.adapters.verl.engine import DeepSpeedLMEngine
+    from polynya.adapters.verl.settings import DeepSpeedEngineConfig
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import FSDPOptimizerConfig
     from verl.workers.utils.losses import ppo_loss
 
-    from polynya.adapters.verl.engine import DeepSpeedLMEngine
-    from polynya.adapters.verl.settings import DeepSpeedEngineConfig
     from tests.adapters.verl.test_engine import SEED, actor_config, make
     from tests.engines.common import full_weights
 

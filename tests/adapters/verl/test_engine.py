@@ -13,15 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from polynya.adapters.verl.engine import DeepSpeedLMEngine
+from polynya.adapters.verl.settings import DeepSpeedActorConfig, DeepSpeedEngineConfig
+from polynya.models import load_model
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPOptimizerConfig
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
-
-from polynya.adapters.verl.engine import DeepSpeedLMEngine
-from polynya.adapters.verl.settings import DeepSpeedActorConfig, DeepSpeedEngineConfig
-from polynya.models import load_model
 
 from .verl_batches import samples, verl_batch
 

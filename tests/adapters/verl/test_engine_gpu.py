@@ -7,14 +7,12 @@ from functools import partial
 from types import SimpleNamespace
 
 import pytest
-import torch
+from polynya.adapters.verl.engine import DeepSpeedLMEngine
+from polynya.adapters.verl.settings import DeepSpeedEngineConfig
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPOptimizerConfig
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
-
-from polynya.adapters.verl.engine import DeepSpeedLMEngine
-from polynya.adapters.verl.settings import DeepSpeedEngineConfig
 
 from .test_engine import actor_config, make
 

@@ -10,13 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 import verl
 from hydra import compose, initialize_config_dir, initialize_config_module
-from verl.utils.config import omega_conf_to_dataclass, validate_config
-
 from polynya.adapters.verl.reward import compute_score
 from polynya.adapters.verl.settings import DeepSpeedActorConfig
 from polynya.recipes.frameworks import run
 from polynya.recipes.schema import register
 from polynya.recipes.tasks import gsm8k
+from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 RECIPE = ["framework=verl", "task=gsm8k", "model=qwen3-0.6b", "run.steps=7", "run.prompts_per_step=4",
           "run.group_size=5", "run.max_new_tokens=96", "client.train.lr=3e-6", "client.train.loss=dapo",

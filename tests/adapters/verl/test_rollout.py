@@ -10,10 +10,9 @@ import asyncio
 
 import pytest
 import torch
-from verl.workers.config import RolloutConfig
-
 from polynya.adapters.verl.rollout import PolynyaRolloutServer
 from polynya.models import load_model
+from verl.workers.config import RolloutConfig
 
 MODEL, SEED, MAX_NEW = "tiny:qwen3", 0, 6
 PROMPTS = [[5, 17, 33, 90, 101, 7], [5, 17, 33, 90, 250, 3, 44, 8, 9]]

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import ray
-
 from polynya.adapters.verl.rollout import PolynyaReplica, PolynyaServerAdapter
 from polynya.models import load_model
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 from verl import DataProto
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
@@ -29,7 +30,7 @@ def samples(seed: int, per_group: int = 3):
 
 
 def verl_batch(prompts, responses, uids, *, old_log_probs, advantages, temperature: float,
-               response_mask=None, **meta) -> "TensorDict":  # noqa: F821
+               response_mask=None, **meta) -> TensorDict:
     b = len(prompts)
     p_max, r_max = max(map(len, prompts)), max(map(len, responses))
     prompt_t = torch.full((b, p_max), PAD)
