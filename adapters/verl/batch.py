@@ -70,7 +70,10 @@ def _groups(data, b: int) -> list[int]:
 
 
 def _temperature(data, b: int) -> float:
-    t = _get(data, "temperature", 1.0)
+    t = _get(data, "temperature", None)
+    if t is None:
+        raise ValueError("the verl batch has no 'temperature' (verl's trainer sets it from rollout.temperature; "
+                         "log-probs depend on it)")
     if isinstance(t, torch.Tensor):
         t = t.reshape(-1)
         if t.numel() not in (1, b) or not bool((t == t[0]).all()):
@@ -101,6 +104,20 @@ def _check_masks(data, response_lens: list[int]) -> None:
                              "the responses)")
 
 
+def _check_positions(data, ids) -> None:
+    pos = data.get("position_ids", None)
+    if pos is None:
+        return
+    if not pos.is_nested or pos.dim() != 2 or not torch.equal(pos.offsets(), ids.offsets()):
+        raise ValueError("position_ids must be jagged [B, j] like input_ids (multimodal 3-D rope "
+                         "positions are not supported by polynya's engine)")
+    lens = ids.offsets().diff()
+    want = torch.arange(int(lens.sum())) - torch.repeat_interleave(ids.offsets()[:-1], lens)
+    if not torch.equal(pos.values().cpu().long(), want):
+        raise ValueError("position_ids are not 0..L-1 in every sample; polynya computes positions itself "
+                         "and does not support other layouts")
+
+
 def read_batch(data) -> VerlRows:
     """Check a verl engine batch and return its samples as a ``RolloutBatch`` (``ValueError``
     naming the key for anything missing or inconsistent)."""
@@ -120,6 +137,7 @@ def read_batch(data) -> VerlRows:
     if min(prompt_lens) < 1:
         raise ValueError("every sample needs at least one prompt token")
     _check_masks(data, response_lens)
+    _check_positions(data, ids)
     groups = _groups(data, b)
     tokens = ids.values().tolist()
     starts = ids.offsets().tolist()

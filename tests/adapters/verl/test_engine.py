@@ -93,6 +93,8 @@ def weights(module):
     ("mask past response", "masks do not match"),
     ("uid shared by two prompts", "same uid have different prompts"),
     ("jagged loss mask", "SFT"),
+    ("no temperature", "temperature"),
+    ("shifted positions", "position_ids"),
 ])
 def test_bad_batches_raise_and_change_nothing(engine, problem, message):
     data, _ = make()
@@ -108,6 +110,11 @@ def test_bad_batches_raise_and_change_nothing(engine, problem, message):
     elif problem == "jagged loss mask":
         data["loss_mask"] = torch.nested.as_nested_tensor([torch.ones(4), torch.ones(3), torch.ones(2)] * 3,
                                                     layout=torch.jagged)
+    elif problem == "no temperature":
+        del data["temperature"]
+    elif problem == "shifted positions":
+        pos = data["position_ids"]
+        data["position_ids"] = torch.nested.nested_tensor_from_jagged(pos.values() + 1, pos.offsets())
     before = weights(engine.trainer.module)
     with pytest.raises(ValueError, match=message):
         engine.forward_backward_batch(data, partial(ppo_loss, config=actor_config()))
