@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PROBE = r"""
 import json, sys
 {prelude}
@@ -31,17 +33,28 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def probe(prelude: str = "", **env) -> tuple[dict, str]:
-    """Import verl in a fresh interpreter; return what its registries hold and stderr."""
-    proc = subprocess.run([sys.executable, "-W", "always", "-c", PROBE.format(prelude=prelude)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):]), proc.stderr
+BROKEN = "sys.modules['polynya.adapters.verl.engine'] = None"  # as after a broken install
+CASES = {"plain": ("", {}), "broken": (BROKEN, {}), "off": ("", {"VERL_USE_EXTERNAL_PLUGINS": "none"})}
 
 
-def test_import_verl_registers_everything():
-    out, err = probe()
+@pytest.fixture(scope="module")
+def probes() -> dict[str, tuple[dict, str]]:
+    """Import verl in three fresh interpreters at once; per case what its registries hold, and stderr."""
+    procs = {name: subprocess.Popen([sys.executable, "-W", "always", "-c", PROBE.format(prelude=prelude)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, **env})
+             for name, (prelude, env) in CASES.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        line = next(x for x in stdout.splitlines() if x.startswith("RESULT"))
+        out[name] = json.loads(line[len("RESULT"):]), stderr
+    return out
+
+
+def test_import_verl_registers_everything(probes):
+    out, err = probes["plain"]
     assert out["plugin_loaded"]
     engine = "polynya.adapters.verl.engine.DeepSpeedLMEngine"
     assert out["engines"] == {"cuda": engine, "cpu": engine}
@@ -52,16 +65,14 @@ def test_import_verl_registers_everything():
     assert "PolynyaPluginWarning" not in err
 
 
-def test_broken_plugin_warns_loudly_and_verl_still_imports():
-    # a dependency of the registration that cannot be imported (as after a broken install)
-    prelude = "sys.modules['polynya.adapters.verl.engine'] = None"
-    out, err = probe(prelude)
+def test_broken_plugin_warns_loudly_and_verl_still_imports(probes):
+    out, err = probes["broken"]
     assert out["plugin_loaded"] and out["engines"] == {} and not out["replica"] and not out["checkpoint"]
     assert "PolynyaPluginWarning: polynya's verl plugin failed to load (ModuleNotFoundError" in err
     assert "polynya.adapters.verl.engine" in err  # names the error ...
     assert "pip install 'polynya[verl]'" in err  # ... and the fix
 
 
-def test_verl_switch_turns_the_plugin_off():
-    out, _ = probe(VERL_USE_EXTERNAL_PLUGINS="none")
+def test_verl_switch_turns_the_plugin_off(probes):
+    out, _ = probes["off"]
     assert not out["plugin_loaded"] and out["engines"] == {} and not out["replica"]
