@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from polynya.adapters.verl.batch import read_batch
 from polynya.adapters.verl.engine import DeepSpeedLMEngine
 from polynya.adapters.verl.settings import DeepSpeedActorConfig, DeepSpeedEngineConfig
 from polynya.models import load_model
@@ -170,3 +171,34 @@ def test_infer_batch_gives_log_probs_without_gradients(engine):
     torch.testing.assert_close(lp * mask, lp_ref * mask, rtol=1e-5, atol=1e-5)
     assert "entropy" not in out["model_output"] and out["loss"] == []
     assert grads(engine.trainer.module) == {}
+
+
+def test_offload_follows_verls_mode_contexts_and_train_batch_runs():
+    """param/optimizer offload (ZeRO-2): resident only inside verl's train/eval contexts; verl's
+    own ``BaseEngine.train_batch`` (zero_grad, forward_backward_batch, optimizer_step) inside."""
+    cfg = DeepSpeedEngineConfig(dtype="float32", zero_stage=2, seed=SEED, use_dynamic_bsz=True,
+                                max_token_len_per_gpu=4096, param_offload=True, optimizer_offload=True)
+    model = SimpleNamespace(path="tiny:qwen3", local_path=None, lora_rank=0, enable_gradient_checkpointing=False)
+    engine = DeepSpeedLMEngine(model, cfg, FSDPOptimizerConfig(lr=1e-2, weight_decay=0.0))
+    engine.initialize()
+    rows = read_batch(make()[0]).batch
+    with pytest.raises(RuntimeError, match="offloaded"):
+        engine.trainer.compute_logprobs(rows)
+    data, _ = make()
+    with engine.train_mode():
+        out = engine.train_batch(data, partial(ppo_loss, config=actor_config()))
+        engine.trainer.compute_logprobs(rows)  # resident inside
+    assert out["metrics"]["grad_norm"] > 0 and len(out["loss"]) >= 1
+    with pytest.raises(RuntimeError, match="offloaded"):
+        engine.trainer.compute_logprobs(rows)
+    with engine.eval_mode():
+        lp = engine.infer_batch(make()[0])["model_output"]["log_probs"]
+    assert lp.is_nested and torch.isfinite(lp.values()).all()
+
+
+def test_zero_stage_0_cannot_offload():
+    cfg = DeepSpeedEngineConfig(dtype="float32", zero_stage=0, use_dynamic_bsz=True, max_token_len_per_gpu=64,
+                                param_offload=True, optimizer_offload=True)
+    model = SimpleNamespace(path="tiny:qwen3", local_path=None, lora_rank=0)
+    with pytest.raises(ValueError, match="zero_stage >= 1"):
+        DeepSpeedLMEngine(model, cfg, FSDPOptimizerConfig(lr=1e-2))
