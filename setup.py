@@ -30,6 +30,7 @@ def _packages() -> list[str]:
 setup(
     packages=_packages(),
     package_dir=ROOTS,
-    package_data={"polynya.recipes": ["conf/**/*.yaml", "data/**/*"]},
+    package_data={"polynya.recipes": ["conf/**/*.yaml", "data/**/*"],
+                  "polynya.adapters": ["verl/config/**/*.yaml"]},
     include_package_data=True,
 )

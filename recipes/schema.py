@@ -56,7 +56,8 @@ class TaskSection:
 
 @dataclass
 class RunSection:
-    """The GRPO loop: ``prompts_per_step`` prompts x ``group_size`` samples per step."""
+    """The GRPO loop: ``prompts_per_step`` prompts x ``group_size`` samples per step.
+    ``launch``: frameworks that write a run of their own (``framework=verl``) also start it."""
 
     steps: int = 20
     prompts_per_step: int = 8
@@ -74,6 +75,7 @@ class RunSection:
     resume: bool = True
     tensorboard: bool = False
     progress: bool = True
+    launch: bool = False
 
 
 @dataclass

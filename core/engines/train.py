@@ -23,9 +23,10 @@ under ``torchrun`` / Ray it joins the launcher's group.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -191,6 +192,67 @@ class TrainingEngine:
         norm = self._own_norm if self._own_clip else self.engine.get_global_grad_norm()
         norm = float("nan") if norm is None else float(norm)
         return {"grad_norm": norm, "lr": lr, "step": int(self.engine.global_steps)}
+
+    # ------------------------------------------------------------------ external losses
+    def forward_backward_local(self, batch: RolloutBatch,
+                               loss_fn: Callable[[list[int], TokenStats], torch.Tensor] | None, *,
+                               backward: bool = True, entropy: bool = False,
+                               temperature: float | None = None) -> list[tuple[list[int], TokenStats]]:
+        """Log-probs for a loss the caller owns (a framework's own PPO loss), and its backward.
+
+        For frameworks that shard the data themselves (verl): ``batch`` is *this rank's* samples,
+        not a global batch. It is cut into micro-batches of whole prompt groups under
+        ``micro_batch_tokens``; every rank runs the same number of micro-batches (collectives
+        inside forward/backward must line up), a rank with fewer repeats one with weight 0.
+
+        Args:
+            batch: this rank's samples (advantages / old log-probs are not read: the loss owns them).
+            loss_fn: ``loss_fn(rows, stats) -> scalar`` for each micro-batch: ``rows`` index into
+                ``batch``, ``stats`` are their ``TokenStats`` (differentiable when ``backward``).
+                May be None when ``backward`` is False.
+            backward: accumulate the gradient of each returned loss (``step()`` applies it). As
+                DeepSpeed averages gradients over ranks at ``step()``, a loss normalised by
+                global counts must be scaled by the number of ranks (verl's losses are, by
+                ``dp_size``).
+            entropy, temperature: as ``compute_logprobs``.
+        Returns:
+            ``[(rows, stats)]`` per real micro-batch, stats detached.
+        """
+        self._check_onloaded()
+        if backward and loss_fn is None:
+            raise ValueError("forward_backward_local(backward=True) needs a loss_fn")
+        if not isinstance(batch, RolloutBatch):
+            raise ValueError(f"expected a polynya.RolloutBatch, got {type(batch).__name__}")
+        plan = plan_micro_batches(batch, rank=0, world=1, max_tokens=self.config.micro_batch_tokens,
+                                  zorro=self.config.zorro, device=self.device)
+        self.module.train(backward)
+        out = []
+        for rows, real in plan:
+            mb = batch.select(rows)
+            ctx = dsu.engine_forward(self.engine) if backward else contextlib.nullcontext()
+            with ctx:
+                stats = self._logprobs(mb, entropy=entropy, grad=backward, temperature=temperature)
+            with torch.set_grad_enabled(backward):
+                loss = loss_fn(rows, stats) if real and loss_fn is not None else None
+            if backward:
+                if loss is None:  # a weight-0 repeat: same collectives, no contribution
+                    loss = stats.logprobs.sum() * 0.0
+                self.engine.backward(loss, scale_wrt_gas=False)
+            if real:
+                out.append((rows, TokenStats(stats.logprobs.detach(), None if stats.entropy is None
+                                             else stats.entropy.detach(), stats.mask)))
+        if backward:
+            self._pending += 1
+        return out
+
+    def zero_grad(self) -> None:
+        """For callers that zero gradients before each accumulation (verl): ``step()`` already
+        leaves them zero, so this only checks. Gradients of an unfinished accumulation cannot be
+        dropped (ZeRO keeps them in its partitions): ``RuntimeError`` then, rather than silently
+        adding them to the next step."""
+        if self._pending:
+            raise RuntimeError(f"gradients of {self._pending} forward_backward call(s) are pending and "
+                               "cannot be dropped: call step() first")
 
     def _logprobs(self, batch: RolloutBatch, *, entropy: bool, grad: bool,
                   temperature: float | None = None) -> TokenStats:

@@ -1,0 +1,114 @@
+"""verl-side config classes of polynya's backends, and their translation to polynya configs.
+
+verl builds every engine from dataclasses named by ``_target_`` in its YAML and checks each
+backend's strategy name, so polynya's DeepSpeed backend brings its own:
+
+- ``DeepSpeedEngineConfig`` (``strategy: deepspeed``) — verl's ``EngineConfig`` plus the knobs
+  verl has no word for: ``zero_stage``, ``zorro``, ``zorro_attention`` and raw ``deepspeed``
+  overrides. They are the fields of the same name of ``polynya.config.TrainConfig`` and are
+  validated by it (one schema, not a copy).
+- ``DeepSpeedActorConfig`` — verl's ``ActorConfig`` with that engine under ``deepspeed``.
+
+``train_config(model_config, engine_config, optimizer_config)`` is the only translation: verl's
+model path, dtype, seed, optimizer (verl's ``FSDPOptimizerConfig``: AdamW, constant rate)
+and token budget become one ``TrainConfig``. Settings polynya cannot honour (another optimizer,
+a warm-up or cosine schedule, fp16, LoRA, fixed-size micro-batches) raise ``ValueError``
+naming the verl key to change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from polynya.config.train import OptimConfig, TrainConfig
+from verl.workers.config import ActorConfig, EngineConfig
+
+STRATEGY = "deepspeed"
+_VERL_MODEL = "<verl actor_rollout_ref.model.path>"  # stands in for the path while validating
+
+
+@dataclass
+class DeepSpeedEngineConfig(EngineConfig):
+    """verl engine config of the ``deepspeed`` strategy (polynya's ``TrainingEngine``).
+
+    Args:
+        zero_stage, zorro, zorro_attention, deepspeed: as ``polynya.config.TrainConfig``.
+        The inherited fields keep verl's meaning (``dtype``, ``seed``, ``param_offload`` ...).
+    """
+
+    strategy: str = STRATEGY
+    zero_stage: int = 2
+    zorro: bool = True
+    zorro_attention: str = "auto"
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy != STRATEGY:
+            raise ValueError(f"DeepSpeedEngineConfig.strategy must be {STRATEGY!r}, got {self.strategy!r}")
+        if self.param_offload != self.optimizer_offload:
+            raise ValueError("polynya's deepspeed engine offloads weights and optimizer state together: "
+                             "set param_offload and optimizer_offload to the same value")
+        TrainConfig(_VERL_MODEL, **self.polynya_fields())  # polynya's own checks, ValueError
+
+    def polynya_fields(self) -> dict[str, Any]:
+        """The ``TrainConfig`` fields this config sets directly."""
+        return dict(dtype=self.dtype, seed=self.seed, zero_stage=self.zero_stage, zorro=self.zorro,
+                    zorro_attention=self.zorro_attention, deepspeed=dict(self.deepspeed))
+
+
+@dataclass
+class DeepSpeedActorConfig(ActorConfig):
+    """verl actor (and reference) config with ``strategy: deepspeed``; engine under ``deepspeed``."""
+
+    strategy: str = STRATEGY
+    deepspeed: DeepSpeedEngineConfig = field(default_factory=DeepSpeedEngineConfig)
+    use_remove_padding: bool = True
+    use_rollout_log_probs: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy != STRATEGY:
+            raise ValueError(f"DeepSpeedActorConfig.strategy must be {STRATEGY!r}, got {self.strategy!r}")
+        self.engine = self.deepspeed
+
+
+def _optim(opt) -> tuple[float, OptimConfig]:
+    name = str(getattr(opt, "optimizer", "AdamW")).lower()
+    if name != "adamw" or getattr(opt, "optimizer_impl", "torch.optim") != "torch.optim":
+        raise ValueError(f"polynya's deepspeed engine trains with torch.optim.AdamW; set "
+                         f"actor_rollout_ref.actor.optim.optimizer=AdamW (got {opt.optimizer!r})")
+    extra = dict(getattr(opt, "override_optimizer_config", None) or {})  # verl passes it to AdamW(...)
+    eps = float(extra.pop("eps", 1e-8))
+    if extra:
+        raise ValueError(f"actor.optim.override_optimizer_config keys {sorted(extra)} are not supported by "
+                         "polynya's engine (only eps)")
+    # polynya's schedule advances per optimizer step (mini-batch), verl's per training step; they
+    # only agree for a constant rate without warm-up, so anything else is refused, not guessed.
+    warmup = opt.lr_warmup_steps if opt.lr_warmup_steps is not None and opt.lr_warmup_steps >= 0 else 0
+    kind = getattr(opt, "lr_scheduler_type", "constant")
+    if kind != "constant" or warmup > 0 or opt.lr_warmup_steps_ratio > 0:
+        raise ValueError("polynya's deepspeed engine supports actor.optim.lr_scheduler_type=constant "
+                         "without warm-up (lr_warmup_steps<=0, lr_warmup_steps_ratio=0) for now")
+    return float(opt.lr), OptimConfig(betas=tuple(opt.betas), eps=eps, weight_decay=float(opt.weight_decay),
+                                      grad_clip=float(opt.clip_grad))
+
+
+def train_config(model_config, engine_config: DeepSpeedEngineConfig, optimizer_config) -> TrainConfig:
+    """The ``TrainConfig`` of one verl engine (actor or, with ``forward_only``, reference)."""
+    if not isinstance(engine_config, DeepSpeedEngineConfig):
+        raise ValueError(f"the deepspeed backend needs a DeepSpeedEngineConfig, got "
+                         f"{type(engine_config).__name__}")
+    if getattr(model_config, "lora_rank", 0) or getattr(model_config, "lora_adapter_path", None):
+        raise ValueError("polynya's deepspeed engine trains full weights: LoRA "
+                         "(actor_rollout_ref.model.lora_rank) is not supported")
+    path = getattr(model_config, "local_path", None) or model_config.path
+    budget = engine_config.max_token_len_per_gpu or engine_config.infer_max_token_len_per_gpu
+    if not engine_config.use_dynamic_bsz or not budget:
+        raise ValueError("polynya's deepspeed engine needs use_dynamic_bsz=true and a token budget "
+                         "(actor.ppo_max_token_len_per_gpu / rollout.log_prob_max_token_len_per_gpu)")
+    lr, optim = (0.0, OptimConfig()) if optimizer_config is None else _optim(optimizer_config)
+    return TrainConfig(str(path), lr=lr, optim=optim, micro_batch_tokens=int(budget),
+                       gradient_checkpointing=bool(getattr(model_config, "enable_gradient_checkpointing",
+                                                           False)),
+                       **engine_config.polynya_fields())

@@ -1,0 +1,125 @@
+"""The ``polynya`` rollout server answers verl's server calls correctly (CPU, native sampler).
+
+Oracle: the same random model in plain torch — greedy tokens by argmax step by step, sampled
+tokens' log-probs by ``log_softmax`` of full forwards. Checked: ``TokenOutput`` fields, sleep /
+wake, abort / resume gating, weight updates (new weights -> new tokens) and refused requests.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from polynya.adapters.verl.rollout import PolynyaRolloutServer
+from polynya.models import load_model
+from verl.workers.config import RolloutConfig
+
+MODEL, SEED, MAX_NEW = "tiny:qwen3", 0, 6
+PROMPTS = [[5, 17, 33, 90, 101, 7], [5, 17, 33, 90, 250, 3, 44, 8, 9]]
+
+
+def rollout_config(**kw) -> RolloutConfig:
+    base = dict(name="polynya", mode="async", tensor_model_parallel_size=1, dtype="float32", prompt_length=32,
+                response_length=MAX_NEW, engine_kwargs={"polynya": {"num_blocks": 64, "device": "cpu",
+                                                                    "seed": SEED}})
+    return RolloutConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def server():
+    return PolynyaRolloutServer(rollout_config(), MODEL)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL, dtype="float32", device="cpu", seed=SEED)
+
+
+def greedy(model, prompt, n):
+    ids, eos = list(prompt), model.config.eos_token_id
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == eos:
+                break
+    return ids[len(prompt):]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_greedy_and_sampled_match_plain_torch(server, model):
+    for prompt in PROMPTS:
+        out = run(server.generate(prompt, {"temperature": 0.0, "top_p": 1.0, "top_k": -1}, "r0"))
+        assert out.token_ids == greedy(model, prompt, MAX_NEW) and out.log_probs is None
+        assert out.stop_reason == "completed" and out.extra_fields == {"global_steps": None}
+    prompt = PROMPTS[1]
+    out = run(server.generate(prompt, {"temperature": 1.0, "logprobs": True, "seed": 3, "max_tokens": 5}, "r1"))
+    assert 1 <= len(out.token_ids) <= 5 and len(out.log_probs) == len(out.token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.log_probs), want, rtol=1e-4, atol=1e-4)
+
+
+def test_concurrent_requests_each_get_their_own_answer(server, model):
+    async def many():
+        return await asyncio.gather(*[server.generate(p, {"temperature": 0.0}, f"c{i}")
+                                      for i, p in enumerate(PROMPTS * 2)])
+    outs = run(many())
+    assert [o.token_ids for o in outs] == [greedy(model, p, MAX_NEW) for p in PROMPTS * 2]
+
+
+def test_sleep_refuses_then_wake_serves_the_same(server, model):
+    run(server.sleep())
+    with pytest.raises(RuntimeError, match="asleep"):
+        run(server.generate(PROMPTS[0], {"temperature": 0.0}, "s0"))
+    run(server.wake_up(tags=["weights", "kv_cache"]))
+    run(server.clear_kv_cache())
+    out = run(server.generate(PROMPTS[0], {"temperature": 0.0}, "s1"))
+    assert out.token_ids == greedy(model, PROMPTS[0], MAX_NEW)
+
+
+def test_abort_holds_new_requests_until_resume(server, model):
+    async def scenario():
+        assert await server.abort_all_requests() == {"aborted_count": 0, "request_ids": []}
+        task = asyncio.create_task(server.generate(PROMPTS[0], {"temperature": 0.0}, "a0"))
+        await asyncio.sleep(0.2)
+        held = not task.done()
+        await server.resume_generation()
+        out = await task
+        await server.abort_all_requests(reject_request=True)
+        rejected = await server.generate(PROMPTS[0], {"temperature": 0.0}, "a1")
+        await server.resume_generation()
+        return held, out, rejected
+    held, out, rejected = run(scenario())
+    assert held and out.token_ids == greedy(model, PROMPTS[0], MAX_NEW)
+    assert rejected.stop_reason == "aborted" and rejected.token_ids == []
+
+
+def test_update_weights_serves_the_new_model():
+    server = PolynyaRolloutServer(rollout_config(), MODEL)
+    new = load_model(MODEL, dtype="float32", device="cpu", seed=SEED + 1)
+    before = run(server.generate(PROMPTS[1], {"temperature": 0.0}, "w0")).token_ids
+    run(server.update_weights([(n, p.detach()) for n, p in new.named_parameters()], global_steps=3))
+    out = run(server.generate(PROMPTS[1], {"temperature": 0.0}, "w1"))
+    assert out.token_ids == greedy(new, PROMPTS[1], MAX_NEW) != before
+    assert out.extra_fields["global_steps"] == 3
+
+
+@pytest.mark.parametrize("params, kwargs, message", [
+    ({"repetition_penalty": 1.3}, {}, "repetition_penalty"),
+    ({"frequency_penalty": 0.5}, {}, "frequency_penalty"),
+    ({}, {"image_data": ["img"]}, "token ids only"),
+])
+def test_unsupported_requests_are_refused(server, params, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        run(server.generate(PROMPTS[0], params, "bad", **kwargs))
+
+
+def test_prompt_without_room_is_refused(server):
+    with pytest.raises(ValueError, match="no room"):
+        run(server.generate(list(range(2, 2 + 38)), {}, "long"))
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
+        PolynyaRolloutServer(rollout_config(tensor_model_parallel_size=2), MODEL)
