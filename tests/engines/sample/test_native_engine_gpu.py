@@ -25,7 +25,7 @@ def prompts() -> list[list[int]]:
 
 def make_engine(dtype: str, fca: bool = True, graphs: bool = True) -> SamplingEngine:
     return SamplingEngine(SamplerConfig(MODEL, dtype=dtype, device="cuda", fca=fca, cuda_graphs=graphs,
-                                        kv_cache_memory_gb=4, max_num_seqs=64))
+                                        kv_cache_memory_gb=4, max_num_seqs=64, fca_min_shared_tokens=0))
 
 
 def hf_greedy(engine: SamplingEngine) -> list[list[int]]:

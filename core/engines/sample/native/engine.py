@@ -65,7 +65,7 @@ class NativeEngine:
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0,
-                        "prefill_steps": 0, "decode_steps": 0, "requests": 0}
+                        "prefill_steps": 0, "decode_steps": 0, "fca_steps": 0, "requests": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
 
@@ -129,6 +129,7 @@ class NativeEngine:
             self.runner.copy_blocks(batch.copies)
         logits = self.runner.run(batch.seqs, batch.is_prefill)
         self._count(batch)  # before the new tokens are appended
+        self._counts["fca_steps"] += not batch.is_prefill and self.runner.last_step_fca
         rows, parents = self._expand_forks(batch)
         if len(rows) != len(batch.seqs):
             logits = logits[torch.tensor(parents, device=logits.device)]
@@ -223,7 +224,8 @@ class NativeEngine:
 
     def stats(self) -> dict[str, float]:
         """Counters since start: ``prefill_tokens`` (computed, cache hits excluded),
-        ``decode_tokens``, ``cache_hit_tokens`` / ``cache_hit_blocks``, ``blocks_in_use`` of
+        ``decode_tokens``, ``cache_hit_tokens`` / ``cache_hit_blocks``, ``fca_steps`` (decode
+        steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached), ``blocks_in_use`` of
         ``num_blocks``, ``preemptions``, step counts, ``weight_version``, and wall time spent
         in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures
         and their wall time (``graph_captures`` / ``graph_capture_s``, inside the step times)."""

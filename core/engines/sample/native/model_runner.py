@@ -52,6 +52,9 @@ class ModelRunner:
         self.max_model_len = min(limits)
         # FCA serves full-attention layers only (windowed ones decode paged): no plan without one
         self.use_fca = config.fca and None in self.features.layer_windows
+        self.last_step_fca = False  # whether the last decode step took the FCA path
+        self._fca_key: tuple[int, ...] = ()
+        self._fca_saved = 0
         self.weights_offloaded = False
         self._copy_plans: dict = {}  # FlatBuckets layout -> BucketCopyPlan (dropped when weights move)
         self.kv: torch.Tensor | None = None
@@ -192,6 +195,18 @@ class ModelRunner:
         step takes the plain paged path (no plan, no merge)."""
         return len({s.block_table[0] for s in seqs}) < len(seqs)
 
+    def fca_pays(self, seqs: list[Sequence]) -> bool:
+        """Whether FCA beats the paged kernel on this step: the KV reads it saves per layer
+        (page reads beyond the first reader of each page, in tokens) reach
+        ``config.fca_min_shared_tokens``. Decode steps add private pages only, so the count
+        changes with the set of rows; it is computed once per row set."""
+        key = tuple(s.seq_id for s in seqs)
+        if key != self._fca_key:
+            pages = np.concatenate([s.table_np() for s in seqs])
+            saved = (len(pages) - len(np.unique(pages))) * self.block_size
+            self._fca_key, self._fca_saved = key, saved
+        return self._fca_saved >= self.config.fca_min_shared_tokens
+
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                         tables: torch.Tensor, lens: torch.Tensor, fca: bool) -> torch.Tensor:
         """One decode step on device tensors (eager, or being captured into a CUDA graph)."""
@@ -218,7 +233,8 @@ class ModelRunner:
                              use_cache=False, logits_to_keep=last, **{attention.CTX_KWARG: ctx})
             return out.logits[0]
         ids, pos, slots, tables, lens = self._decode_inputs(seqs)
-        fca = self.use_fca and self.shares_pages(seqs)
+        fca = self.use_fca and self.shares_pages(seqs) and self.fca_pays(seqs)
+        self.last_step_fca = fca
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
             try:
                 return self.graphs.run(ids, pos, slots, tables, lens, fca)
