@@ -18,12 +18,10 @@ import os
 import statistics
 import time
 
-import torch
-
 import polynya
+import torch
 from polynya.config import TrainConfig
-from polynya.engines import TrainingEngine
-from polynya.engines import _deepspeed
+from polynya.engines import TrainingEngine, _deepspeed
 
 
 def _sync() -> None:

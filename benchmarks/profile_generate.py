@@ -22,7 +22,6 @@ import time
 
 import torch
 from hydra import compose, initialize_config_module
-
 from polynya import SamplingParams, create_rl_client
 from polynya.engines.sample.native import cuda_graph
 from polynya.recipes.driver import GRPODriver

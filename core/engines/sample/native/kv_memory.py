@@ -120,5 +120,5 @@ def _free_range(drv, va: int, size: int, mapped: dict) -> None:
             drv.cuMemUnmap(va, size)
             drv.cuMemRelease(mapped.pop("handle"))
         drv.cuMemAddressFree(va, size)
-    except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
+    except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
         pass
