@@ -1,11 +1,21 @@
 """One GRPO recipe end to end on one device: step time split into generate / logprobs / train /
 sync, with ZoRRo + FCA on vs off, through the public client (local protocol, colocated).
 
-    python benchmarks/bench_recipe.py --model random-qwen3-0.6b --task gsm8k --steps 3
+    python benchmarks/bench_recipe.py --model random-qwen3-0.6b --task gsm8k --steps 10
+    -> results/bench_recipe_<task>.json (per-step rows of both arms), results/bench_recipe_<task>.png
 
 Each arm builds its own client (trainer with ZoRRo on/off, reference log-prob engine, native
-sampler with FCA on/off), runs ``--steps`` GRPO steps of the composed recipe, and reports the
-median of the steps after the first (which pays compilation and CUDA-graph capture).
+sampler with FCA on/off) and runs ``--steps`` GRPO steps of the composed recipe, step by step
+as ``GRPODriver.run`` does, recording every step (new prompt lengths every step: the per-step
+times show what new shapes cost) and the sampler's counters per step (prefill / decode time,
+CUDA-graph captures, FCA steps). Medians are over the steps after the first (which pays
+compilation and CUDA-graph capture).
+
+In the same process, right after its steps, each arm calls the same sampler directly
+(``SamplingEngine.generate``, no hand-over) on fresh prompts of the task with the recipe's
+sampling parameters — the *direct* generate of the same shape — so the recipe's generate phase
+can be compared with it (``generate / direct``). The difference is the colocated hand-over
+(trainer offload, sampler wake) and anything else the phase pays outside the sampler.
 ``--budget-s`` stops before starting an arm that would not fit (the table shows what ran).
 """
 from __future__ import annotations
@@ -19,15 +29,24 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, markdown_table, save  # noqa: E402
 
+import torch  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 
+from polynya import SamplingParams, create_rl_client  # noqa: E402
 from polynya.recipes.driver import GRPODriver  # noqa: E402
 from polynya.recipes.schema import register  # noqa: E402
 
-KEYS = ("generate_s", "logprobs_s", "train_s", "sync_s", "step_s")
+PHASES = ("generate_s", "logprobs_s", "train_s", "sync_s")
+SAMPLER = ("prefill_time_s", "decode_time_s", "decode_steps", "fca_steps", "graph_captures",
+           "graph_capture_s", "prefill_tokens")
 
 
-def run_arm(args, on: bool, out: str) -> dict:
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def compose_recipe(args, on: bool, out: str):
     overrides = [f"task={args.task}", f"model={args.model}", "placement=local",
                  f"run.steps={args.steps}", f"run.prompts_per_step={args.prompts}",
                  f"run.group_size={args.group_size}", f"run.max_new_tokens={args.max_new_tokens}",
@@ -35,40 +54,154 @@ def run_arm(args, on: bool, out: str) -> dict:
                  f"client.zorro_train={on}", f"client.zorro_inference={on}",
                  "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true"]
     with initialize_config_module("polynya.recipes.conf", version_base=None):
-        cfg = compose("config", overrides=overrides)
-    t = time.perf_counter()
-    history = GRPODriver(cfg).run()["history"]
-    row = {"arm": "ZoRRo+FCA" if on else "naive+paged", "wall_s": round(time.perf_counter() - t, 1)}
-    steady = history[1:] or history
-    for k in KEYS:
-        row[k.replace("_s", "_ms")] = round(1e3 * statistics.median(h.get(k, 0.0) for h in steady), 1)
-    row["reward"] = round(statistics.mean(h["reward_mean"] for h in history), 3)
-    return row
+        return compose("config", overrides=overrides)
+
+
+def direct_generate(driver: GRPODriver, client, first_step: int, calls: int) -> list[dict]:
+    """The sampler called directly (already awake, trainer offloaded) on the prompts of steps
+    the run did not use, with the recipe's sampling parameters."""
+    rc = driver.run_cfg
+    client.sleep("sampler")  # hand the device to the sampler once, outside the timings
+    client.wake("sampler")
+    sampler = client.samplers[0]
+    rows = []
+    for i in range(calls):
+        step = first_step + i
+        prompts = [driver.prompt_ids[j] for j in driver._pick(step)]
+        params = SamplingParams(n=rc.group_size, temperature=rc.temperature, top_p=rc.top_p,
+                                top_k=rc.top_k, max_tokens=rc.max_new_tokens, seed=rc.seed + step)
+        before = sampler.stats()
+        _sync()
+        t = time.perf_counter()
+        out = sampler.generate(prompts, params)
+        _sync()
+        wall = time.perf_counter() - t
+        after = sampler.stats()
+        rows.append({"wall_s": wall, "tokens": sum(len(s.token_ids) for g in out for s in g),
+                     **{k: after[k] - before[k] for k in SAMPLER}})
+    return rows
+
+
+def run_arm(args, on: bool, out: str) -> tuple[dict, list[dict]]:
+    t0 = time.perf_counter()
+    driver = GRPODriver(compose_recipe(args, on, out))
+    steps = []
+    with create_rl_client(driver.client_config) as client:
+        sampler = client.samplers[0]
+        for step in range(args.steps):
+            before = sampler.stats()
+            m = driver.step(client, step)
+            after = sampler.stats()
+            row = {"step": step, **{k: m[k] for k in (*PHASES, "step_s")},
+                   "response_len": m["response_len"], "reward_mean": m["reward_mean"],
+                   **{k: after[k] - before[k] for k in SAMPLER}}
+            row["handover_s"] = row["generate_s"] - row["prefill_time_s"] - row["decode_time_s"]
+            steps.append(row)
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        direct = direct_generate(driver, client, args.steps + 1, args.direct_calls)
+        client.wake("trainer")  # how much of the trainer's device memory the hand-over frees
+        freed = client.trainer.offload()
+    steady = steps[1:] or steps
+    med = lambda key, rows=steady: statistics.median(r[key] for r in rows)  # noqa: E731
+    summary = {"arm": "ZoRRo+FCA" if on else "naive+paged", "wall_s": round(time.perf_counter() - t0, 1)}
+    for k in (*PHASES, "step_s", "handover_s"):
+        summary[k.replace("_s", "_ms")] = round(1e3 * med(k), 1)
+    summary["decode_ms_per_step"] = round(1e3 * med("decode_time_s") / med("decode_steps"), 2)
+    summary["direct_generate_ms"] = round(1e3 * med("wall_s", direct[1:] or direct), 1)
+    summary["generate_vs_direct"] = round(summary["generate_ms"] / summary["direct_generate_ms"], 3)
+    summary["fca_steps"] = sum(r["fca_steps"] for r in steps)
+    summary["decode_steps"] = sum(r["decode_steps"] for r in steps)
+    summary["graph_captures"] = sum(r["graph_captures"] for r in steps)
+    summary["offload_freed_fraction"] = round(freed["freed_fraction"], 3)
+    summary["reward"] = round(statistics.mean(r["reward_mean"] for r in steps), 3)
+    return summary, [dict(r, arm=summary["arm"]) for r in steps] + [
+        dict(r, arm=summary["arm"], direct=True) for r in direct]
+
+
+def plot(rows: list[dict], per_step: list[dict], args, env: dict, path: str) -> None:
+    """Left: median step of each arm stacked by phase. Right: every step's time per arm."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
+    colors = {"generate_ms": "#4c72b0", "logprobs_ms": "#dd8452", "train_ms": "#55a868", "sync_ms": "#c44e52"}
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for key, color in colors.items():
+        vals = [r[key] for r in rows]
+        ax.bar(x, vals, 0.55, bottom=bottom, color=color, label=key.replace("_ms", ""))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    direct = [r["direct_generate_ms"] for r in rows]
+    ax.scatter(x, direct, marker="_", s=900, color="black", zorder=3, label="direct generate")
+    for i, r in enumerate(rows):
+        ax.text(i, bottom[i], f"{r['step_ms']:.0f} ms", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [r["arm"] for r in rows])
+    ax.set_ylabel("median step (ms, steps after the first)")
+    ax.set_ylim(0, 1.12 * max(bottom + direct))
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    for arm, marker in (("ZoRRo+FCA", "o"), ("naive+paged", "s")):
+        pts = [r for r in per_step if r["arm"] == arm and not r.get("direct")]
+        ax2.plot([p["step"] for p in pts], [1e3 * p["step_s"] for p in pts], marker=marker, label=f"{arm} step")
+        ax2.plot([p["step"] for p in pts], [1e3 * p["generate_s"] for p in pts], marker=marker,
+                 linestyle="--", alpha=0.6, label=f"{arm} generate")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("step (new prompts and lengths every step)")
+    ax2.set_ylabel("ms")
+    ax2.legend(fontsize=7)
+    if len(rows) == 2:
+        ratio = rows[1]["step_ms"] / rows[0]["step_ms"]
+        fig.suptitle(f"bench_recipe {args.task}: {args.prompts} prompts x G{args.group_size}, "
+                     f"{args.max_new_tokens} new, {args.model}, colocated — {env['gpu']} — "
+                     f"ZoRRo+FCA {ratio:.2f}x naive+paged", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random-qwen3-0.6b")
     ap.add_argument("--task", default="gsm8k")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--direct-calls", type=int, default=3, help="direct generate calls (first one not counted)")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     register()
-    start, rows = time.perf_counter(), []
+    start, rows, per_step = time.perf_counter(), [], []
     for on in (True, False):
         if rows and time.perf_counter() - start > args.budget_s - rows[-1]["wall_s"]:
             print(f"skipping the {'on' if on else 'off'} arm: it would not fit in --budget-s", flush=True)
             break
-        rows.append(run_arm(args, on, os.path.join(args.out, "recipe_runs")))
-        print(rows[-1], flush=True)
-    save(dict(environment(), **vars(args), rows=rows), args.out, "bench_recipe")
-    print(markdown_table(rows, [("arm", "arm"), ("generate_ms", "generate ms"), ("logprobs_ms", "logprobs ms"),
+        summary, steps = run_arm(args, on, os.path.join(args.out, "recipe_runs"))
+        rows.append(summary)
+        per_step += steps
+        print(summary, flush=True)
+    env = environment()
+    if len(rows) == 2:
+        for key in ("step_ms", "generate_ms", "train_ms", "logprobs_ms"):
+            rows[0][f"speedup_{key[:-3]}"] = round(rows[1][key] / rows[0][key], 3)
+    save(dict(env, **vars(args), rows=rows, per_step=per_step), args.out, f"bench_recipe_{args.task}")
+    plot(rows, per_step, args, env, os.path.join(args.out, f"bench_recipe_{args.task}.png"))
+    print(markdown_table(rows, [("arm", "arm"), ("generate_ms", "generate ms"),
+                                ("direct_generate_ms", "direct generate ms"),
+                                ("generate_vs_direct", "generate / direct"), ("handover_ms", "hand-over ms"),
+                                ("decode_ms_per_step", "decode ms/step"), ("logprobs_ms", "logprobs ms"),
                                 ("train_ms", "train ms"), ("sync_ms", "sync ms"), ("step_ms", "step ms"),
+                                ("fca_steps", "FCA steps"), ("graph_captures", "captures"),
                                 ("reward", "mean reward"), ("wall_s", "arm wall s")]))
+    if len(rows) == 2:
+        print(f"step speedup ZoRRo+FCA vs naive+paged: {rows[0]['speedup_step']:.3f}x "
+              f"(generate {rows[0]['speedup_generate']:.3f}x, train {rows[0]['speedup_train']:.3f}x, "
+              f"logprobs {rows[0]['speedup_logprobs']:.3f}x)")
 
 
 if __name__ == "__main__":

@@ -367,7 +367,11 @@ def _plot(results: dict, out: str) -> None:
     except ImportError:
         return
     ipc, step = results.get("ipc") or {}, results.get("rl_step") or {}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = ("runs" in ipc) + ("step_s" in step)
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 0.5, 4), squeeze=False)
+    axes = list(axes[0]) + [None]  # only the panels that have data (--skip-step: the sync alone)
     if "runs" in ipc:
         names = [n for n, v in ipc["runs"].items() if "copy_s" in v]
         phases = ["trainer_checksum_s", "export_s", "open_s", "verify_s", "copy_s"]
@@ -379,12 +383,13 @@ def _plot(results: dict, out: str) -> None:
         axes[0].axhline(ipc["hbm_copy"]["ms"], color="k", ls="--", label="HBM copy")
         axes[0].set_ylabel("ms")
         axes[0].legend(fontsize=7)
-        axes[0].set_title("CUDA-IPC sync, Qwen3-0.6B bf16")
+        axes[0].set_title(f"CUDA-IPC sync, Qwen3-0.6B bf16 — {(results.get('env') or {}).get('gpu', '')}", fontsize=9)
+        axes = axes[1:]
     if "step_s" in step:
         parts = ["generate_s", "logprobs_s", "train_s", "sync_s"]
-        axes[1].bar(parts, [step[p] for p in parts])
-        axes[1].set_ylabel("s")
-        axes[1].set_title(f"colocated RL step ({step['shape']})")
+        axes[0].bar(parts, [step[p] for p in parts])
+        axes[0].set_ylabel("s")
+        axes[0].set_title(f"colocated RL step ({step['shape']})")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "bench_sync.png"), dpi=110)
 

@@ -151,15 +151,25 @@ def main() -> None:
                   cudnn_avoid_recompile=os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
                   gradient_checkpointing=True, complete=len(rows) == len(shapes), rows=rows),
              args.out, name)
-    paired_bars(os.path.join(args.out, f"{name}.png"), [r["shape"] for r in rows],
-                [r["speedup"] for r in rows], "measured speedup", [r["ideal"] for r in rows],
-                "ideal G(P+R)/(P+GR)", "naive / ZoRRo step time")
+    plot(dict(environment(), model=args.model, groups=args.groups, arms=arms, rows=rows),
+         os.path.join(args.out, f"{name}.png"))
     others = [(f"{a}_{k}", f"{a} {t}") for a in arms[2:] for k, t in (("ms", "ms"), ("speedup", "speedup"))]
     print(markdown_table(rows, [("shape", "P/R/G"), ("naive_ms", "naive ms"), ("zorro_ms", f"ZoRRo {arms[1]} ms"),
                                 ("speedup", "speedup"), *others, ("ideal", "ideal"), ("flop_ratio", "FLOP ratio"),
                                 ("naive_peak_gb", "naive peak GB"), ("zorro_peak_gb", "ZoRRo peak GB"),
                                 ("mem_ratio", "peak ratio"), ("step_mem_ratio", "step-mem ratio"),
                                 ("naive_mfu", "naive MFU"), ("zorro_mfu", "ZoRRo MFU")]))
+
+
+def plot(results: dict, path: str) -> None:
+    """Measured vs ideal speedup per shape, titled with the GPU, model, groups and ZoRRo path."""
+    rows = results["rows"]
+    title = (f"ZoRRo Train vs naive (compute_logprobs + backward): {results.get('model', '')}, "
+             f"{results.get('groups', '?')} prompt groups/step\nZoRRo path "
+             f"{(results.get('arms') or ['', '?'])[1]} — {results.get('gpu', '')} {results.get('date', '')}")
+    paired_bars(path, [r["shape"] for r in rows], [r["speedup"] for r in rows], "measured speedup",
+                [r["ideal"] for r in rows], "ideal G(P+R)/(P+GR)", "naive / ZoRRo step time",
+                title=title, ref_line=1.0)
 
 
 if __name__ == "__main__":

@@ -57,9 +57,9 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def paired_bars(path: str, labels: list[str], a: list[float], a_label: str, b: list[float],
-                b_label: str, ylabel: str) -> None:
-    """Two bars per x label (e.g. measured vs ideal speedup) saved as a PNG; no-op without
-    matplotlib."""
+                b_label: str, ylabel: str, title: str = "", ref_line: float | None = None) -> None:
+    """Two bars per x label (e.g. measured vs ideal speedup) saved as a PNG, with a title and
+    an optional horizontal reference line (1.0 for speedups); no-op without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -71,8 +71,14 @@ def paired_bars(path: str, labels: list[str], a: list[float], a_label: str, b: l
     ax.bar([x - 0.2 for x in xs], a, 0.4, label=a_label)
     ax.bar([x + 0.2 for x in xs], b, 0.4, label=b_label)
     ax.set_xticks(list(xs), labels, fontsize=7 if len(labels) > 5 else 9)
+    for x, v in zip(xs, a):
+        ax.text(x - 0.2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    if ref_line is not None:
+        ax.axhline(ref_line, color="black", linewidth=0.8, linestyle="--")
     ax.set_ylabel(ylabel)
-    ax.legend()
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -131,9 +131,25 @@ def test_n_forks_prefill_once_and_prefix_cache(qwen):
 def test_fca_on_off_same_greedy_tokens(family):
     prompts = ragged_prompts(7, [13, 6, 21])
     p = SamplingParams(n=4, temperature=0, max_tokens=12, stop_token_ids=())
-    outs = [make_engine(f"tiny:{family}", fca=fca).generate(prompts + [prompts[0][:9]], p)
-            for fca in (True, False)]
+    engines = [make_engine(f"tiny:{family}", fca=fca, fca_min_shared_tokens=0) for fca in (True, False)]
+    outs = [e.generate(prompts + [prompts[0][:9]], p) for e in engines]
     assert [[s.token_ids for s in o] for o in outs[0]] == [[s.token_ids for s in o] for o in outs[1]]
+    assert engines[0].stats()["fca_steps"] > 0 and engines[1].stats()["fca_steps"] == 0
+
+
+def test_fca_only_when_the_shared_reads_pay():
+    """Below ``fca_min_shared_tokens`` saved KV reads a step takes the paged kernel (same
+    tokens); at or above it, FCA. Here 4 forks share a 21-token prompt: 5 pages of 4, 3 extra
+    readers each -> 60 tokens saved per layer."""
+    prompt = ragged_prompts(3, [21])
+    p = SamplingParams(n=4, temperature=0, max_tokens=6, stop_token_ids=())
+    runs = {}
+    for threshold in (60, 61):
+        engine = make_engine("tiny:qwen3", fca_min_shared_tokens=threshold)
+        runs[threshold] = ([s.token_ids for s in engine.generate(prompt, p)[0]], engine.stats())
+    assert runs[60][0] == runs[61][0]
+    assert runs[60][1]["fca_steps"] == runs[60][1]["decode_steps"] > 0
+    assert runs[61][1]["fca_steps"] == 0
 
 
 def test_bad_inputs_raise_for_that_request_only(qwen):

@@ -25,7 +25,7 @@ def prompts() -> list[list[int]]:
 
 def make_engine(dtype: str, fca: bool = True, graphs: bool = True) -> SamplingEngine:
     return SamplingEngine(SamplerConfig(MODEL, dtype=dtype, device="cuda", fca=fca, cuda_graphs=graphs,
-                                        kv_cache_memory_gb=4, max_num_seqs=64))
+                                        kv_cache_memory_gb=4, max_num_seqs=64, fca_min_shared_tokens=0))
 
 
 def hf_greedy(engine: SamplingEngine) -> list[list[int]]:
@@ -69,3 +69,24 @@ def test_bf16_greedy_short_run():
     print(f"bf16 greedy agreement with HF generate (tokens of {NEW}): {agree}")
     assert all(r[0] == g[0] for r, g in zip(ref, got)), "the first token comes from the same prefill"
     assert sum(agree) >= 0.5 * NEW * len(agree)
+
+
+def test_sleep_wake_keeps_graphs_and_tokens():
+    """Level-1 sleep releases the KV cache's memory; after wake the same greedy tokens come
+    back, and with a virtual-memory cache (``KVMemory.stable``) no graph is captured again."""
+    engine = make_engine("bfloat16")
+    runner = engine.backend.runner
+    first = engine_greedy(engine, n=2)
+    captures = engine.stats()["graph_captures"]
+    assert captures >= 1
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep(1)
+    torch.cuda.synchronize()
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    assert freed >= 0.9 * runner.kv_bytes(), (freed, runner.kv_bytes())
+    filler = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # the trainer's turn
+    engine.wake()
+    del filler
+    assert engine_greedy(engine, n=2) == first
+    if runner._kv_memory.stable:
+        assert engine.stats()["graph_captures"] == captures

@@ -10,9 +10,13 @@ Graphs are keyed by ``(bucket, fca)``: a step whose sequences share no page runs
 paged graph. A batch of ``B`` sequences runs in the smallest bucket ``>= B``; the padding rows decode a
 dummy token into a scratch page that the block manager never hands out. Block tables are
 padded to the widest table the cache allows, so one graph serves every sequence length.
+All graphs share one memory pool: their replays never overlap and each output is read before
+the next replay, so the intermediates of one bucket may reuse another's. The graphs outlive a
+sleep/wake of the KV cache when it comes back at the same address (``kv_memory.py``).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -53,11 +57,14 @@ class DecodeGraphs:
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.host = torch.zeros((n, 3 + width + 1), dtype=torch.int64).pin_memory()
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None  # one memory pool for every graph (replays never overlap)
+        self.captures, self.capture_s = 0, 0.0
 
     def bucket(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
     def _capture(self, b: int, fca: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        start = time.perf_counter()
         args = (self.ids[:, :b], self.pos[:, :b], self.slots[:b], self.tables[:b], self.lens[:b], fca)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -65,12 +72,17 @@ class DecodeGraphs:
             for _ in range(2):  # compile Triton kernels and settle allocations outside capture
                 self.forward(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.pool):
                 out = self.forward(*args)
         except RuntimeError as exc:  # e.g. a MoE layer that copies a host tensor per step
             raise GraphCaptureError(str(exc)) from exc
+        torch.cuda.synchronize(self.device)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
         return graph, out
 
     def run(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, tables: np.ndarray,

@@ -65,8 +65,9 @@ class NativeEngine:
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0,
-                        "prefill_steps": 0, "decode_steps": 0, "requests": 0}
+                        "prefill_steps": 0, "decode_steps": 0, "fca_steps": 0, "requests": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
+        self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
 
     # ---------------------------------------------------------------- requests
     def validate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams]
@@ -128,14 +129,28 @@ class NativeEngine:
             self.runner.copy_blocks(batch.copies)
         logits = self.runner.run(batch.seqs, batch.is_prefill)
         self._count(batch)  # before the new tokens are appended
+        self._counts["fca_steps"] += not batch.is_prefill and self.runner.last_step_fca
         rows, parents = self._expand_forks(batch)
         if len(rows) != len(batch.seqs):
             logits = logits[torch.tensor(parents, device=logits.device)]
         uniforms = [0.0 if s.params.temperature == 0 else s.next_uniform() for s in rows]
-        st = SamplingTensors.build([s.params for s in rows], uniforms, logits.shape[-1], logits.device)
-        tokens, logprobs = sample(logits, st)
-        self._postprocess(rows, tokens.tolist(), logprobs.tolist())  # syncs with the device
+        tokens, logprobs = sample(logits, self._sampling_tensors(rows, uniforms, logits))
+        both = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()  # one sync
+        self._postprocess(rows, both[0].long().tolist(), both[1].tolist())
         self._times["prefill_time_s" if batch.is_prefill else "decode_time_s"] += time.perf_counter() - start
+
+    def _sampling_tensors(self, rows: list[Sequence], uniforms: list[float],
+                          logits: torch.Tensor) -> SamplingTensors:
+        """Row settings on the device, rebuilt only when the rows' parameters changed (most
+        decode steps run the same rows as the step before: only the uniforms are new)."""
+        params = [s.params for s in rows]
+        cached = self._st_cache
+        if cached is not None and len(cached[0]) == len(params) and all(
+                a is b for a, b in zip(cached[0], params)):
+            return cached[1].with_uniforms(uniforms)
+        st = SamplingTensors.build(params, uniforms, logits.shape[-1], logits.device)
+        self._st_cache = (params, st)
+        return st
 
     def _expand_forks(self, batch: Batch) -> tuple[list[Sequence], list[int]]:
         """After a prefill, fork every prompt with ``n > 1``: rows to sample and their logit row."""
@@ -209,10 +224,14 @@ class NativeEngine:
 
     def stats(self) -> dict[str, float]:
         """Counters since start: ``prefill_tokens`` (computed, cache hits excluded),
-        ``decode_tokens``, ``cache_hit_tokens`` / ``cache_hit_blocks``, ``blocks_in_use`` of
+        ``decode_tokens``, ``cache_hit_tokens`` / ``cache_hit_blocks``, ``fca_steps`` (decode
+        steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached), ``blocks_in_use`` of
         ``num_blocks``, ``preemptions``, step counts, ``weight_version``, and wall time spent
-        in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``)."""
+        in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures
+        and their wall time (``graph_captures`` / ``graph_capture_s``, inside the step times)."""
         with self._lock:
+            captures, capture_s = self.runner.graph_stats()
             return dict(self._counts, **self._times, cache_hit_blocks=self.block_manager.hit_blocks,
+                        graph_captures=captures, graph_capture_s=capture_s,
                         blocks_in_use=self.block_manager.num_used, num_blocks=self.block_manager.num_blocks,
                         preemptions=self.scheduler.num_preemptions, weight_version=self.weight_version)

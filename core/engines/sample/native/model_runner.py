@@ -22,6 +22,7 @@ from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, split_wei
 
 from . import attention
 from .cuda_graph import DecodeGraphs, GraphCaptureError
+from .kv_memory import KVMemory
 from .sequence import Sequence
 
 
@@ -51,17 +52,29 @@ class ModelRunner:
         self.max_model_len = min(limits)
         # FCA serves full-attention layers only (windowed ones decode paged): no plan without one
         self.use_fca = config.fca and None in self.features.layer_windows
+        self.last_step_fca = False  # whether the last decode step took the FCA path
+        self._fca_key: tuple[int, ...] = ()
+        self._fca_saved = 0
         self.weights_offloaded = False
         self._copy_plans: dict = {}  # FlatBuckets layout -> BucketCopyPlan (dropped when weights move)
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why decode runs without CUDA graphs
+        self._graphs_kv_ptr = 0
+        self._retired_captures = [0, 0.0]  # captures / seconds of graphs since dropped
+        shape = (self.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
+                 self.head_dim)
+        self._kv_memory = KVMemory(shape, self.dtype, self.device)
         self.allocate_kv()
 
     # ---------------------------------------------------------------- cache
     def _block_bytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def kv_bytes(self) -> int:
+        """Bytes of the KV cache (scratch page included)."""
+        return self._kv_memory.nbytes
 
     def _blocks_for_budget(self, gib: float) -> int:
         n = int(gib * 2**30) // self._block_bytes()
@@ -71,26 +84,46 @@ class ModelRunner:
 
     def allocate_kv(self) -> None:
         """The cache, plus one scratch page (id ``num_blocks``) that CUDA-graph padding rows
-        write into; the block manager never hands it out."""
-        shape = (self.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
-                 self.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda" and self.config.cuda_graphs and self.graphs_error is None:
+        write into; the block manager never hands it out. Decode graphs are kept across a
+        ``free_kv`` / ``allocate_kv`` pair when the cache comes back at the address they were
+        captured with (always, with ``KVMemory.stable``): a colocated sampler then captures
+        each graph once per process, not once per wake."""
+        self.kv = self._kv_memory.allocate()
+        if self.graphs is not None and self._graphs_kv_ptr != self.kv.data_ptr():
+            self._drop_graphs()  # captured against another cache address
+        if (self.graphs is None and self.device.type == "cuda" and self.config.cuda_graphs
+                and self.graphs_error is None):
             width = -(-self.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(self._decode_forward, self.config.max_num_seqs, width,
                                        self.block_size, self.num_blocks, self.device)
+            self._graphs_kv_ptr = self.kv.data_ptr()
+
+    def _drop_graphs(self) -> None:
+        if self.graphs is not None:
+            self._retired_captures[0] += self.graphs.captures
+            self._retired_captures[1] += self.graphs.capture_s
+        self.graphs = None
+
+    def graph_stats(self) -> tuple[int, float]:
+        """CUDA-graph captures since start and the wall seconds they took."""
+        n, s = self._retired_captures
+        if self.graphs is not None:
+            n, s = n + self.graphs.captures, s + self.graphs.capture_s
+        return n, s
 
     def _disable_graphs(self, exc: GraphCaptureError) -> None:
         """Decode eagerly from now on (the path every correctness test checks), and say why."""
-        self.graphs, self.graphs_error = None, str(exc)
+        self._drop_graphs()
+        self.graphs_error = str(exc)
         warnings.warn(f"{self.config.model}: the decode step cannot be captured as a CUDA graph "
                       f"({exc}); decoding without CUDA graphs (set cuda_graphs=False to silence)",
                       RuntimeWarning, stacklevel=3)
 
     def free_kv(self) -> None:
+        """Release the cache's device memory (graphs are kept; see ``allocate_kv``)."""
         self.kv = None
-        self.graphs = None  # captured against the old cache (and weights') addresses
-        if self.device.type == "cuda":
+        self._kv_memory.release()
+        if self.device.type == "cuda" and not self._kv_memory.stable:
             torch.cuda.empty_cache()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -162,6 +195,18 @@ class ModelRunner:
         step takes the plain paged path (no plan, no merge)."""
         return len({s.block_table[0] for s in seqs}) < len(seqs)
 
+    def fca_pays(self, seqs: list[Sequence]) -> bool:
+        """Whether FCA beats the paged kernel on this step: the KV reads it saves per layer
+        (page reads beyond the first reader of each page, in tokens) reach
+        ``config.fca_min_shared_tokens``. Decode steps add private pages only, so the count
+        changes with the set of rows; it is computed once per row set."""
+        key = tuple(s.seq_id for s in seqs)
+        if key != self._fca_key:
+            pages = np.concatenate([s.table_np() for s in seqs])
+            saved = (len(pages) - len(np.unique(pages))) * self.block_size
+            self._fca_key, self._fca_saved = key, saved
+        return self._fca_saved >= self.config.fca_min_shared_tokens
+
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                         tables: torch.Tensor, lens: torch.Tensor, fca: bool) -> torch.Tensor:
         """One decode step on device tensors (eager, or being captured into a CUDA graph)."""
@@ -188,7 +233,8 @@ class ModelRunner:
                              use_cache=False, logits_to_keep=last, **{attention.CTX_KWARG: ctx})
             return out.logits[0]
         ids, pos, slots, tables, lens = self._decode_inputs(seqs)
-        fca = self.use_fca and self.shares_pages(seqs)
+        fca = self.use_fca and self.shares_pages(seqs) and self.fca_pays(seqs)
+        self.last_step_fca = fca
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
             try:
                 return self.graphs.run(ids, pos, slots, tables, lens, fca)
@@ -230,7 +276,7 @@ class ModelRunner:
     def offload_weights(self) -> None:
         self._copy_plans = {}  # its views would keep the device weights alive
         if self.device.type == "cuda" and not self.weights_offloaded:
-            self.graphs = None
+            self._drop_graphs()  # captured against the weights' device addresses
             self.model.to("cpu")
             self.weights_offloaded = True
             torch.cuda.empty_cache()

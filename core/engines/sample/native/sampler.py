@@ -14,6 +14,7 @@ since the point mass greedy decoding "samples" from would always give 0.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,14 @@ class SamplingTensors:
                    needs_min_p=any(m > 0 for m in min_p), all_greedy=all(greedy),
                    any_greedy=any(greedy))
 
+    def with_uniforms(self, uniforms: list[float]) -> SamplingTensors:
+        """The same row settings with new uniform draws (one small host-to-device copy): a
+        decode step whose rows are the previous step's rows reuses everything else."""
+        host = torch.tensor(uniforms, dtype=torch.float32)
+        if self.uniform.is_cuda:
+            host = host.pin_memory()
+        return dataclasses.replace(self, uniform=host.to(self.uniform.device, non_blocking=True))
+
 
 def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Apply temperature and filters.
@@ -85,6 +94,40 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tens
     return x, order
 
 
+CDF_CHUNK = 2048  # vocabulary chunk of the two-level inverse CDF
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, chunk: int = CDF_CHUNK) -> torch.Tensor:
+    """Per row, the first index whose cumulative probability exceeds ``uniform * total``.
+
+    Two levels instead of one scan over the vocabulary: chunk sums, a scan over the chunks to
+    find the chunk holding the target, then a scan inside that chunk only. A full-vocabulary
+    ``cumsum`` of ``[64, 151936]`` costs ~0.25 ms on an H200 (the scan kernel parallelises over
+    rows); this costs a reduction and two small scans. Same inverse CDF; sums are ordered
+    differently, so a draw within float rounding of a boundary may pick the neighbour.
+
+    Args:
+        probs: ``[B, V]`` float32, non-negative. uniform: ``[B]`` in [0, 1).
+    Returns:
+        ``[B]`` int64 indices in ``[0, V)``.
+    """
+    b, v = probs.shape
+    if v <= 2 * chunk:
+        cdf = probs.cumsum(dim=-1)
+        target = (uniform * cdf[:, -1])[:, None]
+        return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=v - 1)
+    pad = (-v) % chunk
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(b, -1, chunk)
+    sums = blocks.sum(dim=-1)  # [B, n]
+    ccdf = sums.cumsum(dim=-1)
+    target = uniform * ccdf[:, -1]
+    ci = torch.searchsorted(ccdf, target[:, None], right=True).clamp_(max=ccdf.shape[1] - 1)  # [B, 1]
+    before = (ccdf.gather(1, ci) - sums.gather(1, ci))[:, 0]
+    inner = blocks.gather(1, ci[:, :, None].expand(b, 1, chunk))[:, 0].cumsum(dim=-1)  # [B, chunk]
+    local = torch.searchsorted(inner, (target - before)[:, None], right=True).clamp_(max=chunk - 1)
+    return (ci[:, 0] * chunk + local[:, 0]).clamp_(max=v - 1)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
@@ -102,9 +145,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, tor
     x, order = filter_logits(logits, st)
     logp = x.log_softmax(dim=-1)
     probs = logp.exp()
-    cdf = probs.cumsum(dim=-1)
-    target = (st.uniform * cdf[:, -1])[:, None]
-    pos = torch.searchsorted(cdf, target, right=True).clamp_(max=x.shape[-1] - 1)
+    pos = inverse_cdf(probs, st.uniform)[:, None]
     # float rounding at the very top of the CDF can land on a removed token: take the mode then
     mode = x.argmax(dim=-1, keepdim=True)
     pos = torch.where(probs.gather(-1, pos) > 0, pos, mode)
