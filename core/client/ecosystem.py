@@ -20,7 +20,7 @@ import uuid
 
 import torch
 
-from ..distributed import combine_signatures, tensor_signature
+from ..checksum import combine_signatures, tensor_signature
 from ..sync import SyncError, SyncGroup
 from ..sync.manifest import dtype_from_name
 from ..types import SamplingParams

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from ..cluster.routing import merge_routed, route_prompts
-from ..sync import StagedUpdate, apply_update, build_manifest, engine_checksum
+from ..sync import StagedUpdate, apply_update, build_manifest
 from ..sync.manifest import flat_spans
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
 from .api import ThreadedAsync, check_engine, check_logprob_model
@@ -214,7 +214,7 @@ class LocalClient(ThreadedAsync):
                 for st, dev in zip(staged, devices):
                     st.put(i, flat.to(dev))
             for r, st in zip(receivers, staged):
-                apply_update(r, st, verify=self.config.verify_sync)
+                apply_update(r, st)
             self.version = manifest.version
             return {
                 "version": manifest.version,
@@ -278,8 +278,8 @@ class LocalClient(ThreadedAsync):
             self._to_trainer()
             return {
                 "trainer": self.trainer.weight_checksum(),
-                "samplers": [engine_checksum(s) for s in self.samplers],
-                "logprob": [engine_checksum(self.logprob)] if self.logprob is not None else [],
+                "samplers": [s.weight_checksum() for s in self.samplers],
+                "logprob": [self.logprob.weight_checksum()] if self.logprob is not None else [],
                 "versions": [s.stats()["weight_version"] for s in self.samplers],
                 "version": self.version,
             }

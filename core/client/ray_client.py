@@ -206,7 +206,7 @@ class RayClient(ClientLifecycle):
             try:
                 rank_of = list(range(len(self.samplers))) + list(range(len(self.logprobs)))
                 yield [
-                    r.receive_shared.remote(manifest, handles[g], cfg.verify_sync)
+                    r.receive_shared.remote(manifest, handles[g])
                     for r, g in zip(receivers, rank_of)
                 ]
             finally:
@@ -218,7 +218,7 @@ class RayClient(ClientLifecycle):
             n = len(self.trainers)
             yield (
                 [t.send_weights.remote(manifest, bb, n) for t in self.trainers]
-                + [r.receive_broadcast.remote(manifest, n, cfg.verify_sync) for r in receivers]
+                + [r.receive_broadcast.remote(manifest, n) for r in receivers]
             )
         self.version = manifest.version
         return {
