@@ -227,8 +227,9 @@ def checkpoint_types() -> list:
     pickles may contain (``polynya.files.safe_torch_load``)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def load_checkpoint(engine, path: str, tag: str) -> None:

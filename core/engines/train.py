@@ -201,6 +201,7 @@ class TrainingEngine:
         lr = float(self.engine.optimizer.param_groups[0]["lr"])
         ds_skipped = int(self.engine.skipped_steps)
         schedule = self._sched.state_dict() if self._own_clip else None
+        group_lrs = [g["lr"] for g in self._sched.optimizer.param_groups]
         self._own_norm = None
         self.engine.step()
         self._pending = 0
@@ -209,6 +210,8 @@ class TrainingEngine:
         skipped = int(self.engine.skipped_steps) > ds_skipped
         if self._own_clip and not math.isfinite(norm):
             self._sched.load_state_dict(schedule)  # DeepSpeed stepped it: as its own skips, don't
+            for g, group_lr in zip(self._sched.optimizer.param_groups, group_lrs):
+                g["lr"] = group_lr
             self._own_skipped += 1
             skipped = True
         return {"grad_norm": norm, "lr": lr, "step": int(self.engine.global_steps),
