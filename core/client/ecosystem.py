@@ -134,7 +134,7 @@ def _device(engine) -> torch.device:
 def add_ecosystem_routes(app, client, tokenizer) -> None:
     from fastapi import Request
 
-    from .server import read_json
+    from .codec import read_json
 
     samplers = list(getattr(client, "samplers", []))
     transfer = WeightTransfer(samplers)
