@@ -73,7 +73,7 @@ class WeightTransfer:
             raise ValueError(
                 f"init_info needs master_address, master_port, world_size: {exc}"
             ) from None
-        device = _device(self.samplers[0])
+        device = self.samplers[0].device
         self.groups = [
             SyncGroup(host, port, rank=offset + i, world_size=world, device=device)
             for i in range(len(self.samplers))[:1]
@@ -123,12 +123,6 @@ class WeightTransfer:
                 raise SyncError(f"stale version {v}")
             out = s.load_weights(staged, version=v)
         return out
-
-
-def _device(engine) -> torch.device:
-    from ..sync import engine_model
-
-    return next(engine_model(engine).parameters()).device
 
 
 def add_ecosystem_routes(app, client, tokenizer) -> None:

@@ -18,7 +18,7 @@
 from .broadcast import SyncGroup, recv_weights, send_weights
 from .manifest import BucketSpec, SyncError, SyncManifest, build_manifest, plan_buckets
 from .shared import BucketHandle, SharedExport, open_shared
-from .staging import StagedUpdate, apply_update, engine_model
+from .staging import StagedUpdate, apply_update
 
 __all__ = [
     "SyncGroup",
@@ -34,5 +34,4 @@ __all__ = [
     "open_shared",
     "StagedUpdate",
     "apply_update",
-    "engine_model",
 ]

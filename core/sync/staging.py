@@ -108,16 +108,3 @@ def apply_update(engine, staged: StagedUpdate) -> int:
             return engine.load_weights(staged.pieces(), version=version, checksum=manifest.checksum)
         except ValueError as exc:  # checked before any copy: nothing was loaded
             raise SyncError(f"sync of version {version} rejected: {exc}") from exc
-
-
-def engine_model(engine) -> torch.nn.Module:
-    """The ``nn.Module`` behind a sampling engine (native backend) or a log-prob engine."""
-    for path in (("backend", "runner", "model"), ("runner", "model"), ("module",)):
-        obj = engine
-        for attr in path:
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.Module):
-            return obj
-    raise TypeError(f"cannot find the model of a {type(engine).__name__}")

@@ -22,7 +22,6 @@ from polynya.sync import (
     SyncManifest,
     apply_update,
     build_manifest,
-    engine_model,
     open_shared,
 )
 from polynya.spans import span_layout
@@ -98,7 +97,7 @@ def sync(trainer, sampler, version: int, *, corrupt=None, manifest=None) -> int:
 
 def exact(trainer, sampler) -> bool:
     mine = dict(trainer.module.named_parameters())
-    theirs = dict(engine_model(sampler).named_parameters())
+    theirs = dict(sampler.backend.runner.model.named_parameters())
     return all(torch.equal(p, theirs[n]) for n, p in mine.items()) and (
         sampler.weight_checksum() == trainer.weight_checksum()
     )
@@ -228,7 +227,7 @@ def test_sampler_drops_copy_plans_when_weights_move():
     assert sync(t, sampler, 2) == 2 and exact(t, sampler)
     (plan,) = runner._copy_plans.values()
     with torch.no_grad():  # a parameter re-pointed behind the engine's back: plan rebuilt
-        p = next(engine_model(sampler).parameters())
+        p = next(sampler.backend.runner.model.parameters())
         p.data = p.data.clone()
     assert not plan.current()
     t.perturb()

@@ -20,7 +20,6 @@ from polynya.sync import (
     SyncManifest,
     apply_update,
     build_manifest,
-    engine_model,
     open_shared,
     recv_weights,
     send_weights,
@@ -54,7 +53,7 @@ def make_sampler() -> SamplingEngine:
 
 
 def assert_exact_copy(trainer, sampler) -> None:
-    theirs = dict(engine_model(sampler).named_parameters())
+    theirs = dict(sampler.backend.runner.model.named_parameters())
     mine = dict(trainer.module.named_parameters())
     assert mine.keys() == theirs.keys()
     for name, p in mine.items():

@@ -24,6 +24,8 @@ import importlib.util
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from polynya.config.sampler import SamplerConfig
 from polynya.types import Sample, SamplingParams, TokenSeq
 
@@ -81,6 +83,11 @@ class SamplingEngine:
         given); ``ValueError`` leaves the weights and ``weight_version`` unchanged, as does a
         ``version`` that is not newer than the served one."""
         return self.backend.load_weights(weights, version=version, checksum=checksum)
+
+    @property
+    def device(self) -> torch.device:
+        """The device the engine computes on (where synced weights are staged)."""
+        return torch.device(self.config.torch_device)
 
     @property
     def weight_version(self) -> int:
