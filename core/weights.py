@@ -242,22 +242,43 @@ class BucketCopyPlan:
         return out
 
 
-FINITE_CHUNK = 1 << 24  # elements checked at a time (bounds the bool scratch memory)
+def _extremes(t: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` of ``t`` (NaN when it holds one; one read, no copy)."""
+    lo, hi = torch.aminmax(t.reshape(-1) if t.is_contiguous() else t)
+    return torch.stack([lo, hi]).float()
 
 
 def non_finite(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of the tensors holding NaN or inf (one device -> host transfer per device)."""
-    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    """Names of the tensors holding NaN or inf.
+
+    Contiguous tensors that are views of one storage (a sync's flat bucket) are checked with
+    one ``aminmax`` over the storage range they cover; only a range that fails is looked at
+    tensor by tensor (its alignment gaps must not count). One device -> host transfer per
+    device."""
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, t in pairs:
-        flat = t.detach().reshape(-1)
-        ok = torch.ones((), dtype=torch.bool, device=t.device)
-        for s in range(0, flat.numel(), FINITE_CHUNK):
-            ok &= torch.isfinite(flat[s:s + FINITE_CHUNK]).all()
-        flags.setdefault(t.device, []).append((name, ok))
+        if t.numel() == 0:
+            continue
+        key = ((t.untyped_storage().data_ptr(), t.dtype, t.device) if t.is_contiguous()
+               else (id(t), t.dtype, t.device))
+        groups.setdefault(key, []).append((name, t))
+    checks: dict[torch.device, list[tuple[list, torch.Tensor]]] = {}
+    for (_, dtype, device), members in groups.items():
+        first = members[0][1]
+        if len(members) == 1:
+            span = first
+        else:
+            lo = min(t.storage_offset() for _, t in members)
+            hi = max(t.storage_offset() + t.numel() for _, t in members)
+            span = torch.empty(0, dtype=dtype, device=device).set_(first.untyped_storage(), lo,
+                                                                   (hi - lo,))
+        checks.setdefault(device, []).append((members, _extremes(span)))
     bad = []
-    for items in flags.values():
-        oks = torch.stack([ok for _, ok in items]).tolist()
-        bad += [name for (name, _), ok in zip(items, oks) if not ok]
+    for items in checks.values():
+        ok = torch.isfinite(torch.stack([e for _, e in items])).all(dim=1).tolist()
+        for (members, _), fine in zip(items, ok):
+            if not fine:
+                bad += [n for n, t in members if not torch.isfinite(_extremes(t)).all()]
     return bad
 
 
