@@ -258,13 +258,15 @@ def load_checkpoint(engine, path: str, tag: str) -> None:
         raise CheckpointError(f"no polynya checkpoint under {path!r}")
 
 
-def offload_engine(engine, *, pin_memory: bool) -> None:
+def offload_engine(engine, *, pin_memory: bool, host: list | None = None) -> list | None:
     """Move a ZeRO 1-3 training engine's weights, gradients, fp32 master weights and Adam moments
     to host memory (``engine.offload_states``).
 
     ZeRO-3's ``offload_states`` refuses master weights and optimizer state unless the optimizer
     is DeepSpeed's FusedAdam; ``torch.optim.AdamW`` keeps the same state (``exp_avg``,
     ``exp_avg_sq`` per fp32 partition), so those two are moved here the way DeepSpeed moves them.
+    ``host``: the host buffers of a previous offload (ZeRO-3 master weights), reused; returns
+    the buffers for the next one (the caller keeps them: nothing is stored on DeepSpeed's objects).
     """
     from deepspeed.runtime.utils import offload_adam_states
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
@@ -272,16 +274,17 @@ def offload_engine(engine, *, pin_memory: bool) -> None:
     opt = engine.optimizer
     if not hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO 1/2: DeepSpeed moves everything
         engine.offload_states(pin_memory=pin_memory)
-        return
+        return None
     engine.offload_states(include=[S.lp_params, S.lp_grads, S.contiguous_grad_buffer], pin_memory=pin_memory)
-    if not hasattr(opt, "_polynya_hp_host"):
-        opt._polynya_hp_host = [torch.empty_like(t, device="cpu", pin_memory=pin_memory)
-                                for t in opt.fp32_partitioned_groups_flat]
-    for t, host in zip(opt.fp32_partitioned_groups_flat, opt._polynya_hp_host):
-        host.copy_(t)
-        t.data = host
+    if host is None:
+        host = [torch.empty_like(t, device="cpu", pin_memory=pin_memory)
+                for t in opt.fp32_partitioned_groups_flat]
+    for t, buf in zip(opt.fp32_partitioned_groups_flat, host):
+        buf.copy_(t)
+        t.data = buf
     offload_adam_states(opt.optimizer, "cpu", pin_memory=pin_memory)
     free_accelerator_cache()
+    return host
 
 
 def reload_engine(engine, device: torch.device) -> None:

@@ -88,6 +88,7 @@ class TrainingEngine:
         self.dtype = resolve_dtype(config.dtype)
         self._pending = 0  # forward_backward calls since the last step
         self._offloaded = False
+        self._host: list | None = None  # ZeRO-3 master-weight host buffers, kept across offloads
         self.engine = self._build(dsu.import_deepspeed())
         self.module = self.engine.module
 
@@ -282,7 +283,8 @@ class TrainingEngine:
         if self.config.zero_stage == 0:
             raise NotImplementedError("offload() needs ZeRO stage >= 1 (DeepSpeed's offload_states)")
         before = _allocated(self.device)
-        dsu.offload_engine(self.engine, pin_memory=self.device.type == "cuda")
+        self._host = dsu.offload_engine(self.engine, pin_memory=self.device.type == "cuda",
+                                        host=self._host)
         dsu.free_accelerator_cache()
         self._offloaded = True
         after = _allocated(self.device)

@@ -167,7 +167,7 @@ class OpenedBuckets:
         self._segments = segments
 
     def close(self) -> None:
-        self.staged.flats = [None] * len(self.staged.flats)
+        self.staged.clear()
         for seg in self._segments:
             try:
                 seg.close()

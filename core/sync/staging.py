@@ -65,6 +65,10 @@ class StagedUpdate:
             )
         self.flats[index] = flat
 
+    def clear(self) -> None:
+        """Drop every staged bucket (their buffers may be freed)."""
+        self.flats = [None] * len(self.flats)
+
     def missing(self) -> list[int]:
         return [i for i, f in enumerate(self.flats) if f is None]
 
