@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zipfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -247,10 +248,12 @@ def load_checkpoint(engine, path: str, tag: str) -> None:
     with safe_torch_load(allowed):
         for name in sorted(os.listdir(folder)):
             if name.endswith(".pt"):
-                try:
-                    torch.load(os.path.join(folder, name), map_location="cpu", weights_only=True)
+                file = os.path.join(folder, name)
+                try:  # zip checkpoints are mapped, not read: the check costs the pickles only
+                    torch.load(file, map_location="cpu", weights_only=True,
+                               mmap=zipfile.is_zipfile(file))
                 except Exception as exc:  # an unpickling error, or bytes torch cannot read
-                    raise CheckpointError(f"{os.path.join(folder, name)!r} cannot be loaded as "
+                    raise CheckpointError(f"{file!r} cannot be loaded as "
                                           f"weights only: {exc}") from None
         load_path, _ = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
