@@ -283,9 +283,12 @@ def non_finite(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
 
 
 def check_pairs(pairs: list[tuple[str, torch.Tensor]], *, checksum: str | None = None) -> None:
-    """``ValueError`` unless no name comes twice, every tensor is floating point and finite,
-    and (when ``checksum`` is given) ``polynya.checksum.checksum_named_tensors(pairs)`` equals
-    it. Nothing is copied here: engines call it before they touch a weight."""
+    """``ValueError`` unless there are pieces (a version must not move with nothing loaded), no
+    name comes twice, every tensor is floating point and finite, and (when ``checksum`` is
+    given) ``polynya.checksum.checksum_named_tensors(pairs)`` equals it. Nothing is copied
+    here: engines call it before they touch a weight."""
+    if not pairs:
+        raise ValueError("load_weights got no weights: nothing to load (the version stays)")
     seen: set[str] = set()
     for name, t in pairs:
         if name in seen:

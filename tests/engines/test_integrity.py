@@ -52,6 +52,7 @@ def bad_loads(good: dict[str, torch.Tensor]):
         ("checksum of other weights", good, "0" * 32, None, "checksum mismatch"),
         ("two values swapped after the checksum", swapped, right, None, "checksum mismatch"),
         ("stale version", good, right, 0, "not newer"),
+        ("no weights at all", {}, None, None, "no weights"),
     ]
 
 
@@ -66,8 +67,9 @@ def check_atomic(engine, good) -> None:
     assert engine.weight_checksum() == right != before
 
 
-def test_logprob_engine_load_weights_is_atomic():
-    engine = LogProbEngine(LogProbConfig(MODEL, dtype="float32", zero_stage=0))
+@pytest.mark.parametrize("stage", [0, 3])
+def test_logprob_engine_load_weights_is_atomic(stage):
+    engine = LogProbEngine(LogProbConfig(MODEL, dtype="float32", zero_stage=stage))
     check_atomic(engine, new_weights(seed=5))
 
 
