@@ -184,6 +184,23 @@ def test_bad_syncs_keep_old_version(trainer):
     corrupted.flats[-1][0] = corrupted.flats[-1][0] * 2 + 1  # one corrupted element
     with pytest.raises(SyncError, match="checksum"):
         apply_update(sampler, corrupted)
+    big = max(range(len(pieces)), key=lambda i: pieces[i].numel())
+    assert pieces[big].numel() > 8192
+    def swap(f):
+        f[[0, 8191]] = f[[8191, 0]].clone()
+
+    for name, damage in (("swap 8191 apart", swap),
+                         ("+k/-k pair", lambda f: (f[5].add_(0.25), f[5 + 8191].sub_(0.25))),
+                         ("NaN", lambda f: f[7].fill_(float("nan")))):
+        bad = StagedUpdate(m2)
+        for i, flat in enumerate(pieces):
+            bad.put(i, flat.clone())
+        if torch.equal(bad.flats[big][0], bad.flats[big][8191]) and name.startswith("swap"):
+            continue
+        damage(bad.flats[big])
+        with pytest.raises(SyncError, match="checksum|NaN"):
+            apply_update(sampler, bad)
+        assert sampler.weight_checksum() == v1_sum and sampler.weight_version == 1, name
     wrong = SyncManifest(2, good.dtype, "0" * 32, good.buckets)  # mismatched trainer checksum
     mismatched = StagedUpdate(wrong)
     for i, flat in enumerate(pieces):
