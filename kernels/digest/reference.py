@@ -58,16 +58,19 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 def mix_words(bits: torch.Tensor, start: int) -> torch.Tensor:
     """The int64 words of elements ``start, start + 1, ...`` (``bits`` a 1-D integer chunk)."""
-    v = bits.to(torch.int64)
+    v = bits.to(torch.int64, copy=True)  # a fresh buffer: it is reused as scratch below
     mask = value_mask(bits.element_size())
     if mask:
         v &= mask
     z = torch.arange(start, start + bits.numel(), device=bits.device, dtype=torch.int64)
     z.mul_(GAMMA).add_(KEY).bitwise_xor_(v)
-    s1, s2, s3 = SHIFTS
-    z = (z ^ ((z >> s1) & shift_mask(s1))) * M1
-    z = (z ^ ((z >> s2) & shift_mask(s2))) * M2
-    return z ^ ((z >> s3) & shift_mask(s3))
+    t = v  # scratch (v is no longer needed): every step in place, two int64 buffers in all
+    for s, m in zip(SHIFTS, (M1, M2, None)):
+        torch.bitwise_right_shift(z, s, out=t)
+        z.bitwise_xor_(t.bitwise_and_(shift_mask(s)))  # z ^= logical (z >> s)
+        if m is not None:
+            z.mul_(m)
+    return z
 
 
 def digest_reference(bits: torch.Tensor) -> int:
