@@ -43,7 +43,7 @@ def sampler_process(conn, model: str, device: str) -> None:
     """The sampler side: build the engine, then serve sync requests from the pipe."""
     from polynya.config import SamplerConfig
     from polynya.engines import SamplingEngine
-    from polynya.sync import apply_update, engine_checksum, open_shared
+    from polynya.sync import apply_update, open_shared
 
     engine = SamplingEngine(
         SamplerConfig(model, dtype="bfloat16", device=device, num_blocks=256, cuda_graphs=False)
@@ -54,7 +54,7 @@ def sampler_process(conn, model: str, device: str) -> None:
         if msg[0] == "stop":
             return
         if msg[0] == "checksum":
-            conn.send(engine_checksum(engine))
+            conn.send(engine.weight_checksum())
             continue
         _, manifest, handles, official = msg
         try:
@@ -63,21 +63,19 @@ def sampler_process(conn, model: str, device: str) -> None:
             opened = open_shared(manifest, handles)
             _sync()
             t1 = time.perf_counter()
-            opened.staged.verify()
-            _sync()
-            t2 = time.perf_counter()
+            t2 = t1  # verification is part of load_weights (always on): timed in copy_s
             if official:  # the engine's own load_weights (one copy per tensor)
-                engine.load_weights(opened.staged.pieces(), version=manifest.version)
+                engine.load_weights(opened.staged.pieces(), version=manifest.version,
+                                    checksum=manifest.checksum)
             else:
-                apply_update(engine, opened.staged, verify=False)
+                apply_update(engine, opened.staged)
             _sync()
             t3 = time.perf_counter()
             opened.close()
             conn.send(
                 {
                     "open_s": t1 - t0,
-                    "verify_s": t2 - t1,
-                    "copy_s": t3 - t2,
+                    "copy_s": t3 - t2,  # verify (checksum, finite) + copy
                     "version": engine.stats()["weight_version"],
                 }
             )
@@ -124,7 +122,7 @@ def one_sync(trainer, conn, version: int, layout: str, official: bool) -> dict:
         "trainer_checksum_s": t1 - t0,
         "export_s": t2 - t1,
         "end_to_end_s": t3 - t0,
-        **{k: reply[k] for k in ("open_s", "verify_s", "copy_s")},
+        **{k: reply[k] for k in ("open_s", "copy_s")},
     }
 
 
@@ -168,10 +166,9 @@ def bench_direct(trainer, model: str, iters: int, hbm_gbps: float) -> dict:
             )
             for i, flat in enumerate(bufs):
                 staged.put(i, flat)
-            staged.verify()
             _sync()
-            t2 = time.perf_counter()
-            apply_update(sampler, staged, verify=False)
+            t2 = time.perf_counter()  # verification is part of apply_update: timed in copy_s
+            apply_update(sampler, staged)
             _sync()
             t3 = time.perf_counter()
             runs.append(
@@ -180,15 +177,14 @@ def bench_direct(trainer, model: str, iters: int, hbm_gbps: float) -> dict:
                     "buckets": len(m.buckets),
                     "bytes": m.nbytes,
                     "trainer_checksum_s": t1 - t0,
-                    "verify_s": t2 - t1,
-                    "copy_s": t3 - t2,
+                    "stage_s": t2 - t1,
+                    "copy_s": t3 - t2,  # verify (checksum, finite) + copy
                     "end_to_end_s": t3 - t0,
                 }
             )
         row = summarize(runs, hbm_gbps)
-        from polynya.sync import engine_checksum
 
-        row["checksum_matches_trainer"] = engine_checksum(sampler) == trainer.weight_checksum()
+        row["checksum_matches_trainer"] = sampler.weight_checksum() == trainer.weight_checksum()
         del sampler
         return row
     except Exception:
@@ -348,12 +344,12 @@ def main() -> None:
         named = dict(ipc["runs"], direct_in_process=ipc.get("direct", {}))
         rows = [{"run": k, "ms": f"{v['end_to_end_s'] * 1e3:.2f}", "GBps": f"{v['end_to_end_GBps']:.0f}",
                  "vs": f"{v['end_to_end_vs_hbm']:.0%}", "copy": f"{v['copy_s'] * 1e3:.2f}",
-                 "sums": f"{(v['verify_s'] + v['trainer_checksum_s']) * 1e3:.2f}"}
+                 "sums": f"{v['trainer_checksum_s'] * 1e3:.2f}"}
                 for k, v in named.items() if "end_to_end_s" in v]
         print(f"HBM copy {ipc['hbm_copy']['GBps']:.0f} GB/s")
         print(markdown_table(rows, [("run", "sync"), ("ms", "end-to-end ms"), ("GBps", "GB/s"),
-                                    ("vs", "vs HBM copy"), ("copy", "copy ms"),
-                                    ("sums", "checksums ms")]))
+                                    ("vs", "vs HBM copy"), ("copy", "verify + copy ms"),
+                                    ("sums", "trainer checksum ms")]))
     print("wrote", path)
     _plot(results, a.out)
 
@@ -374,7 +370,7 @@ def _plot(results: dict, out: str) -> None:
     axes = list(axes[0]) + [None]  # only the panels that have data (--skip-step: the sync alone)
     if "runs" in ipc:
         names = [n for n, v in ipc["runs"].items() if "copy_s" in v]
-        phases = ["trainer_checksum_s", "export_s", "open_s", "verify_s", "copy_s"]
+        phases = ["trainer_checksum_s", "export_s", "open_s", "stage_s", "copy_s"]
         bottom = [0.0] * len(names)
         for ph in phases:
             vals = [ipc["runs"][n].get(ph, 0.0) * 1e3 for n in names]

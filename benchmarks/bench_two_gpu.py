@@ -8,7 +8,7 @@ machine); they run the same engines and sync code (``polynya.sync``) the Ray tra
    scores them (a toy token reward), trains one step, then broadcasts its weights over NCCL
    (``build_manifest`` / ``send_weights`` / ``recv_weights`` / ``apply_update``: bucketed,
    checksum verified by the receiver before anything is loaded). After every sync the sampler's
-   ``engine_checksum`` is compared with the trainer's. Time per sync and GB/s against the
+   ``weight_checksum()`` is compared with the trainer's. Time per sync and GB/s against the
    peer-to-peer copy of the same bytes GPU 0 -> GPU 1 measured in this run.
 2. *Overlap* (one step off-policy): while the trainer trains step n, the sampler generates step
    n+1's rollouts with the weights of step n-1; then the weights of step n are broadcast. Step
@@ -91,7 +91,7 @@ def sampler_main(conn, model: str, port: int) -> None:
     try:
         from polynya.config import SamplerConfig
         from polynya.engines import SamplingEngine
-        from polynya.sync import SyncGroup, apply_update, engine_checksum, recv_weights
+        from polynya.sync import SyncGroup, apply_update, recv_weights
 
         engine = SamplingEngine(SamplerConfig(model, dtype="bfloat16", device="cuda"))
         group = SyncGroup("127.0.0.1", port, rank=1, world_size=2, device="cuda")
@@ -108,7 +108,7 @@ def sampler_main(conn, model: str, port: int) -> None:
             elif cmd == "sync":
                 version = apply_update(engine, recv_weights(group, arg, "cuda"))
                 torch.cuda.synchronize()
-                conn.send(("synced", (version, engine_checksum(engine), time.perf_counter() - t0)))
+                conn.send(("synced", (version, engine.weight_checksum(), time.perf_counter() - t0)))
         group.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))

@@ -1,4 +1,4 @@
-"""Process-group set-up and small collectives shared by the engines; the weight checksum.
+"""Process-group set-up and small collectives shared by the engines.
 
 ``ensure_process_group(device)`` makes ``torch.distributed`` usable everywhere an engine runs:
 
@@ -7,20 +7,15 @@
 - in a plain Python process nothing is set: a single-rank group is made on a free local port
   (only ``LOCAL_RANK=0`` is written to the environment, for DeepSpeed).
 
-The backend is NCCL on CUDA and gloo on CPU. ``checksum_named_tensors`` gives a short digest of
-a model's weights that two engines (trainer and sampler) compare after a weight sync.
+The backend is NCCL on CUDA and gloo on CPU. (The weight checksum lives in ``polynya.checksum``.)
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-
-CHECKSUM_CHUNK = 1 << 24  # elements hashed at a time (bounds the int64 scratch memory)
 
 
 def free_port() -> int:
@@ -119,44 +114,3 @@ def plan_micro_batches(batch, *, rank: int, world: int, max_tokens: int, zorro: 
     n = all_reduce_max([len(parts)], device)[0]
     smallest = min(parts, key=len)
     return [(p, True) for p in parts] + [(smallest, False)] * (n - len(parts))
-
-
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.detach().contiguous().reshape(-1).view(bits)
-
-
-def tensor_digest(t: torch.Tensor) -> int:
-    """An exact, order-independent-of-hardware digest of a tensor's bits (int64 arithmetic)."""
-    flat = _int_view(t)
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), CHECKSUM_CHUNK):
-        chunk = flat[start:start + CHECKSUM_CHUNK].to(torch.int64)
-        pos = torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64)
-        total += (chunk * (pos % 8191 + 1)).sum()
-    return int(total)
-
-
-def signature_prefix(name: str, dtype: torch.dtype, shape) -> str:
-    """A checksum line up to its digest: ``tensor_signature`` is this prefix + the digest (fast
-    paths build the prefixes once per weight layout and add the digests per sync)."""
-    return f"{name}|{dtype}|{tuple(int(x) for x in shape)}|"
-
-
-def tensor_signature(name: str, t: torch.Tensor) -> str:
-    """One line of the checksum: name, dtype, shape and ``tensor_digest``."""
-    return signature_prefix(name, t.dtype, t.shape) + str(tensor_digest(t))
-
-
-def combine_signatures(signatures: Iterable[str]) -> str:
-    """Order-independent hex digest of ``tensor_signature`` lines."""
-    return hashlib.sha256("\n".join(sorted(signatures)).encode()).hexdigest()[:32]
-
-
-def checksum_named_tensors(items: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Hex digest of named tensors: their names, dtypes, shapes and exact bits.
-
-    Independent of the order of ``items`` (so engines that store their weights differently
-    agree as long as each named tensor is identical).
-    """
-    return combine_signatures(tensor_signature(name, t) for name, t in items)

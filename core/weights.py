@@ -3,19 +3,75 @@
 ``load_weights`` of every engine takes ``{name: tensor}``, ``[(name, tensor), ...]``, flat
 buckets ``[(names, flat_1d_tensor), ...]`` as ``TrainingEngine.export_weights`` yields them (each
 bucket holds its tensors flattened and concatenated in ``names`` order), or one such bucket on
-its own (or one bare ``(name, tensor)``). ``split_weight_pieces`` turns any of these into checked ``(name, tensor)`` pairs before
-anything is copied, so a bad piece leaves the engine untouched. ``FlatBuckets`` (flat buckets with
+its own (or one bare ``(name, tensor)``). ``checked_pairs`` turns any of these into ``(name,
+tensor)`` pairs and checks all of them before anything is copied — names known, shapes, no name
+twice, floating-point and finite values, and, when the caller passes one, the
+``polynya.checksum`` of the pieces — so a bad piece leaves the engine untouched. ``FlatBuckets`` (flat buckets with
 their layout, as a weight sync stages them) iterate as such pieces; ``BucketCopyPlan`` copies
 them with one ``_foreach_copy_`` after checking the layout once.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .checksum import checksum_views
+
 WeightPieces = Any  # Mapping[str, Tensor] | Iterable[(str | Sequence[str], Tensor)] | one bucket
+
+
+
+def is_zero3(param: torch.Tensor) -> bool:
+    """Whether ``param`` is partitioned by DeepSpeed ZeRO-3 (its ``.data`` is a local shard)."""
+    return hasattr(param, "ds_id")
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The parameter's full shape (ZeRO-3 keeps it in ``ds_shape``)."""
+    return param.ds_shape if is_zero3(param) else param.shape
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One flat bucket: ``names`` in order with their ``shapes``.
+
+    Packed layout (``offsets is None``): the tensors back to back, ``numel`` elements in all.
+    Span layout: the bucket is a span of ``length`` elements of the trainer's own flat storage
+    (ZeRO-1/2 keep every weight as a view of one flat buffer); tensor ``k`` starts at
+    ``offsets[k]``; gaps (alignment padding) are ignored.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...] | None = None
+    length: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.length if self.length is not None else sum(self.sizes())
+
+    def sizes(self) -> list[int]:
+        return [int(torch.Size(s).numel()) for s in self.shapes]
+
+    def starts(self) -> list[int]:
+        """Element offset of every tensor inside the bucket."""
+        if self.offsets is not None:
+            return list(self.offsets)
+        out, pos = [], 0
+        for n in self.sizes():
+            out.append(pos)
+            pos += n
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` views into ``flat`` (no copy)."""
+        return [
+            (name, flat[o : o + n].view(shape))
+            for name, shape, o, n in zip(self.names, self.shapes, self.starts(), self.sizes())
+        ]
 
 
 def pieces_of(weights: WeightPieces) -> Iterable:
@@ -76,7 +132,7 @@ def split_weight_pieces(weights: WeightPieces, shapes: Mapping[str, torch.Size],
 class FlatBuckets:
     """Flat buckets with their layout, as a weight sync stages them.
 
-    ``specs[i]`` (a ``polynya.sync.BucketSpec``: ``names``, ``shapes``, ``offsets`` or None,
+    ``specs[i]`` (a ``BucketSpec``: ``names``, ``shapes``, ``offsets`` or None,
     ``numel``, ``sizes()``, ``starts()``) describes ``flats[i]``: packed (tensors back to back)
     or a span with element ``offsets``. Iterating gives ordinary pieces (``(names, flat)`` for a
     packed bucket, ``(name, view)`` pairs for a span), so every ``load_weights`` accepts it;
@@ -184,3 +240,79 @@ class BucketCopyPlan:
         for k, shape in self.reshape:
             out[k] = out[k].view(shape)
         return out
+
+
+def _extremes(t: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` of ``t`` (NaN when it holds one; one read, no copy)."""
+    lo, hi = torch.aminmax(t.reshape(-1) if t.is_contiguous() else t)
+    return torch.stack([lo, hi]).float()
+
+
+def non_finite(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the tensors holding NaN or inf.
+
+    Contiguous tensors that are views of one storage (a sync's flat bucket) are checked with
+    one ``aminmax`` over the storage range they cover; only a range that fails is looked at
+    tensor by tensor (its alignment gaps must not count). One device -> host transfer per
+    device."""
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in pairs:
+        if t.numel() == 0:
+            continue
+        key = ((t.untyped_storage().data_ptr(), t.dtype, t.device) if t.is_contiguous()
+               else (id(t), t.dtype, t.device))
+        groups.setdefault(key, []).append((name, t))
+    checks: dict[torch.device, list[tuple[list, torch.Tensor]]] = {}
+    for (_, dtype, device), members in groups.items():
+        first = members[0][1]
+        if len(members) == 1:
+            span = first
+        else:
+            lo = min(t.storage_offset() for _, t in members)
+            hi = max(t.storage_offset() + t.numel() for _, t in members)
+            span = torch.empty(0, dtype=dtype, device=device).set_(first.untyped_storage(), lo,
+                                                                   (hi - lo,))
+        checks.setdefault(device, []).append((members, _extremes(span)))
+    bad = []
+    for items in checks.values():
+        ok = torch.isfinite(torch.stack([e for _, e in items])).all(dim=1).tolist()
+        for (members, _), fine in zip(items, ok):
+            if not fine:
+                bad += [n for n, t in members if not torch.isfinite(_extremes(t)).all()]
+    return bad
+
+
+def check_pairs(pairs: list[tuple[str, torch.Tensor]], *, checksum: str | None = None) -> None:
+    """``ValueError`` unless there are pieces (a version must not move with nothing loaded), no
+    name comes twice, every tensor is floating point and finite, and (when ``checksum`` is
+    given) ``polynya.checksum.checksum_named_tensors(pairs)`` equals it. Nothing is copied
+    here: engines call it before they touch a weight."""
+    if not pairs:
+        raise ValueError("load_weights got no weights: nothing to load (the version stays)")
+    seen: set[str] = set()
+    for name, t in pairs:
+        if name in seen:
+            raise ValueError(f"load_weights: {name!r} is given twice")
+        seen.add(name)
+        if not t.is_floating_point():
+            raise ValueError(f"load_weights: {name} has dtype {t.dtype}; weights are floating point")
+    bad = non_finite(pairs)
+    if bad:
+        raise ValueError(f"load_weights: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
+                         "hold NaN or inf; nothing was loaded")
+    if checksum is not None:
+        if not isinstance(checksum, str):
+            raise ValueError(f"checksum must be a hex string, got {type(checksum).__name__}")
+        got = checksum_views(pairs)
+        if got != checksum:
+            raise ValueError(f"checksum mismatch: the weights hash to {got}, the sender's "
+                             f"checksum is {checksum} (corrupted or incomplete); nothing was loaded")
+
+
+def checked_pairs(weights: WeightPieces, shapes: Mapping[str, torch.Size], *,
+                  checksum: str | None = None, check_names: bool = True
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """``split_weight_pieces`` then ``check_pairs``: every check ``load_weights`` makes."""
+    pairs = split_weight_pieces(weights, shapes, check_names=check_names)
+    check_pairs(pairs, checksum=checksum)
+    return pairs

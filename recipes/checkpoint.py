@@ -1,13 +1,20 @@
-"""Recipe checkpoints: ``<out_dir>/checkpoints/step_000010/{engine/, driver.json}``.
+"""Recipe checkpoints: ``<out_dir>/checkpoints/step_000010/{engine/, driver.json, MANIFEST.json}``.
 
-``driver.json`` is written last, so a directory without it (a run killed mid-save) is never
-taken for a checkpoint. ``latest`` finds the newest complete one; ``prune`` keeps the last K.
+``MANIFEST.json`` (``polynya.files``: size and sha256 of every file) is written last, so a
+directory without it (a run killed mid-save) is never taken for a checkpoint. ``latest`` finds
+the newest complete one and verifies every file before the run resumes from it: a corrupted,
+truncated or mismatched checkpoint is a ``CheckpointError`` naming the file (with
+``fallback=True`` it is skipped, with a warning, for the newest one that verifies).
+``save`` keeps the last K.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import warnings
+
+from polynya.files import MANIFEST, CheckpointError, verify_manifest, write_manifest
 
 STATE = "driver.json"
 
@@ -21,16 +28,24 @@ def complete(out_dir: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     dirs = sorted(d for d in os.listdir(root) if d.startswith("step_"))
-    return [os.path.join(root, d) for d in dirs if os.path.isfile(os.path.join(root, d, STATE))]
+    return [os.path.join(root, d) for d in dirs if os.path.isfile(os.path.join(root, d, MANIFEST))]
 
 
-def latest(out_dir: str) -> tuple[str, dict] | None:
-    """(directory, driver state) of the newest complete checkpoint, or None."""
-    found = complete(out_dir)
-    if not found:
-        return None
-    with open(os.path.join(found[-1], STATE)) as f:
-        return found[-1], json.load(f)
+def latest(out_dir: str, *, fallback: bool = False) -> tuple[str, dict] | None:
+    """(directory, driver state) of the newest complete checkpoint, verified, or None.
+
+    ``CheckpointError`` naming the bad file when it does not verify, unless ``fallback``:
+    then older ones are tried (each skipped one is warned about)."""
+    for path in reversed(complete(out_dir)):
+        try:
+            verify_manifest(path)
+            with open(os.path.join(path, STATE)) as f:
+                return path, json.load(f)
+        except (CheckpointError, ValueError) as exc:
+            if not fallback:
+                raise CheckpointError(f"cannot resume from {path}: {exc}") from None
+            warnings.warn(f"skipping checkpoint {path}: {exc}", stacklevel=2)
+    return None
 
 
 def save(client, out_dir: str, step: int, state: dict, keep: int) -> str:
@@ -44,6 +59,7 @@ def save(client, out_dir: str, step: int, state: dict, keep: int) -> str:
     with open(tmp, "w") as f:
         json.dump(state, f)
     os.replace(tmp, os.path.join(path, STATE))
+    write_manifest(path)
     for old in complete(out_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path

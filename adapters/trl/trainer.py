@@ -41,10 +41,10 @@ from trl.trainer.utils import (
 )
 
 from ...config.sampler import SamplerConfig
-from ...distributed import checksum_named_tensors
+from ...checksum import checksum_named_tensors
 from ...engines.sample import SamplingEngine
 from ...logprobs import compute_logprobs
-from ...sync import SyncError, engine_checksum
+from ...sync import SyncError
 from ...types import SamplingParams
 from .translate import (
     check_groups,
@@ -145,8 +145,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         dtype, zero3 = getattr(torch, self.sampler.config.dtype), self._dist.is_zero3
         # under ZeRO-3 a gathered tensor is released when the next one is gathered: keep a copy
         want = [(n, t.to(dtype, copy=zero3)) for n, t in self._policy_weights()]
-        self.sampler.load_weights(want)
-        expected, got = checksum_named_tensors(want), engine_checksum(self.sampler)
+        expected = checksum_named_tensors(want)
+        try:
+            self.sampler.load_weights(want, checksum=expected)  # checked before anything is copied
+        except ValueError as exc:
+            raise SyncError(f"push of the policy's weights refused (sampler unchanged): {exc}") from exc
+        got = self.sampler.weight_checksum()
         if got != expected:
             raise SyncError(f"sampler weights after the push hash to {got}, the policy's to {expected}")
         self._pushed_step = self.state.global_step

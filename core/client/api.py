@@ -11,20 +11,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol, Sequence
 
+from ..coordination import ENGINES, check_engine  # noqa: F401  (part of the client API)
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
 
-ENGINES = ("sampler", "trainer", "logprob")
 LOGPROB_MODELS = ("policy", "reference")
 
 
 class EngineError(RuntimeError):
     """An engine (actor, server) failed or did not answer in time."""
-
-
-def check_engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    return engine
 
 
 def check_logprob_model(model: str) -> str:

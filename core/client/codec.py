@@ -13,6 +13,7 @@ Token statistics: ``logprobs`` float32 ``[B, Rmax]``, ``mask`` bool ``[B, Rmax]`
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import torch
@@ -176,3 +177,17 @@ def prompts_from_json(prompts: Any) -> list[list[int]]:
         ):
             raise ValueError(f"prompts[{i}] must be a list of integer token ids")
     return prompts
+
+
+async def read_json(request) -> dict:
+    """The JSON object body of a request (HTTP 400 when it is not one)."""
+    from fastapi import HTTPException
+
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HTTPException(400, f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPException(400, "the JSON body must be an object")
+    return body

@@ -60,7 +60,6 @@ class RLClientConfig:
             ``SamplerConfig`` or dicts); their ``model``/``dtype``/``zorro``/``fca`` are overridden.
         device: ``"cpu"`` forces the CPU; ``None`` uses GPUs when present.
         bucket_bytes: flat bucket size of a weight sync.
-        verify_sync: check every sync against the trainer's ``weight_checksum()``.
         timeout_s: longest wait for any engine call (a dead actor or server surfaces as an error).
         server_url, api_token: ``http``: where the server is, and its bearer token.
         max_body_bytes: ``http``: request size limit of a server started by the client.
@@ -84,7 +83,6 @@ class RLClientConfig:
     sampling: SamplerConfig | dict | None = None
     device: str | None = None
     bucket_bytes: int = 1 << 28
-    verify_sync: bool = True
     timeout_s: float = 600.0
     server_url: str | None = None
     api_token: str | None = None
@@ -112,7 +110,6 @@ class RLClientConfig:
             "zorro_train",
             "zorro_inference",
             "reference_model",
-            "verify_sync",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(

@@ -20,7 +20,7 @@ import uuid
 
 import torch
 
-from ..distributed import combine_signatures, tensor_signature
+from ..checksum import combine_signatures, tensor_signature
 from ..sync import SyncError, SyncGroup
 from ..sync.manifest import dtype_from_name
 from ..types import SamplingParams
@@ -73,7 +73,7 @@ class WeightTransfer:
             raise ValueError(
                 f"init_info needs master_address, master_port, world_size: {exc}"
             ) from None
-        device = _device(self.samplers[0])
+        device = self.samplers[0].device
         self.groups = [
             SyncGroup(host, port, rank=offset + i, world_size=world, device=device)
             for i in range(len(self.samplers))[:1]
@@ -125,16 +125,10 @@ class WeightTransfer:
         return out
 
 
-def _device(engine) -> torch.device:
-    from ..sync import engine_model
-
-    return next(engine_model(engine).parameters()).device
-
-
 def add_ecosystem_routes(app, client, tokenizer) -> None:
     from fastapi import Request
 
-    from .server import read_json
+    from .codec import read_json
 
     samplers = list(getattr(client, "samplers", []))
     transfer = WeightTransfer(samplers)

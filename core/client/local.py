@@ -2,9 +2,8 @@
 
 One training rank, ``sampling_gpus`` sampler replicas, an optional log-prob engine
 (``log_prob_gpus > 0``) and an optional frozen reference. Devices: everything on the CPU when
-there is no GPU (or ``device="cpu"``); colocated = everything on ``cuda:0``, taking turns —
-before generating the trainer is offloaded and the samplers woken, before training the samplers
-sleep (level 1: KV cache freed, weights kept for the next sync) and the trainer is onloaded;
+there is no GPU (or ``device="cpu"``); colocated = everything on ``cuda:0``, taking turns as ``polynya.coordination.HandOver``
+decides (this client only runs its plans on the engines);
 split = trainer on ``cuda:0``, samplers and log-prob engine on the following GPUs.
 
 ``sync_weights`` hands the trainer's flat buckets straight to every receiver's ``StagedUpdate``
@@ -23,10 +22,12 @@ from typing import Any, Sequence
 import torch
 
 from ..cluster.routing import merge_routed, route_prompts
-from ..sync import StagedUpdate, apply_update, build_manifest, engine_checksum
+from ..coordination import Action, HandOver
+from ..coordination.handover import LOGPROB, SAMPLERS, TRAINER
+from ..sync import StagedUpdate, apply_update, build_manifest
 from ..sync.manifest import flat_spans
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
-from .api import ThreadedAsync, check_engine, check_logprob_model
+from .api import ThreadedAsync, check_logprob_model
 from .config import RLClientConfig
 
 
@@ -81,13 +82,12 @@ class LocalClient(ThreadedAsync):
             if config.reference_model
             else None
         )
-        self.version = 0  # last version every receiver accepted
-        self._attempted = 0  # a failed sync may have landed on some receivers: never reuse its number
+        self.handover = HandOver(colocate=config.colocate,
+                                 trainer_offloads=config.train.zero_stage > 0,
+                                 has_logprob=self.logprob is not None)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._generating = 0
-        self._pending = False
-        self._trainer_on, self._sampler_awake = True, True
         self._pool = ThreadPoolExecutor(
             max(1, len(self.samplers)), thread_name_prefix="polynya-local"
         )
@@ -98,30 +98,30 @@ class LocalClient(ThreadedAsync):
         if self._closed:
             raise RuntimeError("the client is shut down")
 
+    def _engines(self, role: str) -> list:
+        return {TRAINER: [self.trainer], SAMPLERS: self.samplers,
+                LOGPROB: [self.logprob] if self.logprob is not None else []}[role]
+
+    def _run(self, plan: list[Action]) -> None:
+        """Execute a ``HandOver`` plan in this process (caller holds the lock)."""
+        for action in plan:
+            if action.role == SAMPLERS and action.method == "sleep":
+                while self._generating:  # never free the KV cache under a running generate
+                    self._idle.wait()
+            for engine in self._engines(action.role):
+                getattr(engine, action.method)(*action.args)
+            self.handover.done(action)
+
     def _to_sampler(self) -> None:
-        if not self._sampler_awake:
-            for s in self.samplers:
-                s.wake()
-            self._sampler_awake = True
-        if (
-            self.config.colocate
-            and self._trainer_on
-            and not self._pending
-            and self.config.train.zero_stage > 0
-        ):  # ZeRO-0 cannot offload: it stays resident
-            self.trainer.offload()
-            self._trainer_on = False
+        self._run(self.handover.to_sampling())
 
     def _to_trainer(self) -> None:
-        while self._generating:
-            self._idle.wait()
-        if self.config.colocate and self._sampler_awake:
-            for s in self.samplers:
-                s.sleep(1)
-            self._sampler_awake = False
-        if not self._trainer_on:
-            self.trainer.onload()
-            self._trainer_on = True
+        self._run(self.handover.to_training())
+
+    @property
+    def version(self) -> int:
+        """The last weight version every receiver accepted."""
+        return self.handover.version
 
     # ------------------------------------------------------------------ API
     def generate(
@@ -173,7 +173,7 @@ class LocalClient(ThreadedAsync):
             self._check_open()
             self._to_trainer()
             out = self.trainer.forward_backward(batch)
-            self._pending = True  # gradients held: the trainer stays resident until step()
+            self.handover.trained("forward_backward")  # resident until step() applies them
             return out
 
     def step(self) -> dict[str, float]:
@@ -181,12 +181,8 @@ class LocalClient(ThreadedAsync):
             self._check_open()
             self._to_trainer()
             out = self.trainer.step()
-            self._pending = False
+            self.handover.trained("step")
             return out
-
-    def _next_version(self) -> int:
-        self._attempted = max(self.version, self._attempted) + 1
-        return self._attempted
 
     def sync_weights(self) -> dict[str, Any]:
         """Push the trainer's weights to every sampler (and log-prob engine) under a new version."""
@@ -195,13 +191,14 @@ class LocalClient(ThreadedAsync):
             self._to_trainer()
             t0 = time.perf_counter()
             bb = self.config.bucket_bytes
+            plan = self.handover.begin_sync(in_process=True)
             manifest = build_manifest(
-                self.trainer, version=self._next_version(), bucket_bytes=bb, layout="spans"
+                self.trainer, version=plan.version, bucket_bytes=bb, layout=plan.layout
             )
             t_manifest = time.perf_counter() - t0
             receivers = list(self.samplers) + ([self.logprob] if self.logprob is not None else [])
             staged = [StagedUpdate(manifest) for _ in receivers]
-            devices = [_engine_device(r) for r in receivers]
+            devices = [r.device for r in receivers]
             spans = (
                 flat_spans(self.trainer.module) if manifest.buckets[0].offsets is not None else None
             )
@@ -214,8 +211,8 @@ class LocalClient(ThreadedAsync):
                 for st, dev in zip(staged, devices):
                     st.put(i, flat.to(dev))
             for r, st in zip(receivers, staged):
-                apply_update(r, st, verify=self.config.verify_sync)
-            self.version = manifest.version
+                apply_update(r, st)
+            self.handover.synced(plan)
             return {
                 "version": manifest.version,
                 "checksum": manifest.checksum,
@@ -228,35 +225,14 @@ class LocalClient(ThreadedAsync):
             }
 
     def sleep(self, engine: str = "sampler", level: int = 1) -> None:
-        check_engine(engine)
         with self._lock:
             self._check_open()
-            if engine == "sampler":
-                while self._generating:
-                    self._idle.wait()
-                if self._sampler_awake:
-                    for s in self.samplers:
-                        s.sleep(level)
-                    self._sampler_awake = False
-            elif engine == "trainer":
-                if self._trainer_on:
-                    self.trainer.offload()
-                    self._trainer_on = False
-            else:
-                _move_logprob(self.logprob, "cpu")
+            self._run(self.handover.sleep(engine, level))
 
     def wake(self, engine: str = "sampler") -> None:
-        check_engine(engine)
         with self._lock:
             self._check_open()
-            if engine == "sampler":
-                self._to_sampler()
-            elif engine == "trainer":
-                if not self._trainer_on:
-                    self.trainer.onload()
-                    self._trainer_on = True
-            else:
-                _move_logprob(self.logprob, None)
+            self._run(self.handover.wake(engine))
 
     def save(self, path: str) -> None:
         with self._lock:
@@ -269,7 +245,7 @@ class LocalClient(ThreadedAsync):
             self._check_open()
             self._to_trainer()
             self.trainer.load(path)
-            self._pending = False
+            self.handover.trained("load")
 
     def weight_checksums(self) -> dict[str, Any]:
         """``weight_checksum`` of the trainer and every receiver, and the served versions."""
@@ -278,9 +254,9 @@ class LocalClient(ThreadedAsync):
             self._to_trainer()
             return {
                 "trainer": self.trainer.weight_checksum(),
-                "samplers": [engine_checksum(s) for s in self.samplers],
-                "logprob": [engine_checksum(self.logprob)] if self.logprob is not None else [],
-                "versions": [s.stats()["weight_version"] for s in self.samplers],
+                "samplers": [s.weight_checksum() for s in self.samplers],
+                "logprob": [self.logprob.weight_checksum()] if self.logprob is not None else [],
+                "versions": [s.weight_version for s in self.samplers],
                 "version": self.version,
             }
 
@@ -296,19 +272,3 @@ class LocalClient(ThreadedAsync):
                 s.shutdown()
             self._pool.shutdown(wait=False)
 
-
-def _engine_device(engine) -> torch.device:
-    from ..sync import engine_model
-
-    return next(engine_model(engine).parameters()).device
-
-
-def _move_logprob(engine, device: str | None) -> None:
-    """Sleep / wake a log-prob engine (ZeRO-0 only): its module to the CPU and back."""
-    if engine is None:
-        raise ValueError("there is no log-prob engine (log_prob_gpus=0)")
-    if engine.config.zero_stage != 0:
-        raise NotImplementedError("sleep/wake of a ZeRO-3 log-prob engine is not supported")
-    engine.module.to(device or engine.device)
-    if device == "cpu" and torch.cuda.is_available():
-        torch.cuda.empty_cache()

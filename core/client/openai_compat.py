@@ -174,7 +174,7 @@ def add_openai_routes(app, client, tokenizer, generate) -> None:
     generation coroutine."""
     from fastapi import Request
 
-    from .server import read_json
+    from .codec import read_json
 
     config = getattr(client, "config", None)
     model = getattr(config, "model_name", "polynya")

@@ -22,8 +22,10 @@ from typing import Any, Generator, Sequence
 
 from ..cluster.placement import create_placement_group, plan_layout, start_actors
 from ..cluster.routing import merge_routed, route_prompts
+from ..coordination import Action, HandOver
+from ..coordination.handover import LOGPROB, SAMPLERS, TRAINER
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
-from .api import ClientLifecycle, EngineError, check_engine, check_logprob_model
+from .api import ClientLifecycle, EngineError, check_logprob_model
 from .config import RLClientConfig
 from .local import split_params
 
@@ -83,10 +85,8 @@ class RayClient(ClientLifecycle):
         except BaseException:
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
-        self.version = 0  # last version every receiver accepted
-        self._attempted = 0  # a failed sync may have landed on some receivers: never reuse its number
-        self._pending = False
-        self._trainer_on, self._sampler_awake = True, True
+        self.handover = HandOver(colocate=cfg.colocate, trainer_offloads=cfg.train.zero_stage > 0,
+                                 has_logprob=bool(self.logprobs))
         self._group_ready = False
 
     # ------------------------------------------------------------------ driving plans
@@ -132,26 +132,25 @@ class RayClient(ClientLifecycle):
     def _plan_ready(self) -> Plan:
         yield [a.ready.remote() for a in self.trainers + self.samplers + self.logprobs]
 
+    @property
+    def version(self) -> int:
+        """The last weight version every receiver accepted."""
+        return self.handover.version
+
+    def _actors(self, role: str) -> list:
+        return {TRAINER: self.trainers, SAMPLERS: self.samplers, LOGPROB: self.logprobs}[role]
+
+    def _plan_actions(self, actions: list[Action]) -> Plan:
+        """Execute a ``HandOver`` plan on the actors, one action (all its actors) at a time."""
+        for action in actions:
+            yield [getattr(a, action.method).remote(*action.args) for a in self._actors(action.role)]
+            self.handover.done(action)
+
     def _plan_to_sampler(self) -> Plan:
-        if not self._sampler_awake:
-            yield [s.wake.remote() for s in self.samplers]
-            self._sampler_awake = True
-        if (
-            self.config.colocate
-            and self._trainer_on
-            and not self._pending
-            and self.config.train.zero_stage > 0
-        ):  # ZeRO-0 cannot offload: it stays resident
-            yield [t.offload.remote() for t in self.trainers]
-            self._trainer_on = False
+        yield from self._plan_actions(self.handover.to_sampling())
 
     def _plan_to_trainer(self) -> Plan:
-        if self.config.colocate and self._sampler_awake:
-            yield [s.sleep.remote(1) for s in self.samplers]
-            self._sampler_awake = False
-        if not self._trainer_on:
-            yield [t.onload.remote() for t in self.trainers]
-            self._trainer_on = True
+        yield from self._plan_actions(self.handover.to_training())
 
     def _plan_generate(self, prompts, params) -> Plan:
         yield from self._plan_to_sampler()
@@ -175,25 +174,15 @@ class RayClient(ClientLifecycle):
     def _plan_train(self, method: str, *args) -> Plan:
         yield from self._plan_to_trainer()
         out = yield [getattr(t, method).remote(*args) for t in self.trainers]
-        if method == "forward_backward":
-            self._pending = True
-        elif method in ("step", "load"):
-            self._pending = False
+        self.handover.trained(method)
         return out[0]
-
-    def _next_version(self) -> int:
-        self._attempted = max(self.version, self._attempted) + 1
-        return self._attempted
 
     def _plan_sync(self) -> Plan:
         cfg, bb = self.config, self.config.bucket_bytes
         yield from self._plan_to_trainer()
         t0 = time.perf_counter()
-        layout = (
-            "spans" if cfg.colocate else "packed"
-        )  # shared: the trainer's flat storages as they are
-        version = self._next_version()
-        manifests = yield [t.manifest.remote(version, bb, layout) for t in self.trainers]
+        plan = self.handover.begin_sync(in_process=False)
+        manifests = yield [t.manifest.remote(plan.version, bb, plan.layout) for t in self.trainers]
         manifest = manifests[0]
         receivers = self.samplers + self.logprobs
         if cfg.colocate:
@@ -206,7 +195,7 @@ class RayClient(ClientLifecycle):
             try:
                 rank_of = list(range(len(self.samplers))) + list(range(len(self.logprobs)))
                 yield [
-                    r.receive_shared.remote(manifest, handles[g], cfg.verify_sync)
+                    r.receive_shared.remote(manifest, handles[g])
                     for r, g in zip(receivers, rank_of)
                 ]
             finally:
@@ -218,9 +207,9 @@ class RayClient(ClientLifecycle):
             n = len(self.trainers)
             yield (
                 [t.send_weights.remote(manifest, bb, n) for t in self.trainers]
-                + [r.receive_broadcast.remote(manifest, n, cfg.verify_sync) for r in receivers]
+                + [r.receive_broadcast.remote(manifest, n) for r in receivers]
             )
-        self.version = manifest.version
+        self.handover.synced(plan)
         return {
             "version": manifest.version,
             "checksum": manifest.checksum,
@@ -241,29 +230,10 @@ class RayClient(ClientLifecycle):
         self._group_ready = True
 
     def _plan_sleep(self, engine: str, level: int) -> Plan:
-        check_engine(engine)
-        if engine == "sampler":
-            yield [s.sleep.remote(level) for s in self.samplers]
-            self._sampler_awake = False
-        elif engine == "trainer":
-            if self._trainer_on:
-                yield [t.offload.remote() for t in self.trainers]
-                self._trainer_on = False
-        else:
-            if not self.logprobs:
-                raise ValueError("there is no log-prob engine (log_prob_gpus=0)")
-            yield [a.sleep.remote(level) for a in self.logprobs]
+        yield from self._plan_actions(self.handover.sleep(engine, level))
 
     def _plan_wake(self, engine: str) -> Plan:
-        check_engine(engine)
-        if engine == "sampler":
-            yield from self._plan_to_sampler()
-        elif engine == "trainer":
-            yield from self._plan_to_trainer()
-        else:
-            if not self.logprobs:
-                raise ValueError("there is no log-prob engine (log_prob_gpus=0)")
-            yield [a.wake.remote() for a in self.logprobs]
+        yield from self._plan_actions(self.handover.wake(engine))
 
     def _plan_checksums(self) -> Plan:
         yield from self._plan_to_trainer()

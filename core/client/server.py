@@ -19,7 +19,14 @@ import json
 from typing import Any
 
 from .api import EngineError
-from .codec import decode_batch, encode_stats, params_from_json, prompts_from_json, sample_to_json
+from .codec import (
+    decode_batch,
+    encode_stats,
+    params_from_json,
+    prompts_from_json,
+    read_json,
+    sample_to_json,
+)
 
 
 def _fastapi():
@@ -83,19 +90,6 @@ async def _reply(send, status: int, message: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-async def read_json(request) -> dict:
-    from fastapi import HTTPException
-
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HTTPException(400, f"malformed JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise HTTPException(400, "the JSON body must be an object")
-    return body
 
 
 def create_app(

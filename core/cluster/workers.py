@@ -25,7 +25,6 @@ from ..sync import (
     SyncManifest,
     apply_update,
     build_manifest,
-    engine_checksum,
     open_shared,
     recv_weights,
     send_weights,
@@ -82,18 +81,18 @@ class WeightReceiver:
             host, port, rank=rank, world_size=world, device=self.device, timeout_s=timeout_s
         )
 
-    def receive_shared(self, manifest: SyncManifest, handles: list, verify: bool) -> int:
+    def receive_shared(self, manifest: SyncManifest, handles: list) -> int:
         opened = open_shared(manifest, handles, device=self.device)
         try:
-            return apply_update(self.engine, opened.staged, verify=verify)
+            return apply_update(self.engine, opened.staged)
         finally:
             opened.close()
 
-    def receive_broadcast(self, manifest: SyncManifest, num_senders: int, verify: bool) -> int:
+    def receive_broadcast(self, manifest: SyncManifest, num_senders: int) -> int:
         if self.group is None:
             raise RuntimeError("init_sync_group was never called on this receiver")
         staged = recv_weights(self.group, manifest, self.device, num_senders=num_senders)
-        return apply_update(self.engine, staged, verify=verify)
+        return apply_update(self.engine, staged)
 
 
 class TrainerWorker:
@@ -192,16 +191,16 @@ class _ReceivingWorker:
         return True
 
     def weight_checksum(self) -> str:
-        return engine_checksum(self.engine)
+        return self.engine.weight_checksum()
 
     def init_sync_group(self, host, port, rank, world, timeout_s) -> None:
         self.receiver.init_group(host, port, rank, world, timeout_s)
 
-    def receive_shared(self, manifest, handles, verify: bool) -> int:
-        return self.receiver.receive_shared(manifest, handles, verify)
+    def receive_shared(self, manifest, handles) -> int:
+        return self.receiver.receive_shared(manifest, handles)
 
-    def receive_broadcast(self, manifest, num_senders: int, verify: bool) -> int:
-        return self.receiver.receive_broadcast(manifest, num_senders, verify)
+    def receive_broadcast(self, manifest, num_senders: int) -> int:
+        return self.receiver.receive_broadcast(manifest, num_senders)
 
 
 class SamplerWorker(_ReceivingWorker):
@@ -252,8 +251,8 @@ class LogProbWorker(_ReceivingWorker):
         return _cpu(engine.compute_logprobs(batch, entropy=entropy, temperature=temperature))
 
     def sleep(self, level: int) -> None:
-        self.engine.module.to("cpu")
+        self.engine.sleep(level)
 
     def wake(self) -> None:
-        self.engine.module.to(self.engine.device)
+        self.engine.wake()
 

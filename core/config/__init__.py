@@ -1,4 +1,5 @@
-"""One config schema: a validated dataclass per engine (and the client), re-exported here.
+"""One config schema: a validated dataclass per engine, re-exported here (the client's
+``RLClientConfig`` is ``polynya.RLClientConfig``: the config layer never imports the client).
 
 Each dataclass checks itself in ``__post_init__`` and raises ``ValueError`` naming the bad
 field, so a mistake fails before any engine is built. Hydra recipes register these same
@@ -14,6 +15,3 @@ from .logprob import LogProbConfig  # noqa: E402
 from .train import LossConfig, OptimConfig, TrainConfig  # noqa: E402
 
 __all__ += ["TrainConfig", "OptimConfig", "LossConfig", "LogProbConfig"]
-from ..client.config import RLClientConfig  # noqa: E402
-
-__all__ += ["RLClientConfig"]

@@ -10,21 +10,24 @@
   user's raw overrides.
 - ``named_buckets`` / ``export_buckets`` / ``load_pieces``: move full weights out of and into a
   module under every ZeRO stage; under ZeRO-3 parameters are gathered one bucket at a time, so a
-  second full copy of the model never exists.
+  second full copy of the model never exists. ``load_pieces`` checks everything first.
+- ``weights_checksum``: ``polynya.checksum`` of a module's full weights.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import os
+import zipfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from ..checksum import checksum_packed
 from ..distributed import ensure_process_group
-from ..weights import pieces_of, split_piece
+from ..spans import span_layout
+from ..weights import checked_pairs, full_shape, is_zero3
 
 WeightPiece = tuple[list[str], torch.Tensor]
 
@@ -132,14 +135,6 @@ def engine_forward(engine):
         engine._forward_epilogue()
 
 
-def is_zero3(param: torch.nn.Parameter) -> bool:
-    return hasattr(param, "ds_id")
-
-
-def full_shape(param: torch.nn.Parameter) -> torch.Size:
-    return param.ds_shape if is_zero3(param) else param.shape
-
-
 @contextlib.contextmanager
 def gathered(params: list[torch.nn.Parameter], modifier_rank: int | None = None):
     """Full ``.data`` for ZeRO-3 parameters inside the block (no-op for other stages)."""
@@ -185,47 +180,40 @@ def export_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[Weigh
 
 
 def weights_checksum(module: torch.nn.Module, bucket_bytes: int = 1 << 28) -> str:
-    """``polynya.distributed.checksum_named_tensors`` of the module's full weights.
+    """``polynya.checksum`` of the module's full weights (every rank calls it under ZeRO-3).
 
     Weights that are views of a few flat storages (ZeRO-1/2) are digested in place
-    (``polynya.sync.layout``); otherwise bucket by bucket (``export_buckets``). On CUDA the
-    digests come from the Triton kernels of ``polynya.sync.digest`` with one device -> host
-    transfer at the end; elsewhere from ``tensor_digest``: the same value either way.
+    (``polynya.spans``); otherwise bucket by bucket (``export_buckets``). On CUDA the digests
+    come from the Triton kernels with one device -> host transfer at the end.
     """
-    from ..distributed import signature_prefix
-    from ..sync.digest import cached_plan, checksum_lines, gather
-    from ..sync.layout import span_layout
-
     found = span_layout(module)
     if found is not None:
         layout, spans = found
         return layout.checksum(spans)
     shapes = {n: full_shape(p) for n, p in module.named_parameters()}
-    prefixes, digests = [], []
-    for names, flat in export_buckets(module, bucket_bytes):
-        sizes = [shapes[n].numel() for n in names]
-        starts = [0, *itertools.accumulate(sizes)][:-1]
-        digests.append(cached_plan(starts, sizes).digest_tensor([flat]))  # no host sync on CUDA
-        prefixes += [signature_prefix(n, flat.dtype, shapes[n]) for n in names]
-    return checksum_lines(prefixes, gather(digests) if digests else [])
+    return checksum_packed(export_buckets(module, bucket_bytes), shapes)
 
 
-def load_pieces(module: torch.nn.Module, pieces: Iterable) -> int:
+def load_pieces(module: torch.nn.Module, pieces: Iterable, *, checksum: str | None = None) -> int:
     """Copy weights into ``module``; returns the number of tensors loaded.
 
-    Each piece is validated before it is applied. Under ZeRO-3 every rank must pass the same
-    pieces (rank 0's values are the ones partitioned back).
+    Every piece is checked first (``polynya.weights.checked_pairs``: names, shapes, dtypes,
+    finite values, ``checksum`` when given); only then is anything copied, so a bad piece
+    leaves the module untouched. Under ZeRO-3 every rank must pass the same pieces (rank 0's
+    values are the ones partitioned back); tensors are gathered a bucket at a time.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     shapes = {n: full_shape(p) for n, p in params.items()}
-    count = 0
-    for piece in pieces_of(pieces):  # piece by piece: ZeRO-3 gathers only that piece's tensors
-        pairs = [(params[n], t) for n, t in split_piece(piece, shapes)]
-        with gathered([p for p, _ in pairs], modifier_rank=0), torch.no_grad():
-            for p, t in pairs:
+    pairs = checked_pairs(pieces, shapes, checksum=checksum)
+    start = 0
+    for bucket in named_buckets([(n, params[n]) for n, _ in pairs], 1 << 28):
+        chunk = pairs[start:start + len(bucket)]
+        start += len(bucket)
+        unique = list({id(p): p for _, p in bucket}.values())  # tied names share a parameter
+        with gathered(unique, modifier_rank=0), torch.no_grad():
+            for (_, p), (_, t) in zip(bucket, chunk):
                 p.data.copy_(t.to(device=p.device, dtype=p.dtype))
-        count += len(pairs)
-    return count
+    return len(pairs)
 
 
 @contextlib.contextmanager
@@ -246,7 +234,53 @@ def _young_gc_only():
         gc.unfreeze()
 
 
-def offload_engine(engine, *, pin_memory: bool) -> None:
+def barrier() -> None:
+    """All ranks of the default group meet here (no-op on one rank)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def checkpoint_types() -> list:
+    """The non-tensor types a DeepSpeed checkpoint of our engines holds: the only ones its
+    pickles may contain (``polynya.files.safe_torch_load``)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def load_checkpoint(engine, path: str, tag: str) -> None:
+    """``engine.load_checkpoint`` with every pickle restricted to ``checkpoint_types``.
+
+    Each file of the tag is unpickled (weights-only) once before DeepSpeed loads any of them,
+    so a file holding anything else raises ``CheckpointError`` before the engine changes.
+    """
+    from ..files import CheckpointError, safe_torch_load
+
+    folder = os.path.join(path, tag)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"no {tag!r} checkpoint under {path!r}")
+    allowed = checkpoint_types()
+    with safe_torch_load(allowed):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".pt"):
+                file = os.path.join(folder, name)
+                try:  # zip checkpoints are mapped, not read: the check costs the pickles only
+                    torch.load(file, map_location="cpu", weights_only=True,
+                               mmap=zipfile.is_zipfile(file))
+                except Exception as exc:  # an unpickling error, or bytes torch cannot read
+                    raise CheckpointError(f"{file!r} cannot be loaded as "
+                                          f"weights only: {exc}") from None
+        load_path, _ = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+    if load_path is None:
+        raise CheckpointError(f"no polynya checkpoint under {path!r}")
+
+
+def offload_engine(engine, *, pin_memory: bool, host: list | None = None) -> list | None:
     """Move a ZeRO 1-3 training engine's weights, gradients, fp32 master weights and Adam moments
     to host memory (``engine.offload_states``, with DeepSpeed's precautionary full garbage
     collections limited to new objects: ``_young_gc_only``).
@@ -254,6 +288,8 @@ def offload_engine(engine, *, pin_memory: bool) -> None:
     ZeRO-3's ``offload_states`` refuses master weights and optimizer state unless the optimizer
     is DeepSpeed's FusedAdam; ``torch.optim.AdamW`` keeps the same state (``exp_avg``,
     ``exp_avg_sq`` per fp32 partition), so those two are moved here the way DeepSpeed moves them.
+    ``host``: the host buffers of a previous offload (ZeRO-3 master weights), reused; returns
+    the buffers for the next one (the caller keeps them: nothing is stored on DeepSpeed's objects).
     """
     from deepspeed.runtime.utils import offload_adam_states
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
@@ -262,18 +298,19 @@ def offload_engine(engine, *, pin_memory: bool) -> None:
     if not hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO 1/2: DeepSpeed moves everything
         with _young_gc_only():
             engine.offload_states(pin_memory=pin_memory)
-        return
+        return None
     with _young_gc_only():
         engine.offload_states(include=[S.lp_params, S.lp_grads, S.contiguous_grad_buffer],
                               pin_memory=pin_memory)
-    if not hasattr(opt, "_polynya_hp_host"):
-        opt._polynya_hp_host = [torch.empty_like(t, device="cpu", pin_memory=pin_memory)
-                                for t in opt.fp32_partitioned_groups_flat]
-    for t, host in zip(opt.fp32_partitioned_groups_flat, opt._polynya_hp_host):
-        host.copy_(t)
-        t.data = host
+    if host is None:
+        host = [torch.empty_like(t, device="cpu", pin_memory=pin_memory)
+                for t in opt.fp32_partitioned_groups_flat]
+    for t, buf in zip(opt.fp32_partitioned_groups_flat, host):
+        buf.copy_(t)
+        t.data = buf
     offload_adam_states(opt.optimizer, "cpu", pin_memory=pin_memory)
     free_accelerator_cache()
+    return host
 
 
 def reload_engine(engine, device: torch.device) -> None:

@@ -83,6 +83,8 @@ class LogProbEngine:
                                num_params=sum(p.numel() for p in model.parameters()))
         self.engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, dist_init_required=False)
         self.module = self.engine.module.eval()
+        self._version = 0
+        self._asleep = False
 
     def compute_logprobs(self, batch: RolloutBatch, *, entropy: bool = False,
                          temperature: float | None = None) -> TokenStats:
@@ -96,19 +98,56 @@ class LogProbEngine:
             ``TokenStats``: ``logprobs`` / ``entropy`` ``[B, Rmax]`` float32, ``mask`` ``[B, Rmax]``,
             on the engine's device, identical on every rank.
         """
+        self._check_awake()
         return sharded_logprobs(self, batch, entropy=entropy,
                                 temperature=temperature or self.config.temperature)
 
-    def load_weights(self, weights: Iterable) -> int:
-        """Copy new weights in; returns the number of tensors loaded.
+    def load_weights(self, weights: Iterable, version: int | None = None, *,
+                     checksum: str | None = None) -> int:
+        """Copy new weights in; returns the new weight version.
 
         Args:
             weights: ``(name, tensor)`` pairs and/or ``(names, flat)`` pieces as yielded by
                 ``TrainingEngine.export_weights`` (a single piece may be passed bare). Names are
-                ``named_parameters`` names (tied aliases accepted); each piece is validated
-                (names, sizes) before it is copied. Under ZeRO-3 every rank passes the same pieces.
+                ``named_parameters`` names (tied aliases accepted). Under ZeRO-3 every rank
+                passes the same pieces.
+            version: the version these weights are (default: the current one + 1); must be
+                newer than ``weight_version``.
+            checksum: the sender's ``polynya.checksum`` of the pieces, verified before loading.
+        Every piece is checked first (names, shapes, dtypes, finite values, checksum): on
+        ``ValueError`` nothing was copied and ``weight_version`` is unchanged.
         """
-        return dsu.load_pieces(self.module, weights)
+        if version is not None and int(version) <= self._version:
+            raise ValueError(f"weight version {version} is not newer than the served {self._version}")
+        dsu.load_pieces(self.module, weights, checksum=checksum)
+        self._version = self._version + 1 if version is None else int(version)
+        return self._version
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the loaded weights (0: as built)."""
+        return self._version
+
+    def sleep(self, level: int = 1) -> None:
+        """Move the weights to host memory (ZeRO-0; level 1 and 2 alike: there is no KV cache);
+        ``wake()`` brings them back."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.config.zero_stage != 0:
+            raise NotImplementedError("sleep/wake of a ZeRO-3 log-prob engine is not supported")
+        if not self._asleep:
+            self.module.to("cpu")
+            dsu.free_accelerator_cache()
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.module.to(self.device)
+            self._asleep = False
+
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise RuntimeError("the log-prob engine is asleep: call wake() first")
 
     def weight_checksum(self, bucket_bytes: int = 1 << 28) -> str:
         """Same digest as ``TrainingEngine.weight_checksum`` (equal after a sync in one dtype)."""

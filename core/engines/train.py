@@ -39,6 +39,7 @@ from ..distributed import (
     local_device,
     plan_micro_batches,
 )
+from ..files import verify_manifest, write_manifest
 from ..losses import Normalizer, policy_loss, resolve_loss
 from ..types import RolloutBatch, TokenStats
 from . import _deepspeed as dsu
@@ -88,6 +89,7 @@ class TrainingEngine:
         self.dtype = resolve_dtype(config.dtype)
         self._pending = 0  # forward_backward calls since the last step
         self._offloaded = False
+        self._host: list | None = None  # ZeRO-3 master-weight host buffers, kept across offloads
         self.engine = self._build(dsu.import_deepspeed())
         self.module = self.engine.module
 
@@ -104,10 +106,12 @@ class TrainingEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.optim.betas,
                                 eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, cfg.optim.lr_factor)
-        # Plain fp32 ZeRO-0 has no DeepSpeed optimizer wrapper that reports the norm: clip here.
+        sched = self._sched = torch.optim.lr_scheduler.LambdaLR(opt, cfg.optim.lr_factor)
+        # Plain fp32 ZeRO-0 has no DeepSpeed optimizer wrapper that reports the norm (or skips a
+        # non-finite one, as DeepSpeed's ZeRO-1/2/3 and bf16 wrappers do): clip and skip here.
         self._own_clip = cfg.zero_stage == 0 and self.dtype == torch.float32
         self._own_norm: float | None = None
+        self._own_skipped = 0  # steps skipped here (DeepSpeed counts its own in skipped_steps)
         if self._own_clip:
             opt.register_step_pre_hook(self._clip_hook)
         ds_cfg = dsu.ds_config(zero_stage=cfg.zero_stage, dtype=self.dtype, train=True,
@@ -119,9 +123,14 @@ class TrainingEngine:
         return engine
 
     def _clip_hook(self, optimizer, args, kwargs) -> None:
+        """Runs inside the optimizer step, after DeepSpeed reduced the gradients over ranks:
+        clip, and drop a non-finite gradient (AdamW leaves a parameter without one as it is)."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         limit = self.config.optim.grad_clip or math.inf
         self._own_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        if not math.isfinite(self._own_norm):
+            for p in params:
+                p.grad = None
 
     # ------------------------------------------------------------------ training
     def _plan(self, batch: RolloutBatch):
@@ -180,18 +189,40 @@ class TrainingEngine:
     def step(self) -> dict[str, float]:
         """Reduce the accumulated gradients over ranks, clip, and apply one AdamW update.
 
-        Returns ``grad_norm`` (global, before clipping), ``lr`` (the rate this update used) and
-        ``step`` (optimizer steps so far).
+        A non-finite global gradient norm (NaN / inf gradients, or finite ones whose norm
+        overflows) skips the update on every ZeRO stage: weights, optimizer state and the LR
+        schedule stay as they were and the gradients are dropped.
+
+        Returns ``grad_norm`` (global, before clipping), ``lr`` (the rate this update used),
+        ``step`` (step() calls so far, skipped ones included), ``skipped`` (1.0 when this
+        update was skipped) and ``skipped_steps`` (how many were, since the engine started).
         """
         self._check_onloaded()
         if self._pending == 0:
             raise RuntimeError("step() needs a forward_backward() first (no gradient accumulated)")
         lr = float(self.engine.optimizer.param_groups[0]["lr"])
+        ds_skipped = int(self.engine.skipped_steps)
+        schedule = self._sched.state_dict() if self._own_clip else None
+        group_lrs = [g["lr"] for g in self._sched.optimizer.param_groups]
+        self._own_norm = None
         self.engine.step()
         self._pending = 0
         norm = self._own_norm if self._own_clip else self.engine.get_global_grad_norm()
         norm = float("nan") if norm is None else float(norm)
-        return {"grad_norm": norm, "lr": lr, "step": int(self.engine.global_steps)}
+        skipped = int(self.engine.skipped_steps) > ds_skipped
+        if self._own_clip and not math.isfinite(norm):
+            self._sched.load_state_dict(schedule)  # DeepSpeed stepped it: as its own skips, don't
+            for g, group_lr in zip(self._sched.optimizer.param_groups, group_lrs):
+                g["lr"] = group_lr
+            self._own_skipped += 1
+            skipped = True
+        return {"grad_norm": norm, "lr": lr, "step": int(self.engine.global_steps),
+                "skipped": float(skipped), "skipped_steps": self.skipped_steps}
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped for a non-finite gradient norm since the engine started."""
+        return int(self.engine.skipped_steps) + self._own_skipped
 
     # ------------------------------------------------------------------ external losses
     def forward_backward_local(self, batch: RolloutBatch,
@@ -277,17 +308,27 @@ class TrainingEngine:
     # ------------------------------------------------------------------ state
     def save(self, path: str) -> None:
         """Checkpoint weights, optimizer, LR schedule and step count to directory ``path``
-        (every rank calls it; ZeRO partitions are saved per rank)."""
+        (every rank calls it; ZeRO partitions are saved per rank), then a manifest with the
+        sha256 of every file (``polynya.files``; rank 0 writes it once every rank is done)."""
         self._check_onloaded()
         self.engine.save_checkpoint(path, tag="polynya")
+        dsu.barrier()
+        if self.rank == 0:
+            write_manifest(path)
+        dsu.barrier()
 
     def load(self, path: str) -> None:
-        """Restore a checkpoint written by ``save`` (same ZeRO stage and world size)."""
+        """Restore a checkpoint written by ``save`` (same ZeRO stage and world size).
+
+        Before anything is loaded, every file is checked against the checkpoint's manifest
+        and every pickle is read with ``weights_only=True`` (tensors, containers and the few
+        DeepSpeed types its state holds): a missing, corrupted, truncated or mismatched file,
+        or a pickle holding anything else, is a ``CheckpointError`` naming the file, with the
+        engine unchanged.
+        """
         self._check_onloaded()
-        load_path, _ = self.engine.load_checkpoint(path, tag="polynya", load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
-        if load_path is None:
-            raise ValueError(f"no polynya checkpoint under {path!r}")
+        verify_manifest(path)
+        dsu.load_checkpoint(self.engine, path, tag="polynya")
         self._pending = 0
 
     def offload(self) -> dict[str, float]:
@@ -304,7 +345,8 @@ class TrainingEngine:
         if self.config.zero_stage == 0:
             raise NotImplementedError("offload() needs ZeRO stage >= 1 (DeepSpeed's offload_states)")
         before = _allocated(self.device)
-        dsu.offload_engine(self.engine, pin_memory=self.device.type == "cuda")
+        self._host = dsu.offload_engine(self.engine, pin_memory=self.device.type == "cuda",
+                                        host=self._host)
         dsu.free_accelerator_cache()
         self._offloaded = True
         after = _allocated(self.device)

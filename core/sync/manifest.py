@@ -7,7 +7,7 @@ The trainer side describes a sync before any byte moves::
 
 Buckets follow ``TrainingEngine.export_weights(bucket_bytes)`` exactly (same grouping of
 ``named_parameters`` in order), so a receiver can allocate every buffer from the manifest alone.
-``checksum`` is the trainer's ``weight_checksum()`` (``polynya.distributed``): the receiver
+``checksum`` is the trainer's ``weight_checksum()`` (``polynya.checksum``): the receiver
 recomputes it over what it staged and rejects the sync on any difference (``SyncError``).
 """
 
@@ -16,6 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from ..spans import span_layout
+from ..weights import BucketSpec, full_shape
+
+__all__ = ["BucketSpec", "SyncError", "SyncManifest", "build_manifest", "plan_buckets"]
 
 
 class SyncError(RuntimeError):
@@ -32,46 +37,6 @@ def dtype_from_name(name: str) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"unsupported weight dtype {name!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[key]
-
-
-@dataclass(frozen=True)
-class BucketSpec:
-    """One flat bucket: ``names`` in order with their ``shapes``.
-
-    Packed layout (``offsets is None``): the tensors back to back, ``numel`` elements in all.
-    Span layout: the bucket is a span of ``length`` elements of the trainer's own flat storage
-    (ZeRO-1/2 keep every weight as a view of one flat buffer); tensor ``k`` starts at
-    ``offsets[k]``; gaps (alignment padding) are ignored.
-    """
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...] | None = None
-    length: int | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.length if self.length is not None else sum(self.sizes())
-
-    def sizes(self) -> list[int]:
-        return [int(torch.Size(s).numel()) for s in self.shapes]
-
-    def starts(self) -> list[int]:
-        """Element offset of every tensor inside the bucket."""
-        if self.offsets is not None:
-            return list(self.offsets)
-        out, pos = [], 0
-        for n in self.sizes():
-            out.append(pos)
-            pos += n
-        return out
-
-    def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` views into ``flat`` (no copy)."""
-        return [
-            (name, flat[o : o + n].view(shape))
-            for name, shape, o, n in zip(self.names, self.shapes, self.starts(), self.sizes())
-        ]
 
 
 @dataclass(frozen=True)
@@ -166,10 +131,8 @@ def flat_spans(module: torch.nn.Module) -> list[tuple[torch.Tensor, BucketSpec]]
     they are not (ZeRO-0 / ZeRO-3 keep one storage per tensor). Each span tensor is a view.
 
     The layout (names, offsets, shapes) is cached per module and checked against the weights'
-    current pointers on every call (``polynya.sync.layout``); the spans are always fresh views.
+    current pointers on every call (``polynya.spans``); the spans are always fresh views.
     """
-    from .layout import span_layout
-
     found = span_layout(module)
     if found is None:
         return None
@@ -187,9 +150,6 @@ def build_manifest(
     rank must call this under ZeRO-3). ``layout="spans"``: the trainer's own flat storages, no
     packing (falls back to packed when the weights are not views of flat buffers).
     """
-    from ..engines._deepspeed import full_shape
-    from .layout import span_layout
-
     if layout not in ("packed", "spans"):
         raise ValueError(f"layout must be 'packed' or 'spans', got {layout!r}")
     found = span_layout(trainer.module) if layout == "spans" else None

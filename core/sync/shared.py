@@ -128,7 +128,7 @@ class SharedExport:
 
     def _share_spans(self, trainer, share: bool) -> "SharedExport":
         """Span manifests: share the trainer's flat storages themselves (no packing on CUDA)."""
-        from .layout import export_spans
+        from ..spans import export_spans
 
         spans = export_spans(trainer.module, self.manifest.buckets)
         if spans is None:
@@ -167,7 +167,7 @@ class OpenedBuckets:
         self._segments = segments
 
     def close(self) -> None:
-        self.staged.flats = [None] * len(self.staged.flats)
+        self.staged.clear()
         for seg in self._segments:
             try:
                 seg.close()

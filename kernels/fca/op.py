@@ -154,21 +154,6 @@ def _kv_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
 
-def classes_triton(bt: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
-    """Planner pass on the GPU: (cnt, rep, rank) per cell, each ``[B, max_blocks]`` int32."""
-    from .kernel import _fca_classes_kernel
-
-    B, MB = bt.shape
-    cnt = torch.empty_like(bt)
-    rep = torch.empty_like(bt)
-    rank = torch.empty_like(bt)
-    block_j = 32
-    _fca_classes_kernel[(B, triton_cdiv(MB, block_j))](
-        bt, seq_lens, cnt, rep, rank, B, MB, PAGE=block_size, BLOCK_B=64, BLOCK_J=block_j,
-        num_warps=4)
-    return cnt, rep, rank
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -127,9 +127,23 @@ def _classes_torch(bt: torch.Tensor, full: torch.Tensor):
     return cnt, rep, rank
 
 
+def classes_triton(bt: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
+    """Planner pass on the GPU: (cnt, rep, rank) per cell, each ``[B, max_blocks]`` int32."""
+    from .kernel import _fca_classes_kernel
+
+    B, MB = bt.shape
+    cnt = torch.empty_like(bt)
+    rep = torch.empty_like(bt)
+    rank = torch.empty_like(bt)
+    block_j = 32
+    _fca_classes_kernel[(B, -(-MB // block_j))](
+        bt, seq_lens, cnt, rep, rank, B, MB, PAGE=block_size, BLOCK_B=64, BLOCK_J=block_j,
+        num_warps=4)
+    return cnt, rep, rank
+
+
 def _classes(bt: torch.Tensor, seq_lens: torch.Tensor, full: torch.Tensor, block_size: int):
     if bt.is_cuda:
-        from .op import classes_triton
         return classes_triton(bt, seq_lens, block_size)
     return _classes_torch(bt, full)
 

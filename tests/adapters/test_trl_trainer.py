@@ -13,9 +13,9 @@ trl = pytest.importorskip("trl")
 from datasets import Dataset
 from polynya.adapters.trl import GRPOTrainer
 from polynya.config import SamplerConfig
-from polynya.distributed import checksum_named_tensors
+from polynya.checksum import checksum_named_tensors
 from polynya.models import load_model, tiny_tokenizer
-from polynya.sync import SyncError, engine_checksum
+from polynya.sync import SyncError
 from transformers import TrainerCallback
 
 G = 4
@@ -59,7 +59,7 @@ class Recorder(TrainerCallback):
         t = self.trainer
         policy = dict(t.accelerator.unwrap_model(t.model).named_parameters())
         self.after_step.append((state.global_step, checksum_named_tensors(policy.items()),
-                                engine_checksum(t.sampler), t.sampler.stats()["weight_version"]))
+                                t.sampler.weight_checksum(), t.sampler.stats()["weight_version"]))
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_default_sampler_and_naive_logprobs(run, model_dir, tmp_path):
     cfg = trainer.sampler.config
     assert (cfg.model, cfg.dtype, cfg.device) == (model_dir, "float32", "cpu")
     policy = dict(trainer.model.named_parameters())
-    assert engine_checksum(trainer.sampler) == checksum_named_tensors(policy.items())
+    assert trainer.sampler.weight_checksum() == checksum_named_tensors(policy.items())
     ids, mask, keep = run["calls"][0][:3]
     lp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep,
                                                             batch_size=2, compute_entropy=True)
@@ -208,16 +208,19 @@ def test_a_corrupted_push_is_refused(model_dir, tmp_path):
                           sampler_config=SamplerConfig(model_dir, dtype="float32", kv_cache_memory_gb=0.05))
     load = trainer.sampler.load_weights
 
-    def faulty(weights, version=None):  # a transport that flips one value
+    def faulty(weights, version=None, **kw):  # a transport that flips one value
         weights = [(n, t.clone() if i == 0 else t) for i, (n, t) in enumerate(weights)]
         weights[0][1].view(-1)[0] += 1.0
-        return load(weights, version=version)
+        return load(weights, version=version, **kw)
 
     trainer.sampler.load_weights = faulty
     trainer.state.global_step = 1  # as after an optimizer step
+    before, version = trainer.sampler.weight_checksum(), trainer.sampler.weight_version
     with pytest.raises(SyncError, match="hash"):
         trainer.push_weights()
     assert trainer._pushed_step == 0  # not marked as pushed: the next generation pushes again
+    assert trainer.sampler.weight_checksum() == before  # refused before anything was copied
+    assert trainer.sampler.weight_version == version
 
 
 def test_bf16_autocast_error_within_twice_trl_own(run):

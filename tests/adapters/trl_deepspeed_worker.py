@@ -9,9 +9,8 @@ import trl
 from datasets import Dataset
 from polynya.adapters.trl import GRPOTrainer
 from polynya.config import SamplerConfig
-from polynya.distributed import checksum_named_tensors
+from polynya.checksum import checksum_named_tensors
 from polynya.models import tiny_tokenizer
-from polynya.sync import engine_checksum
 
 from tests.adapters.test_trl_trainer import QUESTIONS, SYSTEM, reward_digits
 
@@ -43,7 +42,7 @@ if __name__ == "__main__":
     trainer.train()
     policy = trainer.accelerator.unwrap_model(trainer.model)
     with trainer._dist.gather_params(list(policy.parameters())):
-        same = checksum_named_tensors(policy.named_parameters()) == engine_checksum(trainer.sampler)
+        same = checksum_named_tensors(policy.named_parameters()) == trainer.sampler.weight_checksum()
     result = {"engine": type(trainer.model_wrapped).__name__, "steps": trainer.state.global_step,
               "diffs": diffs, "prompts_per_micro_batch": prompts, "checksum_equal": same,
               "sampler_requests": trainer.sampler.stats()["requests"]}

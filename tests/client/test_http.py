@@ -12,7 +12,7 @@ import polynya
 from polynya import RolloutBatch, SamplingParams
 from polynya.client.codec import encode_batch
 from polynya.distributed import free_port
-from polynya.sync import SyncGroup, engine_checksum
+from polynya.sync import SyncGroup
 
 from .common import PROMPTS, rl_round_trip, tiny_config
 
@@ -235,13 +235,13 @@ def test_weight_transfer_routes(client, raw):
         assert out["upd"].status_code == 200
         return raw.post("/finish_weight_update", json={"checksum": checksum})
 
-    old_sum, old_version = engine_checksum(sampler), sampler.stats()["weight_version"]
+    old_sum, old_version = sampler.weight_checksum(), sampler.stats()["weight_version"]
     bad = push("0" * 32)  # a mismatched sync is rejected, the old weights stay
     assert bad.status_code == 409 and "checksum" in bad.json()["error"]
-    assert engine_checksum(sampler) == old_sum and sampler.stats()["weight_version"] == old_version
+    assert sampler.weight_checksum() == old_sum and sampler.stats()["weight_version"] == old_version
     good = push(trainer.weight_checksum())
     assert good.status_code == 200 and good.json()["version"] == old_version + 1
-    assert engine_checksum(sampler) == trainer.weight_checksum() != old_sum
+    assert sampler.weight_checksum() == trainer.weight_checksum() != old_sum
 
 
 def test_http_async_api(client):

@@ -105,11 +105,11 @@ def test_failed_sync_never_reuses_its_version(monkeypatch):
     with polynya.create_rl_client(cfg) as client:
         calls = []
 
-        def flaky(engine, staged, verify=True):
+        def flaky(engine, staged):
             calls.append(engine)
             if len(calls) == 2:
                 raise SyncError("injected: replica 1 rejects")
-            return apply_update(engine, staged, verify=verify)
+            return apply_update(engine, staged)
 
         monkeypatch.setattr(local_mod, "apply_update", flaky)
         with pytest.raises(SyncError, match="injected"):

@@ -71,3 +71,18 @@ def test_bucket_copy_plan_rejects_what_does_not_fit(spec_args, needle):
 
     with pytest.raises(ValueError, match=needle):
         BucketCopyPlan([BucketSpec(*spec_args)], _params())
+
+
+def test_non_finite_names_tensors_not_gaps():
+    """Views of one flat storage are checked in one pass; NaN in an alignment gap between
+    them is not a weight, inf inside one is (and only that one is named)."""
+    from polynya.weights import non_finite
+
+    flat = torch.randn(40, generator=torch.Generator().manual_seed(0))
+    flat[10] = float("nan")  # a gap: no tensor covers element 10
+    views = [("a", flat[0:10].view(2, 5)), ("b", flat[11:25]), ("c", flat[25:40])]
+    assert non_finite(views) == []
+    flat[30] = float("inf")
+    assert non_finite(views) == ["c"]
+    assert non_finite([("d", torch.tensor([1.0, float("nan")]).t()), ("e", torch.ones(3))]) == ["d"]
+    assert non_finite([("f", torch.ones(4, 4).t())]) == []  # non-contiguous, checked on its own

@@ -11,7 +11,7 @@ import pytest
 import torch
 from polynya import RolloutBatch
 from polynya.config.train import LossConfig, TrainConfig
-from polynya.distributed import checksum_named_tensors
+from polynya.checksum import checksum_named_tensors
 from polynya.engines.train import TrainingEngine
 
 from .common import assert_same_tensors, full_weights, make_batch, optimizer_state, train_config

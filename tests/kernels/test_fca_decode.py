@@ -158,7 +158,7 @@ def test_triton_backend_on_cpu_needs_interpreter():
 
 def _interp_cases():
     """Runs in the child process (TRITON_INTERPRET=1): the Triton kernels on tiny fp32 cases."""
-    from polynya.kernels.fca.op import classes_triton
+    from polynya.kernels.fca.plan import classes_triton
     from polynya.kernels.fca.plan import _classes_torch
 
     cases = [

@@ -77,7 +77,7 @@ def test_killed_run_resumes_from_latest_checkpoint(tmp_path):
     try:
         deadline = time.time() + 240
         def checkpointed():  # a complete checkpoint past step 2 (older ones get pruned)
-            return [p for p in out.glob("checkpoints/*/driver.json") if int(p.parent.name[5:]) >= 2]
+            return [p for p in out.glob("checkpoints/*/MANIFEST.json") if int(p.parent.name[5:]) >= 2]
 
         while time.time() < deadline and not checkpointed():
             assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
@@ -87,7 +87,8 @@ def test_killed_run_resumes_from_latest_checkpoint(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    latest = max(int(json.load(open(p))["next_step"]) for p in out.glob("checkpoints/*/driver.json"))
+    latest = max(int(json.load(open(p.parent / "driver.json"))["next_step"])  # complete ones
+                 for p in out.glob("checkpoints/*/MANIFEST.json"))
     cfg = _compose([f"run.out_dir={out}", f"run.steps={latest + 1}", "run.prompts_per_step=2",
                     "run.group_size=2", "run.max_new_tokens=4", "run.progress=false"])
     result = GRPODriver(cfg).run()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
-from polynya.distributed import checksum_named_tensors
+from polynya.checksum import checksum_named_tensors
 from polynya.engines import SamplingEngine
 from polynya.engines._deepspeed import export_buckets, weights_checksum
 from polynya.models import load_model
@@ -22,11 +22,10 @@ from polynya.sync import (
     SyncManifest,
     apply_update,
     build_manifest,
-    engine_checksum,
-    engine_model,
     open_shared,
 )
-from polynya.sync.layout import bucket_layout, span_layout
+from polynya.spans import span_layout
+from polynya.sync.layout import bucket_layout
 from polynya.sync.manifest import BucketSpec, flat_spans
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -98,9 +97,9 @@ def sync(trainer, sampler, version: int, *, corrupt=None, manifest=None) -> int:
 
 def exact(trainer, sampler) -> bool:
     mine = dict(trainer.module.named_parameters())
-    theirs = dict(engine_model(sampler).named_parameters())
+    theirs = dict(sampler.backend.runner.model.named_parameters())
     return all(torch.equal(p, theirs[n]) for n, p in mine.items()) and (
-        engine_checksum(sampler) == trainer.weight_checksum()
+        sampler.weight_checksum() == trainer.weight_checksum()
     )
 
 
@@ -155,7 +154,7 @@ def test_two_cached_syncs_in_a_row_then_bad_ones_are_rejected():
     t.perturb()
     assert sync(t, sampler, 2) == 2 and exact(t, sampler)
     assert list(runner._copy_plans.values()) == [plan]  # the layout's copy plan was reused
-    v2_sum, v2_tokens = engine_checksum(sampler), greedy(sampler)
+    v2_sum, v2_tokens = sampler.weight_checksum(), greedy(sampler)
     t.perturb()
 
     def flip(staged):  # one corrupted element in the mapped bucket
@@ -174,7 +173,7 @@ def test_two_cached_syncs_in_a_row_then_bad_ones_are_rejected():
     m = build_manifest(t, version=3, bucket_bytes=BB, layout="spans")
     with pytest.raises(SyncError, match="checksum mismatch"):  # the trainer's sum of other weights
         sync(t, sampler, 3, manifest=SyncManifest(3, m.dtype, v2_sum, m.buckets))
-    assert engine_checksum(sampler) == v2_sum and sampler.stats()["weight_version"] == 2
+    assert sampler.weight_checksum() == v2_sum and sampler.stats()["weight_version"] == 2
     assert greedy(sampler) == v2_tokens
     assert sync(t, sampler, 3) == 3 and exact(t, sampler)
 
@@ -182,7 +181,7 @@ def test_two_cached_syncs_in_a_row_then_bad_ones_are_rejected():
 def test_a_layout_that_does_not_fit_is_rejected_untouched():
     t, sampler = FlatTrainer(), make_sampler()
     assert sync(t, sampler, 1) == 1
-    before = engine_checksum(sampler)
+    before = sampler.weight_checksum()
     m = build_manifest(t, version=2, bucket_bytes=BB, layout="spans")
     spec = m.buckets[0]
     renamed = BucketSpec(("model.nope",) + spec.names[1:], spec.shapes, spec.offsets, spec.length)
@@ -192,19 +191,19 @@ def test_a_layout_that_does_not_fit_is_rejected_untouched():
         staged = StagedUpdate(SyncManifest(2, m.dtype, m.checksum, (bad,)))
         staged.put(0, flat_spans(t.module)[0][0])
         with pytest.raises(SyncError, match=needle):
-            apply_update(sampler, staged, verify=False)
+            apply_update(sampler, staged)
     outside = BucketSpec(spec.names, spec.shapes, spec.offsets[:-1] + (spec.length,), spec.length)
     staged = StagedUpdate(SyncManifest(2, m.dtype, m.checksum, (outside,)))
     staged.put(0, flat_spans(t.module)[0][0])
     with pytest.raises(SyncError, match="outside"):
         apply_update(sampler, staged)
-    assert engine_checksum(sampler) == before and sampler.stats()["weight_version"] == 1
+    assert sampler.weight_checksum() == before and sampler.stats()["weight_version"] == 1
 
 
 def test_weights_moved_between_manifest_and_export():
     t, sampler = FlatTrainer(), make_sampler()
     assert sync(t, sampler, 1) == 1
-    before = engine_checksum(sampler)
+    before = sampler.weight_checksum()
     m = build_manifest(t, version=2, bucket_bytes=BB, layout="spans")
     t.rehome(gap=2)  # another layout: the export refuses it
     with pytest.raises(SyncError, match="changed"):
@@ -213,7 +212,7 @@ def test_weights_moved_between_manifest_and_export():
     t.perturb()  # maps the new storage and rejects values that are not the manifest's
     with pytest.raises(SyncError, match="checksum mismatch"):
         sync(t, sampler, 2, manifest=m)
-    assert engine_checksum(sampler) == before and sampler.stats()["weight_version"] == 1
+    assert sampler.weight_checksum() == before and sampler.stats()["weight_version"] == 1
     assert sync(t, sampler, 2) == 2 and exact(t, sampler)
 
 
@@ -228,7 +227,7 @@ def test_sampler_drops_copy_plans_when_weights_move():
     assert sync(t, sampler, 2) == 2 and exact(t, sampler)
     (plan,) = runner._copy_plans.values()
     with torch.no_grad():  # a parameter re-pointed behind the engine's back: plan rebuilt
-        p = next(engine_model(sampler).parameters())
+        p = next(sampler.backend.runner.model.parameters())
         p.data = p.data.clone()
     assert not plan.current()
     t.perturb()
@@ -246,16 +245,17 @@ def test_bucket_layout_cached_by_value():
     staged = StagedUpdate(packed)
     for i, (_, flat) in enumerate(t.export_weights(BB)):
         staged.put(i, flat)
-    staged.verify()
+    assert staged.checksum() == m.checksum
     assert staged.checksum() == m.checksum == t.weight_checksum()
 
 
 _KERNEL_CHECK = """
 import sys
 import torch
-from polynya.distributed import checksum_named_tensors
-from polynya.sync import StagedUpdate, build_manifest, digest
-from polynya.sync.layout import span_layout
+from polynya.checksum import checksum_named_tensors
+from polynya.kernels.digest import op as digest
+from polynya.spans import span_layout
+from polynya.sync import StagedUpdate, build_manifest
 from polynya.engines._deepspeed import weights_checksum
 from polynya.models import load_model
 sys.path.insert(0, {tests!r})
@@ -268,19 +268,19 @@ def no_reference(self, flats):
     raise AssertionError("the torch reference ran instead of the kernels")
 
 
-digest.DigestPlan._reference = no_reference
+digest.DigestPlan.reference = no_reference
 digest.RBLOCK = 4  # several iterations of the per-tensor sum
 for dtype, gap in ((torch.bfloat16, 0), (torch.float32, 5)):
     t = FlatTrainer(dtype=dtype)
     t.rehome(gap=gap)
     want = checksum_named_tensors(t.module.named_parameters())
     layout, spans = span_layout(t.module)
-    assert layout.plan._kernel_ok(spans)
+    assert layout.plan.kernel_ok(spans)
     m = build_manifest(t, version=1, bucket_bytes=BB, layout="spans")
     assert m.checksum == want, dtype
     staged = StagedUpdate(m)
     staged.put(0, spans[0])
-    staged.verify()
+    assert staged.checksum() == m.checksum
     packed = build_manifest(t, version=1, bucket_bytes=BB, checksum=want)
     staged = StagedUpdate(packed)
     for i, (_, flat) in enumerate(t.export_weights(BB)):

@@ -10,7 +10,8 @@
 
 Backends: ``"native"`` (embedded paged-KV engine with prefix sharing and FCA decode; CPU or one
 GPU) and ``"vllm"`` (needs ``pip install polynya[vllm]``). The facade only dispatches; every
-backend offers ``generate``, ``load_weights``, ``sleep``, ``wake`` and ``stats``.
+backend offers ``generate``, ``load_weights``, ``weight_version``, ``weight_checksum``, ``sleep``,
+``wake`` and ``stats``.
 
 Bad requests (empty prompt, id >= vocab, ``max_tokens < 1``, prompt not shorter than the
 model window) raise ``ValueError`` naming the request index before anything is scheduled, so
@@ -22,6 +23,8 @@ import asyncio
 import importlib.util
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from polynya.config.sampler import SamplerConfig
 from polynya.types import Sample, SamplingParams, TokenSeq
@@ -70,10 +73,30 @@ class SamplingEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.backend.generate, prompts, params)
 
-    def load_weights(self, weights, version: int | None = None) -> int:
+    def load_weights(self, weights, version: int | None = None, *,
+                     checksum: str | None = None) -> int:
         """New weights in place (``{name: tensor}``, ``[(name, tensor)]`` or flat buckets
-        ``[(names, flat)]``); the prefix cache is dropped. Returns the weight version."""
-        return self.backend.load_weights(weights, version=version)
+        ``[(names, flat)]``); the prefix cache is dropped. Returns the weight version.
+
+        Every piece is checked before anything is copied (names, shapes, dtypes, finite
+        values, and ``checksum`` — the sender's ``polynya.checksum`` of the pieces — when
+        given); ``ValueError`` leaves the weights and ``weight_version`` unchanged, as does a
+        ``version`` that is not newer than the served one."""
+        return self.backend.load_weights(weights, version=version, checksum=checksum)
+
+    @property
+    def device(self) -> torch.device:
+        """The device the engine computes on (where synced weights are staged)."""
+        return torch.device(self.config.torch_device)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights served (0 until the first ``load_weights``)."""
+        return self.backend.weight_version
+
+    def weight_checksum(self) -> str:
+        """``polynya.checksum`` of the served weights."""
+        return self.backend.weight_checksum()
 
     def sleep(self, level: int = 1) -> None:
         """Release the KV cache (level 1) and also the weights' device memory (level 2)."""

@@ -20,17 +20,11 @@ from polynya.config.common import resolve_dtype
 from polynya.config.sampler import SamplerConfig
 from polynya.models import is_synthetic
 from polynya.types import Sample, SamplingParams, TokenSeq
-from polynya.weights import split_weight_pieces
+from polynya.weights import checked_pairs
 
 from .requests import validate_requests
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-def _pairs(weights, shapes: dict[str, torch.Size]) -> list[tuple[str, torch.Tensor]]:
-    """Weight pieces -> ``(name, tensor)`` with buckets split by the HF shapes; single names
-    go to vLLM unchecked (its ``load_weights`` maps and validates them)."""
-    return split_weight_pieces(weights, shapes, check_names=False)
 
 
 def _hf_shapes(model: str) -> dict[str, torch.Size]:
@@ -97,13 +91,25 @@ class VLLMEngine:
             results.append(samples)
         return results
 
-    def load_weights(self, weights, version: int | None = None) -> int:
+    def load_weights(self, weights, version: int | None = None, *,
+                     checksum: str | None = None) -> int:
+        """Every piece checked against the HF names and shapes (and ``checksum``) before vLLM
+        sees any of it (its own loader would stop half-way on an unknown name)."""
         with self._lock:
-            pairs = _pairs(weights, self._shapes)
+            if version is not None and int(version) <= self.weight_version:
+                raise ValueError(f"weight version {version} is not newer than the served "
+                                 f"{self.weight_version}")
+            pairs = checked_pairs(weights, self._shapes, checksum=checksum)
             self.llm.apply_model(lambda model: model.load_weights(pairs))
             self.llm.reset_prefix_cache()
             self.weight_version = self.weight_version + 1 if version is None else int(version)
             return self.weight_version
+
+    def weight_checksum(self) -> str:
+        """Not available: refuse rather than give a checksum of other tensors."""
+        raise NotImplementedError("weight_checksum of the vLLM backend: vLLM fuses and renames "
+                                  "weights (qkv_proj, gate_up_proj); compare against the "
+                                  "trainer through load_weights(..., checksum=) instead")
 
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):

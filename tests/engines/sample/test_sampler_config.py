@@ -48,15 +48,19 @@ def test_kv_budget_sizes_the_cache():
 
 
 def test_vllm_weight_pieces_split_by_hf_shapes():
+    """What the vLLM backend hands vLLM: buckets split by the HF shapes, every name checked
+    before vLLM sees any piece (its own loader would stop half-way on an unknown name)."""
     import torch
-    from polynya.engines.sample.vllm import _pairs
+    from polynya.weights import checked_pairs
 
-    shapes = {"a": torch.Size([2, 3]), "b": torch.Size([4])}
+    shapes = {"a": torch.Size([2, 3]), "b": torch.Size([4]), "c": torch.Size([1])}
     flat = torch.arange(10.0)
-    pairs = dict(_pairs([(["a", "b"], flat), ("c", torch.ones(1))], shapes))
+    pairs = dict(checked_pairs([(["a", "b"], flat), ("c", torch.ones(1))], shapes))
     assert pairs["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and pairs["b"].tolist() == [6, 7, 8, 9]
     assert pairs["c"].tolist() == [1.0]
     with pytest.raises(ValueError, match="flat bucket"):
-        _pairs([(["a", "b"], flat[:-1])], shapes)
+        checked_pairs([(["a", "b"], flat[:-1])], shapes)
     with pytest.raises(ValueError, match="unknown"):
-        _pairs([(["zz"], flat)], shapes)
+        checked_pairs([(["zz"], flat)], shapes)
+    with pytest.raises(ValueError, match="unknown"):
+        checked_pairs([("c", torch.ones(1)), ("zz", torch.ones(1))], shapes)

@@ -192,14 +192,23 @@ class NativeEngine:
             c["decode_tokens"] += len(batch.seqs)
 
     # ---------------------------------------------------------------- weights, memory, stats
-    def load_weights(self, weights: WeightPieces, version: int | None = None) -> int:
-        """Copy new weights in place (all pieces checked first); drops the prefix cache.
-        Returns the new weight version (``version`` or the previous one + 1)."""
+    def load_weights(self, weights: WeightPieces, version: int | None = None, *,
+                     checksum: str | None = None) -> int:
+        """Copy new weights in place (all pieces checked first, ``checksum`` too when given);
+        drops the prefix cache. Returns the new weight version (``version`` or the previous
+        one + 1); ``ValueError`` and nothing changed when ``version`` is not newer."""
         with self._lock:
-            self.runner.load_weights(weights)
+            if version is not None and int(version) <= self.weight_version:
+                raise ValueError(f"weight version {version} is not newer than the served "
+                                 f"{self.weight_version}")
+            self.runner.load_weights(weights, checksum=checksum)
             self.block_manager.reset_prefix_cache()
             self.weight_version = self.weight_version + 1 if version is None else int(version)
             return self.weight_version
+
+    def weight_checksum(self) -> str:
+        with self._lock:
+            return self.runner.weight_checksum()
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1), and move the weights off the GPU too (level 2)."""

@@ -18,7 +18,8 @@ from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
 from polynya.model_features import attention_features
 from polynya.models import load_model
-from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, split_weight_pieces
+from polynya.checksum import checksum_views
+from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, checked_pairs
 
 from . import attention
 from .cuda_graph import DecodeGraphs, GraphCaptureError
@@ -247,23 +248,27 @@ class ModelRunner:
                                     self._to_device(lens.astype(np.int32), torch.int32), fca)
 
     # ---------------------------------------------------------------- weights
-    def load_weights(self, weights: WeightPieces) -> None:
+    def load_weights(self, weights: WeightPieces, *, checksum: str | None = None) -> None:
         """Copy new weights in place (any form of ``polynya.weights``). Everything is checked
-        before anything is copied: a bad piece changes nothing.
+        before anything is copied (``checked_pairs``: names, shapes, dtypes, finite values and
+        ``checksum`` when given): a bad piece changes nothing.
 
-        ``FlatBuckets`` (a weight sync's staged buckets) go through a ``BucketCopyPlan`` made
-        once per layout: names and shapes are checked when the plan is made, each sync only
-        checks the bucket sizes, splits the buckets and copies."""
+        ``FlatBuckets`` (a weight sync's staged buckets) are copied through a ``BucketCopyPlan``
+        made once per layout, with one ``_foreach_copy_``."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        pairs = checked_pairs(weights, {n: p.shape for n, p in params.items()}, checksum=checksum)
         if isinstance(weights, FlatBuckets):
             plan = self._copy_plan(weights)
             dst, src = plan.dst, plan.sources(weights.flats)
         else:
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            pairs = split_weight_pieces(weights, {n: p.shape for n, p in params.items()})
             dst, src = [params[n] for n, _ in pairs], [t for _, t in pairs]
         if dst:
             with torch.no_grad():  # one multi-tensor copy (casts / moves where needed)
                 torch._foreach_copy_(dst, src)
+
+    def weight_checksum(self) -> str:
+        """``polynya.checksum`` of the weights (in their dtype, wherever they are)."""
+        return checksum_views(list(self.model.named_parameters()))
 
     def _copy_plan(self, weights: FlatBuckets) -> BucketCopyPlan:
         plan = self._copy_plans.get(weights.key)

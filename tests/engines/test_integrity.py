@@ -1,0 +1,197 @@
+"""Fault injection: bad weights, poisoned gradients and damaged checkpoints never change state.
+
+Each case compares the state before and after (weights checksum, optimizer tensors and step,
+LR, weight version, files) and asserts the outcome (a clear error naming the problem, or a
+skipped step counted in the metrics), not just "no exception".
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from polynya import RolloutBatch
+from polynya.checksum import checksum_named_tensors
+from polynya.config.logprob import LogProbConfig
+from polynya.config.sampler import SamplerConfig
+from polynya.engines.logprob import LogProbEngine
+from polynya.engines.sample import SamplingEngine
+from polynya.engines.train import TrainingEngine
+from polynya.files import CheckpointError, write_manifest
+
+from .common import MODEL, assert_same_tensors, full_weights, make_batch, optimizer_state, train_config
+
+# ---------------------------------------------------------------- load_weights is all or nothing
+
+
+def new_weights(seed: int) -> dict[str, torch.Tensor]:
+    from polynya.models import load_model
+
+    return {n: p.detach().clone() for n, p in load_model(MODEL, dtype="float32", seed=seed).named_parameters()}
+
+
+def bad_loads(good: dict[str, torch.Tensor]):
+    """(case, pieces, checksum, version, error pattern): each must be refused untouched."""
+    names = list(good)
+    first, t0 = names[0], good[names[0]]
+    nan = {n: t.clone() for n, t in good.items()}
+    nan[names[-1]].view(-1)[3] = float("nan")
+    short = torch.cat([good[n].reshape(-1) for n in names])[:-1]
+    right = checksum_named_tensors(good.items())
+    swapped = {n: t.clone() for n, t in good.items()}
+    flat = swapped[names[1]].view(-1)
+    flat[0], flat[8191 % flat.numel()] = flat[8191 % flat.numel()].clone(), flat[0].clone()
+    return [
+        ("good piece then an unknown name", [(first, t0), ("bogus.weight", t0)], None, None, "unknown"),
+        ("wrong shape", [(first, t0), (names[1], good[names[1]].reshape(-1)[:5])], None, None, "shape"),
+        ("a name twice", [(first, t0), (first, t0)], None, None, "twice"),
+        ("integer tensor", [(first, t0.to(torch.int32))], None, None, "floating point"),
+        ("NaN in the last tensor", nan, None, None, "NaN or inf"),
+        ("bucket one element short", [(names, short)], None, None, "flat bucket"),
+        ("checksum of other weights", good, "0" * 32, None, "checksum mismatch"),
+        ("two values swapped after the checksum", swapped, right, None, "checksum mismatch"),
+        ("stale version", good, right, 0, "not newer"),
+        ("no weights at all", {}, None, None, "no weights"),
+    ]
+
+
+def check_atomic(engine, good) -> None:
+    before, version = engine.weight_checksum(), engine.weight_version
+    for case, pieces, checksum, ver, match in bad_loads(good):
+        with pytest.raises(ValueError, match=match):
+            engine.load_weights(pieces, version=ver, checksum=checksum)
+        assert engine.weight_checksum() == before and engine.weight_version == version, case
+    right = checksum_named_tensors(good.items())
+    assert engine.load_weights(good, version=version + 2, checksum=right) == version + 2
+    assert engine.weight_checksum() == right != before
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_logprob_engine_load_weights_is_atomic(stage):
+    engine = LogProbEngine(LogProbConfig(MODEL, dtype="float32", zero_stage=stage))
+    check_atomic(engine, new_weights(seed=5))
+
+
+def test_sampler_load_weights_is_atomic():
+    engine = SamplingEngine(SamplerConfig(MODEL, dtype="float32", num_blocks=64, seed=0))
+    check_atomic(engine, new_weights(seed=6))
+
+
+# ---------------------------------------------------------------- non-finite gradients skip the step
+
+
+def poisoned(batch: RolloutBatch) -> RolloutBatch:
+    """Finite but huge advantages: the loss and gradients overflow to inf / NaN."""
+    adv = torch.where(torch.arange(len(batch)) % 2 == 0, 3e38, -3e38)
+    return RolloutBatch(batch.prompts, batch.responses, advantages=adv, old_logprobs=batch.old_logprobs)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_non_finite_grad_norm_skips_the_step(stage):
+    engine = TrainingEngine(train_config(stage, optim={"eps": 1e-3, "grad_clip": 1.0,
+                                                        "schedule": "warmup_cosine", "warmup_steps": 1,
+                                                        "total_steps": 10}))
+    engine.forward_backward(make_batch(40))
+    first = engine.step()
+    assert first["skipped"] == 0.0 and first["skipped_steps"] == 0
+    weights, opt, sums = full_weights(engine.module), optimizer_state(engine), engine.weight_checksum()
+    lr = engine.engine.optimizer.param_groups[0]["lr"]
+    engine.forward_backward(poisoned(make_batch(41)))
+    out = engine.step()
+    assert out["skipped"] == 1.0 and out["skipped_steps"] == 1
+    assert not torch.isfinite(torch.tensor(out["grad_norm"]))
+    assert engine.weight_checksum() == sums
+    assert_same_tensors(full_weights(engine.module), weights)
+    assert_same_tensors(optimizer_state(engine), opt)  # Adam moments, step count, fp32 master
+    assert engine.engine.optimizer.param_groups[0]["lr"] == lr  # the schedule did not advance
+    engine.forward_backward(make_batch(42))  # the next good batch trains normally
+    nxt = engine.step()
+    assert nxt["skipped"] == 0.0 and nxt["skipped_steps"] == 1 and nxt["lr"] == lr
+    assert engine.weight_checksum() != sums
+    assert all(torch.isfinite(t).all() for t in full_weights(engine.module).values())
+
+
+# ---------------------------------------------------------------- damaged checkpoints are refused
+
+MARKER = "polynya_pwned_marker"
+
+
+class Payload:
+    """A pickle that runs code when loaded (what a planted checkpoint file could hold)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _flip_middle(path: str) -> None:
+    with open(path, "r+b") as f:
+        size = os.path.getsize(path)
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x55]))
+
+
+def _damages(tmp: str):
+    """(case, damage function on a copy of the checkpoint, pattern the error must name)."""
+    model = os.path.join("polynya", "mp_rank_00_model_states.pt")
+    optim = os.path.join("polynya", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    marker = os.path.join(tmp, MARKER)
+
+    def flip(d):
+        _flip_middle(os.path.join(d, model))
+
+    def truncate(d):
+        p = os.path.join(d, optim)
+        with open(p, "r+b") as f:
+            f.truncate(os.path.getsize(p) - 100)
+
+    def no_manifest(d):
+        os.remove(os.path.join(d, "MANIFEST.json"))
+
+    def extra(d):
+        shutil.copy(os.path.join(d, optim), os.path.join(d, "polynya", "other_rank_states.pt"))
+
+    def planted(d):  # a code-running pickle, manifest rewritten to match: must still not run
+        torch.save({"optimizer_state_dict": Payload(marker)}, os.path.join(d, optim))
+        write_manifest(d)
+
+    def missing(d):
+        os.remove(os.path.join(d, model))
+
+    return [("bytes flipped in a tensor record", flip, "mp_rank_00_model_states.pt.*corrupted"),
+            ("truncated optimizer file", truncate, "optim_states.pt.*bytes"),
+            ("no manifest", no_manifest, "MANIFEST"),
+            ("a file of another checkpoint", extra, "other_rank_states.pt.*not in"),
+            ("missing file", missing, "model_states.pt.*missing"),
+            ("planted pickle", planted, "optim_states.pt.*weights only")], marker
+
+
+def test_damaged_checkpoints_are_refused_untouched(tmp_path):
+    engine = TrainingEngine(train_config(2, optim={"eps": 1e-3, "grad_clip": 1.0}))
+    engine.forward_backward(make_batch(50))
+    engine.step()
+    saved = str(tmp_path / "good")
+    engine.save(saved)
+    assert os.path.isfile(os.path.join(saved, "MANIFEST.json"))
+    engine.forward_backward(make_batch(51))
+    engine.step()  # the engine moves on: a load must bring the saved state back
+    weights, opt, sums = full_weights(engine.module), optimizer_state(engine), engine.weight_checksum()
+    steps = int(engine.engine.global_steps)
+    cases, marker = _damages(str(tmp_path))
+    for case, damage, match in cases:
+        copy = str(tmp_path / case.replace(" ", "_"))
+        shutil.copytree(saved, copy)
+        damage(copy)
+        with pytest.raises(CheckpointError, match=match):
+            engine.load(copy)
+        assert not os.path.exists(marker), f"{case}: the planted pickle ran"
+        assert engine.weight_checksum() == sums and int(engine.engine.global_steps) == steps, case
+        assert_same_tensors(full_weights(engine.module), weights)
+        assert_same_tensors(optimizer_state(engine), opt)
+    engine.load(saved)  # the intact checkpoint still loads
+    assert engine.weight_checksum() != sums and int(engine.engine.global_steps) == 1
