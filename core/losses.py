@@ -12,7 +12,12 @@ micro-batches of all data-parallel ranks) by ``Normalizer``:
 - ``"sequence"`` (GRPO, GSPO): ``w = 1 / (len_i * N_seqs)``; mean over tokens of each response,
   then mean over the global batch's responses;
 - ``"constant"`` (Dr.GRPO):   ``w = 1 / (N_seqs * L)`` with ``L`` a fixed length (config, else
-  the global batch's longest response); no length bias.
+  the global batch's longest response); no length bias;
+- ``"sum"``: ``w = 1``; for advantages the caller has already scaled by its normalisation
+  (SkyRL's trainer does, ``polynya.adapters.skyrl``).
+
+The KL term may have a normalisation of its own (``LossConfig.kl_norm``; default: the loss's):
+``loss = sum w * pg + kl_coef * sum w_kl * kl - entropy_coef * sum w * H``.
 
 Because the denominators are global, a micro-batch's loss is its share of the global loss: the
 sum of micro-batch losses (and their gradients) is the same however the batch is split into
@@ -58,6 +63,7 @@ class LossSpec:
     kl_estimator: str
     entropy_coef: float
     max_response_len: int | None
+    kl_norm: str
 
 
 def resolve_loss(name: str, config: LossConfig | None = None) -> LossSpec:
@@ -66,9 +72,11 @@ def resolve_loss(name: str, config: LossConfig | None = None) -> LossSpec:
         raise ValueError(f"unknown loss {name!r}; choose one of {LOSSES}")
     cfg = config or LossConfig()
     low, high, norm, seq = _DEFAULTS[name]
+    norm = cfg.norm or norm
     return LossSpec(name, low if cfg.clip_low is None else cfg.clip_low,
-                    high if cfg.clip_high is None else cfg.clip_high, cfg.norm or norm, seq,
-                    cfg.kl_coef, cfg.kl_estimator, cfg.entropy_coef, cfg.max_response_len)
+                    high if cfg.clip_high is None else cfg.clip_high, norm, seq,
+                    cfg.kl_coef, cfg.kl_estimator, cfg.entropy_coef, cfg.max_response_len,
+                    cfg.kl_norm or norm)
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,8 @@ def token_weights(norm: str, mask: torch.Tensor, normalizer: Normalizer) -> torc
         return m / (m.sum(-1, keepdim=True).clamp_min(1.0) * normalizer.num_sequences)
     if norm == "constant":
         return m / (normalizer.num_sequences * normalizer.constant_len)
+    if norm == "sum":
+        return m
     raise ValueError(f"unknown normalisation {norm!r}")
 
 
@@ -180,16 +190,19 @@ def policy_loss(spec: LossSpec, logprobs: torch.Tensor, advantages: torch.Tensor
     metrics = {"pg_loss": (w * pg).sum(),
                "clip_frac": (w_tok * clipped.float()).sum().detach(),
                "ratio": (w_tok * ratio).sum().detach()}
+    kl_term = zero
     if ref_logprobs is not None:
         kl = torch.where(mask, kl_penalty(logprobs, ref_logprobs, spec.kl_estimator), zero)
         metrics["kl"] = (w_tok * kl).sum().detach()
-        if spec.kl_coef > 0:
+        if spec.kl_coef > 0 and spec.kl_norm != spec.norm:
+            kl_term = spec.kl_coef * (token_weights(spec.kl_norm, mask, normalizer) * kl).sum()
+        elif spec.kl_coef > 0:
             total = total + spec.kl_coef * kl
     if entropy is not None:
         ent = torch.where(mask, entropy, zero)
         metrics["entropy"] = (w_tok * ent).sum().detach()
         if spec.entropy_coef != 0:
             total = total - spec.entropy_coef * ent
-    loss = (w * total).sum()
+    loss = (w * total).sum() + kl_term
     metrics["pg_loss"] = metrics["pg_loss"].detach()
     return LossOutput(loss, metrics)

@@ -10,7 +10,8 @@ client can drive the native sampler unchanged (payloads as those clients send th
   ``{"update_info": {"names", "dtype_names", "shapes", "packed"}}`` receives one broadcast (packed:
   one flat buffer) or one per tensor, into staging; ``/finish_weight_update`` (optional
   ``"checksum"`` / ``"version"``) verifies and applies the staged weights in one go;
-- ``/sleep`` (``?level=``), ``/wake_up``, ``/reset_prefix_cache``, ``/pause``, ``/resume``,
+- ``/sleep`` (``?level=``), ``/wake_up``, ``/reset_prefix_cache``, ``/pause`` (``?mode=keep|wait``,
+  ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
   ``GET /get_world_size`` (1: a server joins a weight-transfer group as one rank).
 """
 
@@ -24,6 +25,7 @@ from ..checksum import combine_signatures, tensor_signature
 from ..sync import SyncError, SyncGroup
 from ..sync.manifest import dtype_from_name
 from ..types import SamplingParams
+from .gate import GenerationGate
 from .openai_compat import add_openai_routes
 
 _PARAM_KEYS = (
@@ -109,13 +111,13 @@ class WeightTransfer:
     def finish(self, body: dict) -> int:
         if self.staged is None:
             raise RuntimeError("no weight update in progress")
+        version = _explicit_version(body)  # checked before the staged weights are consumed
         staged, self.staged = self.staged, None
         want = body.get("checksum")
         if want is not None:
             got = combine_signatures(tensor_signature(n, t) for n, t in staged.items())
             if got != want:
                 raise SyncError(f"checksum mismatch: staged weights hash to {got}, expected {want}")
-        version = body.get("version")
         out = 0
         for s in self.samplers:
             v = s.stats()["weight_version"] + 1 if version is None else int(version)
@@ -125,6 +127,22 @@ class WeightTransfer:
         return out
 
 
+def _explicit_version(body: dict) -> int | None:
+    """``version`` (polynya) or ``weight_version`` (SkyRL's ``finish_weight_update`` sends a
+    string) as an int; None when neither is given."""
+    raw = body.get("version", body.get("weight_version"))
+    if raw is None:
+        return None
+    try:
+        if isinstance(raw, bool) or isinstance(raw, float):
+            raise ValueError
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"weight version must be an integer (or a string of one), got {raw!r}"
+        ) from None
+
+
 def add_ecosystem_routes(app, client, tokenizer) -> None:
     from fastapi import Request
 
@@ -132,12 +150,10 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
 
     samplers = list(getattr(client, "samplers", []))
     transfer = WeightTransfer(samplers)
-    resumed = asyncio.Event()
-    resumed.set()
+    gate = app.state.generation_gate = GenerationGate()  # shared with routes_skyrl
 
     async def gen(prompts, params):
-        await resumed.wait()
-        return await client.generate_async(prompts, params)
+        return await gate.run(lambda: client.generate_async(prompts, params))
 
     add_openai_routes(app, client, tokenizer, gen)  # /v1/models, /server_info, /v1/(chat/)completions
 
@@ -214,23 +230,29 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
         await client.wake_async("sampler")
         return {"status": "awake"}
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict:
+    def reset_prefix_caches() -> None:
         for s in samplers:
             bm = getattr(getattr(s, "backend", None), "block_manager", None)
             if bm is None:
                 raise NotImplementedError("this sampler backend has no prefix cache to reset")
             bm.reset_prefix_cache()
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        reset_prefix_caches()
         return {"status": "ok"}
 
     @app.post("/pause")
-    async def pause() -> dict:
-        resumed.clear()
-        return {"status": "paused"}
+    async def pause(mode: str = "keep", clear_cache: bool = False) -> dict:
+        in_flight = gate.in_flight
+        await gate.pause(mode)  # modes: polynya.client.gate
+        if clear_cache:
+            reset_prefix_caches()
+        return {"status": "paused", "mode": mode, "in_flight_at_pause": in_flight}
 
     @app.post("/resume")
     async def resume() -> dict:
-        resumed.set()
+        gate.resume()
         return {"status": "resumed"}
 
     @app.get("/get_world_size")

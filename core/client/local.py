@@ -229,6 +229,11 @@ class LocalClient(ThreadedAsync):
             self._check_open()
             self._run(self.handover.sleep(engine, level))
 
+    @property
+    def sampler_asleep(self) -> bool:
+        """True between ``sleep("sampler")`` and the next ``wake``/``generate``."""
+        return not self._sampler_awake
+
     def wake(self, engine: str = "sampler") -> None:
         with self._lock:
             self._check_open()

@@ -10,7 +10,8 @@ get a 4xx with ``{"error": ...}`` and never take the server down.
 Client API (``HTTPClient`` speaks it): ``POST /rl/generate`` (JSON), ``/rl/compute_logprobs`` and
 ``/rl/forward_backward`` (a batch as safetensors bytes, ``polynya.client.codec``), ``/rl/step``,
 ``/rl/sync_weights``, ``/rl/sleep``, ``/rl/wake``, ``/rl/save``, ``/rl/load``,
-``GET /rl/weight_checksums``. Ecosystem routes: ``ecosystem.py``.
+``GET /rl/weight_checksums``. Ecosystem routes: ``ecosystem.py``; SkyRL's extra routes:
+``routes_skyrl.py``.
 """
 
 import argparse
@@ -102,6 +103,7 @@ def create_app(
 
     from ..sync import SyncError
     from .ecosystem import add_ecosystem_routes
+    from .routes_skyrl import add_skyrl_routes
 
     def auth(request: Request) -> None:
         if api_token is None or request.url.path == "/health":
@@ -199,6 +201,7 @@ def create_app(
         return await client.weight_checksums_async()
 
     add_ecosystem_routes(app, client, tokenizer)
+    add_skyrl_routes(app, client, tokenizer)  # after ecosystem: shares its generation gate
     return BodyLimit(app, max_body_bytes)
 
 

@@ -21,7 +21,7 @@ from .common import check_model_spec, check_positive, check_zorro_attention, res
 
 LOSSES = ("ppo", "grpo", "dapo", "dr_grpo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-NORMS = ("token", "sequence", "constant")
+NORMS = ("token", "sequence", "constant", "sum")
 SCHEDULES = ("constant", "warmup_cosine")
 ENGINE_DTYPES = ("bfloat16", "float32")  # fp16 needs loss scaling and does not run on CPU
 
@@ -109,8 +109,10 @@ class LossConfig:
     Args:
         clip_low, clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``; ``None`` takes
             the loss's default (PPO/GRPO/Dr.GRPO 0.2/0.2, DAPO 0.2/0.28, GSPO 3e-4/4e-4).
-        norm: override the loss's normalisation (``"token"``, ``"sequence"``, ``"constant"``);
-            ``None`` keeps the loss's own.
+        norm: override the loss's normalisation (``"token"``, ``"sequence"``, ``"constant"``, or
+            ``"sum"``: weight 1 per token, for advantages that already carry the normalisation,
+            as SkyRL's trainer pre-scales them); ``None`` keeps the loss's own.
+        kl_norm: normalisation of the KL term alone (same choices); ``None`` = ``norm``.
         max_response_len: the constant of Dr.GRPO's ``"constant"`` normalisation; ``None`` uses
             the longest response of the global batch.
         kl_coef: weight of the KL-to-reference penalty (needs ``batch.ref_logprobs``; 0 = off).
@@ -121,6 +123,7 @@ class LossConfig:
     clip_low: float | None = None
     clip_high: float | None = None
     norm: str | None = None
+    kl_norm: str | None = None
     max_response_len: int | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -133,8 +136,10 @@ class LossConfig:
                 check_positive(v, f"LossConfig.{name}")
         if self.clip_low is not None and self.clip_low >= 1.0:
             raise ValueError(f"LossConfig.clip_low must be < 1, got {self.clip_low!r}")
-        if self.norm is not None and self.norm not in NORMS:
-            raise ValueError(f"LossConfig.norm must be one of {NORMS} or None, got {self.norm!r}")
+        for name in ("norm", "kl_norm"):
+            v = getattr(self, name)
+            if v is not None and v not in NORMS:
+                raise ValueError(f"LossConfig.{name} must be one of {NORMS} or None, got {v!r}")
         if self.max_response_len is not None:
             check_positive(self.max_response_len, "LossConfig.max_response_len", integer=True)
         check_positive(self.kl_coef, "LossConfig.kl_coef", allow_zero=True)

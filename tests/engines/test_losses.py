@@ -76,6 +76,32 @@ def test_ppo_dapo_grpo_drgrpo_formulas():
         assert float(out.metrics["pg_loss"]) == pytest.approx(float(want), rel=1e-6)
 
 
+def test_sum_norm_with_sequence_kl_formula():
+    """norm="sum" (pre-scaled advantages) with kl_norm="sequence": SkyRL's PPO loss layout."""
+    logp, old, ref, _, adv, mask = inputs(5, per_token=True)
+    spec = resolve_loss("ppo", LossConfig(norm="sum", kl_norm="sequence", kl_coef=0.1,
+                                          clip_low=0.2, clip_high=0.28))
+    out, grad = loss_and_grad(spec, logp, adv, mask, Normalizer.from_mask(mask),
+                              old_logprobs=old, ref_logprobs=ref)
+    x = logp.detach().clone().requires_grad_()
+    m = mask.float()
+    r = torch.exp(x - old)
+    pg = torch.maximum(-r * adv, -r.clamp(0.8, 1.28) * adv)
+    d = ref - x
+    kl = torch.exp(d) - 1 - d
+    want = (pg * m).sum() + 0.1 * ((kl * m).sum(-1) / m.sum(-1)).mean()
+    want.backward()
+    assert out.loss.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(grad, x.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_kl_norm_defaults_to_norm_and_is_checked():
+    assert resolve_loss("grpo").kl_norm == "sequence"
+    assert resolve_loss("ppo", LossConfig(norm="sum")).kl_norm == "sum"
+    with pytest.raises(ValueError, match="kl_norm must be one of"):
+        LossConfig(kl_norm="tokens")
+
+
 def test_dapo_clips_higher_than_grpo():
     mask = torch.ones(1, 1, dtype=torch.bool)
     logp = torch.tensor([[0.25]]).log().requires_grad_()

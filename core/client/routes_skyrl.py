@@ -1,0 +1,230 @@
+"""Routes of the polynya HTTP server that SkyRL 0.4's ``RemoteInferenceClient`` (and the paths
+of its trainer) call beyond the vLLM-compatible ones in ``ecosystem.py``.
+
+Served:
+
+- ``GET /is_sleeping`` — ``{"is_sleeping": bool}`` (SkyRL's colocated weight sync asks it);
+- ``POST /tokenize`` ``{"prompt": str, "add_special_tokens": bool}`` -> ``{"tokens", "count"}``,
+  ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"prompt": str}`` (vLLM's schema; needs the
+  server to have a tokenizer);
+- ``POST /v1/chat/completions`` — OpenAI chat completions: the served tokenizer's chat template,
+  then the sampler; choices carry ``message``, ``finish_reason``, ``token_ids`` and, when asked,
+  ``logprobs.content``;
+- ``POST /finish_session`` — accepted and ignored: the server keeps no per-session state (it is
+  a router's route; SkyRL sends it to the data-plane URL).
+
+Refused with 501 and a message saying what to configure instead (``{"error": {"message": ...}}``,
+the OpenAI shape SkyRL's clients print): ``/skyrl/v1/generate`` (routed experts / sample-support
+replay), ``/collective_rpc`` (vLLM worker-extension calls), ``/fetch_weights`` (the delta weight
+sync backend), LoRA adapter loading, ``/start_draft_weight_update`` (speculative decoding) and
+``/v1/chat/completions/render`` (multimodal prompts).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from ..types import SamplingParams
+
+# OpenAI / vLLM chat fields mapped onto SamplingParams (None = field absent).
+_CHAT_PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
+# Fields with a meaning the sampler cannot honour: accepted only at their neutral value.
+_NEUTRAL = {
+    "stop": (None, [], ""),
+    "stream": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "min_tokens": (None, 0),
+    "tools": (None, []),
+    "response_format": (None,),
+    "prompt_logprobs": (None,),
+}
+
+_REFUSALS = {
+    "/skyrl/v1/generate": (
+        "polynya's sampler returns neither routed experts nor sample-support sets: set "
+        "generator.inference_engine.enable_return_routed_experts=false and leave "
+        "sample-support replay off"
+    ),
+    "/fetch_weights": (
+        "polynya's server receives weights over the broadcast routes (/init_weight_transfer_engine, "
+        "/update_weights, /finish_weight_update); the delta checkpoint backend is not supported: "
+        "set generator.inference_engine.weight_sync_backend=nccl"
+    ),
+    "/skyrl/v1/load_lora_adapter": (
+        "LoRA adapters are not supported: polynya trains and serves full weights "
+        "(trainer.policy.model.lora.rank=0)"
+    ),
+    "/v1/load_lora_adapter": "LoRA adapters are not supported (trainer.policy.model.lora.rank=0)",
+    "/v1/unload_lora_adapter": "LoRA adapters are not supported (trainer.policy.model.lora.rank=0)",
+    "/start_draft_weight_update": (
+        "speculative decoding is not supported: polynya's sampler has no drafter model to update"
+    ),
+    "/v1/chat/completions/render": (
+        "prompt rendering for multimodal inputs is not supported: send token ids to "
+        "/inference/v1/generate or text messages to /v1/chat/completions"
+    ),
+}
+
+_RPC_HINTS = {
+    "skyrl_sleep_for_weight_sync": (
+        "set generator.inference_engine.offload_kv_for_weight_sync=false: polynya applies staged "
+        "weights atomically between engine steps, so no allocator sleep is needed around a sync"
+    ),
+    "skyrl_wake_for_weight_sync": (
+        "set generator.inference_engine.offload_kv_for_weight_sync=false (see "
+        "skyrl_sleep_for_weight_sync)"
+    ),
+}
+
+
+def _refusal(message: str):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(
+        {"error": {"message": message, "type": "NotImplementedError", "code": 501}}, 501
+    )
+
+
+def chat_sampling_params(body: dict) -> SamplingParams:
+    """``SamplingParams`` of an OpenAI chat request; fields the sampler cannot honour raise."""
+    for key, neutral in _NEUTRAL.items():
+        if body.get(key) not in neutral:
+            raise ValueError(
+                f"{key}={body[key]!r} is not supported by polynya's sampler; leave it unset"
+            )
+    kw = {k: body[k] for k in _CHAT_PARAM_KEYS if body.get(k) is not None}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        kw["max_tokens"] = max_tokens
+    want = body.get("logprobs")
+    if want not in (None, True, False):
+        raise ValueError(f"logprobs must be a bool in a chat request, got {want!r}")
+    return SamplingParams(**kw, logprobs=bool(want))
+
+
+def chat_prompt_ids(tokenizer, messages) -> list[int]:
+    """Token ids of ``messages`` through the tokenizer's chat template (generation prompt on)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(
+                f"messages[{i}] must be {{'role': str, 'content': str}} (text only), got {m!r}"
+            )
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the served tokenizer has no chat template; use /v1/completions")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _token_ids(value, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise ValueError(f"{what} must be a list of non-negative token ids")
+    return value
+
+
+def add_skyrl_routes(app, client, tokenizer) -> None:
+    """Register the routes above on ``app`` (after ``add_ecosystem_routes``, whose generation
+    gate they share through ``app.state.generation_gate``)."""
+    from fastapi import Request
+
+    from .server import read_json
+
+    gate = app.state.generation_gate
+
+    def need_tokenizer(route: str):
+        if tokenizer is None:
+            raise NotImplementedError(f"{route} needs the server to be started with a tokenizer")
+        return tokenizer
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": bool(client.sampler_asleep)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await read_json(request)
+        tok = need_tokenizer("/tokenize")
+        if "messages" in body:
+            ids = chat_prompt_ids(tok, body["messages"])
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise ValueError("/tokenize needs 'prompt' (a string) or 'messages'")
+            add = body.get("add_special_tokens", True)
+            if not isinstance(add, bool):
+                raise ValueError(f"add_special_tokens must be a bool, got {add!r}")
+            ids = tok(prompt, add_special_tokens=add)["input_ids"]
+        return {"tokens": list(ids), "count": len(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await read_json(request)
+        tok = need_tokenizer("/detokenize")
+        ids = _token_ids(body.get("tokens"), "tokens")
+        if ids and max(ids) >= len(tok):
+            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({len(tok)} ids)")
+        return {"prompt": tok.decode(ids)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> dict:
+        body = await read_json(request)
+        tok = need_tokenizer("/v1/chat/completions")
+        params = chat_sampling_params(body)
+        prompt = chat_prompt_ids(tok, body.get("messages"))
+        out = await gate.run(lambda: client.generate_async([prompt], params))
+        choices = []
+        for i, s in enumerate(out[0]):
+            lp = None
+            if params.logprobs:
+                lp = {"content": [{"token": f"token_id:{t}", "logprob": v, "bytes": None,
+                                   "top_logprobs": []} for t, v in zip(s.token_ids, s.logprobs)]}
+            choices.append({
+                "index": i,
+                "message": {"role": "assistant",
+                            "content": tok.decode(s.token_ids, skip_special_tokens=True)},
+                "finish_reason": s.finish_reason,
+                "token_ids": s.token_ids,
+                "logprobs": lp,
+            })
+        n_out = sum(len(c["token_ids"]) for c in choices)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "prompt_token_ids": prompt,
+            "choices": choices,
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
+                      "total_tokens": len(prompt) + n_out},
+        }
+
+    @app.post("/finish_session")
+    async def finish_session() -> dict:
+        return {"status": "ok"}  # no per-session state to release
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request):
+        body = await read_json(request)
+        method = body.get("method")
+        hint = _RPC_HINTS.get(method, "LoRA adapters are not supported (lora.rank=0)"
+                              if isinstance(method, str) and "lora" in method else
+                              "polynya's server runs no vLLM worker extension")
+        return _refusal(f"/collective_rpc method {method!r} is not supported: {hint}")
+
+    for path, message in _REFUSALS.items():
+        app.add_api_route(path, _refuser(message), methods=["POST"])
+
+
+def _refuser(message: str):
+    async def refuse():
+        return _refusal(message)
+
+    return refuse

@@ -1,0 +1,245 @@
+"""SkyRL 0.4's own ``RemoteInferenceClient`` and ``SkyrlWeightSyncClient`` drive polynya's HTTP
+server through a full cycle: generate, pause (keep / wait / abort) with requests in flight,
+sleep / is_sleeping / wake, a weight update with an explicit version, generate again on the new
+weights. Every answer is checked against a plain-torch reference on the same weights.
+
+The trainer side of the weight broadcast is played by the test with polynya's ``SyncGroup``
+(rank 0): SkyRL's real sender is vLLM's NCCL engine, which needs vLLM and CUDA.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.request
+
+import aiohttp
+import pytest
+import torch
+
+from polynya.distributed import checksum_named_tensors
+from polynya.models import load_model, load_tokenizer
+from polynya.sync import SyncGroup
+from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_vllm_sampling_params
+from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
+    RemoteInferenceClient,
+)
+from skyrl.backends.skyrl_train.weight_sync.control_plane import (
+    SkyrlWeightSyncClient,
+    nccl_init_payloads,
+)
+from skyrl.train.config import SamplingParams
+
+from .conftest import free_port
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 7, 99, 3, 12, 64]]
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int, stop: set[int], min_tokens: int = 1):
+    """vLLM semantics: stop ids masked for the first ``min_tokens`` tokens; raw log-probs."""
+    ids, out, lps = list(prompt), [], []
+    with torch.no_grad():
+        for step in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            lp = torch.log_softmax(logits, -1)
+            pick = lp.clone()
+            if step < min_tokens:
+                pick[list(stop)] = -float("inf")
+            tok = int(pick.argmax())
+            out.append(tok)
+            lps.append(float(lp[tok]))
+            ids.append(tok)
+            if tok in stop:
+                break
+    return out, lps
+
+
+def stop_ids(model) -> set[int]:
+    eos = model.config.eos_token_id
+    return {eos} if isinstance(eos, int) else set(eos or ())
+
+
+def sampling(max_tokens: int, **extra) -> dict:
+    """The dict SkyRL's generator sends (its own builder), greedy."""
+    return get_vllm_sampling_params(SamplingParams(
+        max_generate_length=max_tokens, temperature=0.0, logprobs=0, additional_kwargs=extra or None))
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {0: load_model("tiny:qwen3", dtype="float32", seed=0).eval(),
+            1: load_model("tiny:qwen3", dtype="float32", seed=1).eval()}
+
+
+def client_for(url: str) -> RemoteInferenceClient:
+    return RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1,
+                                 model_name="tiny:qwen3")
+
+
+async def generate(url: str, params: dict, prompts=PROMPTS):
+    client = client_for(url)
+    try:
+        return await client.generate({"prompt_token_ids": prompts, "sampling_params": params})
+    finally:
+        await client.teardown()
+
+
+def check_generation(out, model, tok, max_tokens):
+    stop = stop_ids(model)
+    for i, prompt in enumerate(PROMPTS):
+        want, want_lp = greedy_reference(model, prompt, max_tokens, stop)
+        assert out["response_ids"][i] == want, f"prompt {i}"
+        assert out["response_logprobs"][i] == pytest.approx(want_lp, abs=1e-4), f"prompt {i}"
+        assert out["stop_reasons"][i] == ("stop" if want[-1] in stop else "length")
+        assert out["responses"][i] == tok.decode(want)  # through the server's /detokenize
+
+
+def test_full_cycle(polynya_server, models):
+    url, tok = polynya_server, load_tokenizer("tiny:qwen3")
+    client = client_for(url)
+
+    # --- the server holds the seed-0 weights; world size as SkyRL's init reads it
+    sums = get_json(f"{url}/rl/weight_checksums")
+    assert sums["samplers"] == [checksum_named_tensors(models[0].named_parameters())], (
+        "server weights differ from load_model('tiny:qwen3', seed=0) here: torch versions differ?")
+    assert run(client.get_world_size()) == (1, 1)
+
+    # --- generate: SkyRL's generator payload, greedy, checked token by token
+    first = run(generate(url, sampling(8)))
+    check_generation(first, models[0], tok, 8)
+
+    # --- tokenize / detokenize / chat completions through SkyRL's client (no local tokenizer)
+    async def text_routes():
+        c = client_for(url)
+        try:
+            ids = await c.tokenize(["hello world", "polynya"], add_special_tokens=False)
+            texts = await c.detokenize(ids)
+            chat = await c.chat_completion({"json": {
+                "messages": [{"role": "user", "content": "hi there"}],
+                "max_tokens": 6, "temperature": 0.0, "logprobs": True}})
+            return ids, texts, chat
+        finally:
+            await c.teardown()
+
+    ids, texts, chat = run(text_routes())
+    assert ids == [tok("hello world", add_special_tokens=False)["input_ids"],
+                   tok("polynya", add_special_tokens=False)["input_ids"]]
+    assert texts == ["hello world", "polynya"]
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "hi there"}],
+                                         add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    want, want_lp = greedy_reference(models[0], prompt, 6, stop_ids(models[0]), min_tokens=0)
+    choice = chat["choices"][0]
+    assert chat["prompt_token_ids"] == prompt and choice["token_ids"] == want
+    assert [c["logprob"] for c in choice["logprobs"]["content"]] == pytest.approx(want_lp, abs=1e-4)
+    assert choice["message"] == {"role": "assistant",
+                                 "content": tok.decode(want, skip_special_tokens=True)}
+
+    # --- pause: keep, wait and abort with requests in flight
+    run(pause_cycle(url, models[0], tok))
+
+    # --- sleep / is_sleeping / wake (SkyRL's colocated sequence: sleep, wake weights, wake kv)
+    async def sleep_cycle():
+        c = client_for(url)
+        try:
+            states = [await c.is_sleeping()]
+            await c.sleep(level=2)
+            states.append(await c.is_sleeping())
+            await c.wake_up(tags=["weights"])
+            states.append(await c.is_sleeping())
+            await c.wake_up(tags=["kv_cache"])
+            await c.sleep(level=1)
+            states.append(await c.is_sleeping())
+            await c.wake_up()
+            states.append(await c.is_sleeping())
+            return states
+        finally:
+            await c.teardown()
+
+    assert run(sleep_cycle()) == [False, True, False, True, False]
+
+    # --- weight update with an explicit version through SkyRL's weight-sync client
+    push_weights(url, models[1], weight_version="7")
+    sums = get_json(f"{url}/rl/weight_checksums")
+    assert sums["versions"] == [7]
+    assert sums["samplers"] == [checksum_named_tensors(models[1].named_parameters())]
+
+    # --- generate again: the new weights answer, and the answers changed
+    second = run(generate(url, sampling(8)))
+    check_generation(second, models[1], tok, 8)
+    assert second["response_ids"] != first["response_ids"]
+
+
+async def pause_cycle(url: str, model, tok) -> None:
+    long = sampling(160, ignore_eos=True)  # no stop: every request runs its 160 tokens
+    c = client_for(url)
+    try:
+        for mode in ("keep", "wait"):
+            running = asyncio.create_task(generate(url, long))
+            await asyncio.sleep(0.3)
+            assert not running.done(), "the long generation ended before the pause was sent"
+            answer = (await c.pause(mode=mode))[url]["body"]
+            assert answer == {"status": "paused", "mode": mode, "in_flight_at_pause": 1}
+            if mode == "wait":  # returned only once nothing ran any more
+                out = await asyncio.wait_for(running, 5)
+            held = asyncio.create_task(generate(url, sampling(8)))
+            if mode == "keep":  # the in-flight request goes on while paused
+                out = await asyncio.wait_for(running, 60)
+            assert all(len(r) == 160 for r in out["response_ids"])
+            assert out["stop_reasons"] == ["length"] * len(PROMPTS)
+            await asyncio.sleep(0.5)
+            assert not held.done(), f"a request started while paused (mode={mode})"
+            await c.resume()
+            check_generation(await asyncio.wait_for(held, 60), model, tok, 8)
+        # abort is refused with a message, and leaves the server running
+        with pytest.raises(aiohttp.ClientResponseError) as err:
+            await c.pause(mode="abort")
+        assert err.value.status == 501 and "'abort' is not supported" in err.value.message
+        check_generation(await generate(url, sampling(8)), model, tok, 8)
+    finally:
+        await c.teardown()
+
+
+def push_weights(url: str, model, weight_version: str) -> None:
+    """SkyRL's control-plane calls, with the test as the broadcasting trainer (rank 0)."""
+    named = list(model.named_parameters())
+    port = free_port()
+    wsc = SkyrlWeightSyncClient([url], 1, init_payload_fn=nccl_init_payloads)
+    errors: list[BaseException] = []
+
+    def in_thread(fn, *args):
+        def body():
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+                errors.append(exc)
+        t = threading.Thread(target=body)
+        t.start()
+        return t
+
+    try:
+        t = in_thread(wsc.init_weight_transfer_engine, {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2})
+        group = SyncGroup("127.0.0.1", port, rank=0, world_size=2, device="cpu")
+        t.join(60)
+        assert not errors, errors
+        wsc.start_weight_update()
+        info = {"names": [n for n, _ in named], "dtype_names": ["float32"] * len(named),
+                "shapes": [list(p.shape) for _, p in named], "packed": True}
+        t = in_thread(wsc.update_weights, info)
+        flat = torch.cat([p.detach().reshape(-1) for _, p in named])
+        group.broadcast(flat, 0).wait()
+        t.join(60)
+        assert not errors, errors
+        wsc.finish_weight_update(weight_version=weight_version)
+    finally:
+        wsc.close()

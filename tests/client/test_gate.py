@@ -1,0 +1,78 @@
+"""``GenerationGate`` (the server's pause modes) and the chat-request parsing of
+``routes_skyrl``: state before and after every call, refusals leave the state unchanged."""
+import asyncio
+
+import pytest
+
+from polynya.client.gate import GenerationGate
+from polynya.client.routes_skyrl import chat_sampling_params
+
+
+async def _work(release: asyncio.Event, value: int) -> int:
+    await release.wait()
+    return value
+
+
+def test_keep_holds_new_requests_and_lets_running_ones_finish():
+    async def main():
+        gate, release = GenerationGate(), asyncio.Event()
+        running = asyncio.create_task(gate.run(lambda: _work(release, 1)))
+        await asyncio.sleep(0)
+        assert gate.in_flight == 1
+        await gate.pause("keep")  # returns at once
+        assert gate.paused and gate.in_flight == 1
+        held = asyncio.create_task(gate.run(lambda: _work(release, 2)))
+        release.set()
+        assert await running == 1
+        await asyncio.sleep(0.01)
+        assert not held.done() and gate.in_flight == 0
+        gate.resume()
+        assert await held == 2 and not gate.paused and gate.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_wait_returns_only_when_nothing_runs():
+    async def main():
+        gate, release = GenerationGate(), asyncio.Event()
+        running = asyncio.create_task(gate.run(lambda: _work(release, 1)))
+        await asyncio.sleep(0)
+        pausing = asyncio.create_task(gate.pause("wait"))
+        await asyncio.sleep(0.01)
+        assert not pausing.done() and gate.paused
+        release.set()
+        await pausing
+        assert running.done() and gate.in_flight == 0
+        gate.resume()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode, exc, match", [("abort", NotImplementedError, "'abort' is not"),
+                                              ("freeze", ValueError, "pause mode must be")])
+def test_refused_modes_leave_the_gate_open(mode, exc, match):
+    async def main():
+        gate = GenerationGate()
+        with pytest.raises(exc, match=match):
+            await gate.pause(mode)
+        assert not gate.paused
+        assert await gate.run(lambda: _work(_set(), 3)) == 3
+
+    asyncio.run(main())
+
+
+def _set() -> asyncio.Event:
+    e = asyncio.Event()
+    e.set()
+    return e
+
+
+def test_chat_sampling_params_maps_and_refuses():
+    p = chat_sampling_params({"max_completion_tokens": 7, "temperature": 0.5, "top_k": 3,
+                              "seed": 11, "logprobs": True, "stop": None, "stream": False})
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.logprobs) == (7, 0.5, 3, 11, True)
+    for bad, match in [({"stop": ["\n"]}, "stop="), ({"stream": True}, "stream="),
+                       ({"top_logprobs": 5}, "top_logprobs="), ({"logprobs": 3}, "must be a bool"),
+                       ({"presence_penalty": 0.5}, "presence_penalty=")]:
+        with pytest.raises(ValueError, match=match):
+            chat_sampling_params(bad)
