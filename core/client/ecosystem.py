@@ -27,6 +27,7 @@ from ..sync.manifest import dtype_from_name
 from ..types import SamplingParams
 from .gate import GenerationGate
 from .openai_compat import add_openai_routes
+from .routes_skyrl import openai_error
 
 _PARAM_KEYS = (
     "n",
@@ -245,7 +246,10 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
     @app.post("/pause")
     async def pause(mode: str = "keep", clear_cache: bool = False) -> dict:
         in_flight = gate.in_flight
-        await gate.pause(mode)  # modes: polynya.client.gate
+        try:
+            await gate.pause(mode)  # modes: polynya.client.gate
+        except NotImplementedError as exc:  # abort: say why, in the shape SkyRL's client prints
+            return openai_error(501, str(exc))
         if clear_cache:
             reset_prefix_caches()
         return {"status": "paused", "mode": mode, "in_flight_at_pause": in_flight}

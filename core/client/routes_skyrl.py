@@ -19,8 +19,7 @@ replay), ``/collective_rpc`` (vLLM worker-extension calls), ``/fetch_weights`` (
 sync backend), LoRA adapter loading, ``/start_draft_weight_update`` (speculative decoding) and
 ``/v1/chat/completions/render`` (multimodal prompts).
 """
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: FastAPI must resolve the route signatures
 import time
 import uuid
 
@@ -81,12 +80,15 @@ _RPC_HINTS = {
 }
 
 
-def _refusal(message: str):
+def openai_error(status: int, message: str, kind: str = "NotImplementedError"):
+    """An error response in the OpenAI / vLLM shape, whose message SkyRL's clients print."""
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(
-        {"error": {"message": message, "type": "NotImplementedError", "code": 501}}, 501
-    )
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+def _refusal(message: str):
+    return openai_error(501, message)
 
 
 def chat_sampling_params(body: dict) -> SamplingParams:

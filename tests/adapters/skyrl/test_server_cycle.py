@@ -180,7 +180,7 @@ def test_full_cycle(polynya_server, models):
 
 
 async def pause_cycle(url: str, model, tok) -> None:
-    long = sampling(160, ignore_eos=True)  # no stop: every request runs its 160 tokens
+    long = sampling(100, ignore_eos=True)  # no stop: every request runs its 100 tokens
     c = client_for(url)
     try:
         for mode in ("keep", "wait"):
@@ -188,13 +188,14 @@ async def pause_cycle(url: str, model, tok) -> None:
             await asyncio.sleep(0.3)
             assert not running.done(), "the long generation ended before the pause was sent"
             answer = (await c.pause(mode=mode))[url]["body"]
-            assert answer == {"status": "paused", "mode": mode, "in_flight_at_pause": 1}
+            # SkyRL sends one HTTP request per prompt: all of them were running
+            assert answer == {"status": "paused", "mode": mode, "in_flight_at_pause": len(PROMPTS)}
             if mode == "wait":  # returned only once nothing ran any more
                 out = await asyncio.wait_for(running, 5)
             held = asyncio.create_task(generate(url, sampling(8)))
             if mode == "keep":  # the in-flight request goes on while paused
                 out = await asyncio.wait_for(running, 60)
-            assert all(len(r) == 160 for r in out["response_ids"])
+            assert all(len(r) == 100 for r in out["response_ids"])
             assert out["stop_reasons"] == ["length"] * len(PROMPTS)
             await asyncio.sleep(0.5)
             assert not held.done(), f"a request started while paused (mode={mode})"
