@@ -163,7 +163,7 @@ def test_ecosystem_generation_routes(raw):
     assert raw.post("/reset_prefix_cache").status_code == 200
     assert raw.post("/sleep", params={"level": 1}).status_code == 200
     assert raw.post("/wake_up").status_code == 200
-    assert raw.post("/pause").json() == {"status": "paused"}
+    assert raw.post("/pause").json() == {"status": "paused", "mode": "keep", "in_flight_at_pause": 0}
     result = {}
     t = threading.Thread(
         target=lambda: result.update(

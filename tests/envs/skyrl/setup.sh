@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venvs/skyrl (idempotent; tests/run.py calls it): CPython 3.12 with stock skyrl==0.4.0
-# and skyrl-gym==0.4.0 installed --no-deps, only what their HTTP inference client, weight-sync
-# control plane, training batch / PPO utilities and gym environments import (requirements.txt),
-# and polynya itself (-e .[deepspeed,http]) for the policy-worker tests. The polynya server the
+# and skyrl-gym==0.4.0 installed --no-deps, polynya itself with the extra "skyrl" (what SkyRL's
+# HTTP client, weight-sync control plane and training batch import; pyproject.toml) plus
+# deepspeed/http for the policy-worker tests, and requirements.txt. The polynya server the
 # tests drive runs from the main .venv (CPython 3.11), so SkyRL talks to it over HTTP as a user's
 # would. Exit 3 (printed reason) = this machine cannot host the environment.
 #
@@ -41,7 +41,7 @@ fi
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
-"${PIP[@]}" -r "$HERE/requirements.txt" -e "$ROOT[deepspeed,http]"
+"${PIP[@]}" -r "$HERE/requirements.txt" -e "$ROOT[deepspeed,http,skyrl]"
 "${PIP[@]}" --no-deps skyrl==0.4.0 skyrl-gym==0.4.0
 "$VENV/bin/python" - <<'PYCHECK'
 import skyrl, skyrl_gym, polynya  # noqa: F401
