@@ -11,6 +11,7 @@ SkyRL itself is not imported (its ``TrainingInputBatch`` is a dict of these tens
 script needs only polynya and DeepSpeed (``../shared/gpu/carry-wheels.sh`` on the GPU machine).
 
     python benchmarks/bench_skyrl_worker.py --out benchmarks/results
+    python benchmarks/bench_skyrl_worker.py --smoke    # CPU: tiny model, small shapes, no numbers
 """
 from __future__ import annotations
 
@@ -56,14 +57,19 @@ def skyrl_layout(P: int, R: int, G: int, groups: int, vocab: int, seed: int) -> 
     return data
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, iters: int) -> float:
     fn()
-    torch.cuda.synchronize()
+    _sync()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return median(times)
 
@@ -74,25 +80,30 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_skyrl_worker.py needs a CUDA GPU")
+    if not (torch.cuda.is_available() or a.smoke):
+        raise SystemExit("bench_skyrl_worker.py needs a CUDA GPU (or --smoke for a CPU check)")
+    model, dtype, shapes = (("tiny:qwen3", "float32", [(24, 12, 4)]) if a.smoke
+                            else (a.model, "bfloat16", SHAPES))
     trainer = {"algorithm": ALGO, "policy": {"optimizer_config": {"lr": 1e-6}}}
     rows = []
     workers = {}
     for zorro in (False, True):
-        cfg = train_config_from_skyrl(trainer, a.model, dtype="bfloat16", zero_stage=2, zorro=zorro,
+        cfg = train_config_from_skyrl(trainer, model, dtype=dtype, zero_stage=2, zorro=zorro,
                                       gradient_checkpointing=True, micro_batch_tokens=1 << 20)
         workers[zorro] = PolicyWorker(cfg)
     vocab = workers[True].engine.module.config.vocab_size
-    for P, R, G in SHAPES:
+    for P, R, G in shapes:
         data = skyrl_layout(P, R, G, a.groups, vocab, seed=P + R + G)
         t_translate = timed(lambda: rollout_from_training_batch(data, with_ref=True), a.iters)
         ms = {}
         for zorro, w in workers.items():
-            torch.cuda.reset_peak_memory_stats()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             ms[zorro] = timed(lambda: (w.forward_backward(data), w.optim_step()), a.iters) * 1e3
-            ms[f"mem{zorro}"] = torch.cuda.max_memory_allocated() / 2**30
+            ms[f"mem{zorro}"] = (torch.cuda.max_memory_allocated() / 2**30
+                                 if torch.cuda.is_available() else 0.0)
         rows.append(dict(shape=f"P{P}/R{R}/G{G}x{a.groups}", naive_ms=round(ms[False], 1),
                          zorro_ms=round(ms[True], 1), speedup=round(ms[False] / ms[True], 2),
                          translate_ms=round(t_translate * 1e3, 1),
@@ -101,7 +112,9 @@ def main() -> None:
     print(markdown_table(rows, [("shape", "shape"), ("naive_ms", "naive ms"), ("zorro_ms", "ZoRRo ms"),
                                 ("speedup", "speedup"), ("translate_ms", "batch translation ms"),
                                 ("naive_peak_gb", "naive peak GB"), ("zorro_peak_gb", "ZoRRo peak GB")]))
-    path = save({"env": environment(), "model": a.model, "rows": rows}, a.out, "skyrl_worker")
+    if a.smoke:
+        return
+    path = save({"env": environment(), "model": model, "rows": rows}, a.out, "skyrl_worker")
     paired_bars(path.replace(".json", ".png"), [r["shape"] for r in rows],
                 [r["naive_ms"] for r in rows], "naive", [r["zorro_ms"] for r in rows], "ZoRRo",
                 "policy worker step (ms)")
