@@ -25,7 +25,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_zorro import make_batch
 from common import environment, markdown_table, median, paired_bars, save
-from polynya.adapters.skyrl import PolicyWorker, rollout_from_training_batch, train_config_from_skyrl
+from polynya.adapters.skyrl import (
+    PolicyWorker,
+    rollout_from_training_batch,
+    train_config_from_skyrl,
+)
 
 SHAPES = [(4096, 512, 8), (256, 512, 8)]
 ALGO = {"policy_loss_type": "regular", "eps_clip_low": 0.2, "eps_clip_high": 0.2,
@@ -50,7 +54,7 @@ def skyrl_layout(P: int, R: int, G: int, groups: int, vocab: int, seed: int) -> 
         attn[i, total - len(row):] = 1
         resp[i, width - n:] = 1
     adv = torch.randn(b, generator=g)[:, None] * resp / resp.sum()  # token_mean pre-scaling
-    noise = lambda s: s * torch.randn(b, width, generator=g) * resp  # noqa: E731
+    noise = lambda s: s * torch.randn(b, width, generator=g) * resp
     data = {"sequences": seqs, "attention_mask": attn, "response_mask": resp, "loss_mask": resp,
             "advantages": adv, "action_log_probs": noise(0.1) - resp,
             "base_action_log_probs": noise(0.1) - resp}

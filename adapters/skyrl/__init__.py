@@ -13,8 +13,13 @@ Importing this package imports neither SkyRL nor DeepSpeed.
 from .batch import rollout_from_training_batch, to_right_aligned
 from .loss import train_config_from_skyrl
 
-__all__ = ["rollout_from_training_batch", "to_right_aligned", "train_config_from_skyrl",
-           "PolicyWorker", "RefWorker"]
+__all__ = [
+    "PolicyWorker",
+    "RefWorker",
+    "rollout_from_training_batch",
+    "to_right_aligned",
+    "train_config_from_skyrl",
+]
 
 
 def __getattr__(name: str):

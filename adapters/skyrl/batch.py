@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
 from polynya.types import RolloutBatch
 
 _ALWAYS = ("sequences", "attention_mask", "response_mask")

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
 from polynya.config.logprob import LogProbConfig
 from polynya.config.train import TrainConfig
 

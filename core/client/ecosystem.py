@@ -9,7 +9,8 @@ client can drive the native sampler unchanged (payloads as those clients send th
   broadcast group in which the trainer is rank 0; ``/start_weight_update``; ``/update_weights``
   ``{"update_info": {"names", "dtype_names", "shapes", "packed"}}`` receives one broadcast (packed:
   one flat buffer) or one per tensor, into staging; ``/finish_weight_update`` (optional
-  ``"checksum"`` / ``"version"``) verifies and applies the staged weights in one go;
+  ``"checksum"`` / ``"version"``, or SkyRL's ``"weight_version"``, an int or a string of one)
+  verifies and applies the staged weights in one go;
 - ``/sleep`` (``?level=``), ``/wake_up``, ``/reset_prefix_cache``, ``/pause`` (``?mode=keep|wait``,
   ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
   ``GET /get_world_size`` (1: a server joins a weight-transfer group as one rank).

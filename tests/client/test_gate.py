@@ -3,7 +3,6 @@
 import asyncio
 
 import pytest
-
 from polynya.client.gate import GenerationGate
 from polynya.client.routes_skyrl import chat_sampling_params
 

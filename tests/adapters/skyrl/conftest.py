@@ -37,15 +37,16 @@ def polynya_server():
     url = f"http://127.0.0.1:{port}"
     cmd = [_server_python(), "-m", "polynya.client.server", "--model", "tiny:qwen3",
            "--dtype", "float32", "--port", str(port)]
-    log = open(ROOT / ".pytest_reports" / "skyrl_server.log", "w") if (
-        ROOT / ".pytest_reports").exists() else subprocess.DEVNULL
+    (ROOT / ".pytest_reports").mkdir(exist_ok=True)
+    log = open(ROOT / ".pytest_reports" / "skyrl_server.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.time() + 180
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"polynya server exited with {proc.returncode}: {cmd}")
+                raise RuntimeError(f"polynya server exited with {proc.returncode}: {cmd} "
+                                   "(log: .pytest_reports/skyrl_server.log)")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -62,3 +63,4 @@ def polynya_server():
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()

@@ -16,7 +16,6 @@ import urllib.request
 import aiohttp
 import pytest
 import torch
-
 from polynya.distributed import checksum_named_tensors
 from polynya.models import load_model, load_tokenizer
 from polynya.sync import SyncGroup

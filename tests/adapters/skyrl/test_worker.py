@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from polynya.adapters.skyrl import PolicyWorker, RefWorker, train_config_from_skyrl
 from polynya.config.logprob import LogProbConfig
 from polynya.distributed import checksum_named_tensors
@@ -29,7 +28,7 @@ ALGO = {"policy_loss_type": "regular", "eps_clip_low": 0.2, "eps_clip_high": 0.2
 def skyrl_batch(seed: int, *, multi_turn: bool = False) -> TrainingInputBatch:
     """Two prompts x three responses (GRPO groups), ragged lengths, SkyRL's layout."""
     g = torch.Generator().manual_seed(seed)
-    rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()
     prompts_u = [rand(7), rand(4)]
     prompts, responses, loss_masks = [], [], []
     for p in prompts_u:
