@@ -178,23 +178,37 @@ def test_full_cycle(polynya_server, models):
     assert second["response_ids"] != first["response_ids"]
 
 
+async def pause_in_flight(c, url: str, mode: str):
+    """Start long generations (no stop) and pause while all of them run; returns the running
+    task, its length and the pause answer. The timing adapts to the machine: a generation that
+    ended, or a pause that reached the server before every request, is retried longer."""
+    tokens = 100
+    for _ in range(4):
+        running = asyncio.create_task(generate(url, sampling(tokens, ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        if not running.done():
+            answer = (await c.pause(mode=mode))[url]["body"]
+            # SkyRL sends one HTTP request per prompt: all of them must have been running
+            if answer["in_flight_at_pause"] == len(PROMPTS):
+                return running, tokens, answer
+            await c.resume()
+        await running
+        tokens *= 3
+    raise AssertionError(f"could not pause (mode={mode}) with all requests in flight")
+
+
 async def pause_cycle(url: str, model, tok) -> None:
-    long = sampling(100, ignore_eos=True)  # no stop: every request runs its 100 tokens
     c = client_for(url)
     try:
         for mode in ("keep", "wait"):
-            running = asyncio.create_task(generate(url, long))
-            await asyncio.sleep(0.3)
-            assert not running.done(), "the long generation ended before the pause was sent"
-            answer = (await c.pause(mode=mode))[url]["body"]
-            # SkyRL sends one HTTP request per prompt: all of them were running
+            running, tokens, answer = await pause_in_flight(c, url, mode)
             assert answer == {"status": "paused", "mode": mode, "in_flight_at_pause": len(PROMPTS)}
             if mode == "wait":  # returned only once nothing ran any more
                 out = await asyncio.wait_for(running, 5)
             held = asyncio.create_task(generate(url, sampling(8)))
-            if mode == "keep":  # the in-flight request goes on while paused
-                out = await asyncio.wait_for(running, 60)
-            assert all(len(r) == 100 for r in out["response_ids"])
+            if mode == "keep":  # the in-flight requests go on while paused
+                out = await asyncio.wait_for(running, 120)
+            assert all(len(r) == tokens for r in out["response_ids"])
             assert out["stop_reasons"] == ["length"] * len(PROMPTS)
             await asyncio.sleep(0.5)
             assert not held.done(), f"a request started while paused (mode={mode})"
