@@ -152,7 +152,7 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
 
     samplers = list(getattr(client, "samplers", []))
     transfer = WeightTransfer(samplers)
-    gate = app.state.generation_gate = GenerationGate()  # shared with routes_skyrl
+    gate = GenerationGate()  # pause / resume of every generation route
 
     async def gen(prompts, params):
         return await gate.run(lambda: client.generate_async(prompts, params))

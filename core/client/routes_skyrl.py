@@ -4,14 +4,14 @@ of its trainer) call beyond the vLLM-compatible ones in ``ecosystem.py``.
 Served:
 
 - ``GET /is_sleeping`` — ``{"is_sleeping": bool}`` (SkyRL's colocated weight sync asks it);
-- ``POST /tokenize`` ``{"prompt": str, "add_special_tokens": bool}`` -> ``{"tokens", "count"}``,
+- ``POST /tokenize`` ``{"prompt": str, "add_special_tokens": bool}`` (or ``{"messages": [...]}``
+  through the chat template) -> ``{"tokens", "count"}``,
   ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"prompt": str}`` (vLLM's schema; needs the
   server to have a tokenizer);
-- ``POST /v1/chat/completions`` — OpenAI chat completions: the served tokenizer's chat template,
-  then the sampler; choices carry ``message``, ``finish_reason``, ``token_ids`` and, when asked,
-  ``logprobs.content``;
 - ``POST /finish_session`` — accepted and ignored: the server keeps no per-session state (it is
   a router's route; SkyRL sends it to the data-plane URL).
+
+(``/v1/chat/completions``, which SkyRL's ``chat_completion`` calls, is ``openai_compat.py``'s.)
 
 Refused with 501 and a message saying what to configure instead (``{"error": {"message": ...}}``,
 the OpenAI shape SkyRL's clients print): ``/skyrl/v1/generate`` (routed experts / sample-support
@@ -20,27 +20,7 @@ sync backend), LoRA adapter loading, ``/start_draft_weight_update`` (speculative
 ``/v1/chat/completions/render`` (multimodal prompts).
 """
 # no ``from __future__ import annotations``: FastAPI must resolve the route signatures
-import time
-import uuid
-
-from ..types import SamplingParams
-
-# OpenAI / vLLM chat fields mapped onto SamplingParams (None = field absent).
-_CHAT_PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
-# Fields with a meaning the sampler cannot honour: accepted only at their neutral value.
-_NEUTRAL = {
-    "stop": (None, [], ""),
-    "stream": (None, False),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "min_tokens": (None, 0),
-    "tools": (None, []),
-    "response_format": (None,),
-    "prompt_logprobs": (None,),
-}
+from .openai_compat import chat_prompt
 
 _REFUSALS = {
     "/skyrl/v1/generate": (
@@ -91,39 +71,6 @@ def _refusal(message: str):
     return openai_error(501, message)
 
 
-def chat_sampling_params(body: dict) -> SamplingParams:
-    """``SamplingParams`` of an OpenAI chat request; fields the sampler cannot honour raise."""
-    for key, neutral in _NEUTRAL.items():
-        if body.get(key) not in neutral:
-            raise ValueError(
-                f"{key}={body[key]!r} is not supported by polynya's sampler; leave it unset"
-            )
-    kw = {k: body[k] for k in _CHAT_PARAM_KEYS if body.get(k) is not None}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        kw["max_tokens"] = max_tokens
-    want = body.get("logprobs")
-    if want not in (None, True, False):
-        raise ValueError(f"logprobs must be a bool in a chat request, got {want!r}")
-    return SamplingParams(**kw, logprobs=bool(want))
-
-
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
-    """Token ids of ``messages`` through the tokenizer's chat template (generation prompt on)."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise ValueError(
-                f"messages[{i}] must be {{'role': str, 'content': str}} (text only), got {m!r}"
-            )
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the served tokenizer has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def _token_ids(value, what: str) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
@@ -133,13 +80,10 @@ def _token_ids(value, what: str) -> list[int]:
 
 
 def add_skyrl_routes(app, client, tokenizer) -> None:
-    """Register the routes above on ``app`` (after ``add_ecosystem_routes``, whose generation
-    gate they share through ``app.state.generation_gate``)."""
+    """Register the routes above on ``app`` (after ``add_ecosystem_routes``)."""
     from fastapi import Request
 
     from .server import read_json
-
-    gate = app.state.generation_gate
 
     def need_tokenizer(route: str):
         if tokenizer is None:
@@ -155,7 +99,7 @@ def add_skyrl_routes(app, client, tokenizer) -> None:
         body = await read_json(request)
         tok = need_tokenizer("/tokenize")
         if "messages" in body:
-            ids = chat_prompt_ids(tok, body["messages"])
+            ids = chat_prompt(body, tok)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -174,39 +118,6 @@ def add_skyrl_routes(app, client, tokenizer) -> None:
         if ids and max(ids) >= len(tok):
             raise ValueError(f"token id {max(ids)} is outside the vocabulary ({len(tok)} ids)")
         return {"prompt": tok.decode(ids)}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> dict:
-        body = await read_json(request)
-        tok = need_tokenizer("/v1/chat/completions")
-        params = chat_sampling_params(body)
-        prompt = chat_prompt_ids(tok, body.get("messages"))
-        out = await gate.run(lambda: client.generate_async([prompt], params))
-        choices = []
-        for i, s in enumerate(out[0]):
-            lp = None
-            if params.logprobs:
-                lp = {"content": [{"token": f"token_id:{t}", "logprob": v, "bytes": None,
-                                   "top_logprobs": []} for t, v in zip(s.token_ids, s.logprobs)]}
-            choices.append({
-                "index": i,
-                "message": {"role": "assistant",
-                            "content": tok.decode(s.token_ids, skip_special_tokens=True)},
-                "finish_reason": s.finish_reason,
-                "token_ids": s.token_ids,
-                "logprobs": lp,
-            })
-        n_out = sum(len(c["token_ids"]) for c in choices)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.get("model"),
-            "prompt_token_ids": prompt,
-            "choices": choices,
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
-                      "total_tokens": len(prompt) + n_out},
-        }
 
     @app.post("/finish_session")
     async def finish_session() -> dict:

@@ -201,7 +201,7 @@ def create_app(
         return await client.weight_checksums_async()
 
     add_ecosystem_routes(app, client, tokenizer)
-    add_skyrl_routes(app, client, tokenizer)  # after ecosystem: shares its generation gate
+    add_skyrl_routes(app, client, tokenizer)
     return BodyLimit(app, max_body_bytes)
 
 

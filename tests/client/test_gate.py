@@ -1,10 +1,9 @@
-"""``GenerationGate`` (the server's pause modes) and the chat-request parsing of
-``routes_skyrl``: state before and after every call, refusals leave the state unchanged."""
+"""``GenerationGate`` (the server's pause modes): state before and after every call, refusals
+leave the state unchanged."""
 import asyncio
 
 import pytest
 from polynya.client.gate import GenerationGate
-from polynya.client.routes_skyrl import chat_sampling_params
 
 
 async def _work(release: asyncio.Event, value: int) -> int:
@@ -64,14 +63,3 @@ def _set() -> asyncio.Event:
     e = asyncio.Event()
     e.set()
     return e
-
-
-def test_chat_sampling_params_maps_and_refuses():
-    p = chat_sampling_params({"max_completion_tokens": 7, "temperature": 0.5, "top_k": 3,
-                              "seed": 11, "logprobs": True, "stop": None, "stream": False})
-    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.logprobs) == (7, 0.5, 3, 11, True)
-    for bad, match in [({"stop": ["\n"]}, "stop="), ({"stream": True}, "stream="),
-                       ({"top_logprobs": 5}, "top_logprobs="), ({"logprobs": 3}, "must be a bool"),
-                       ({"presence_penalty": 0.5}, "presence_penalty=")]:
-        with pytest.raises(ValueError, match=match):
-            chat_sampling_params(bad)
