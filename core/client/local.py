@@ -232,7 +232,7 @@ class LocalClient(ThreadedAsync):
     @property
     def sampler_asleep(self) -> bool:
         """True between ``sleep("sampler")`` and the next ``wake``/``generate``."""
-        return not self._sampler_awake
+        return self.handover.sampler_sleep != 0
 
     def wake(self, engine: str = "sampler") -> None:
         with self._lock:

@@ -83,7 +83,7 @@ def add_skyrl_routes(app, client, tokenizer) -> None:
     """Register the routes above on ``app`` (after ``add_ecosystem_routes``)."""
     from fastapi import Request
 
-    from .server import read_json
+    from .codec import read_json
 
     def need_tokenizer(route: str):
         if tokenizer is None:

@@ -16,7 +16,7 @@ import urllib.request
 import aiohttp
 import pytest
 import torch
-from polynya.distributed import checksum_named_tensors
+from polynya.checksum import checksum_named_tensors
 from polynya.models import load_model, load_tokenizer
 from polynya.sync import SyncGroup
 from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_vllm_sampling_params

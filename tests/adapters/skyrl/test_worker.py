@@ -13,7 +13,7 @@ import pytest
 import torch
 from polynya.adapters.skyrl import PolicyWorker, RefWorker, train_config_from_skyrl
 from polynya.config.logprob import LogProbConfig
-from polynya.distributed import checksum_named_tensors
+from polynya.checksum import checksum_named_tensors
 from polynya.models import load_model
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
