@@ -94,23 +94,3 @@ def check_same_on_all_ranks(values: list[int], device: torch.device, what: str) 
     if hi != lo:
         raise ValueError(f"{what} differs between data-parallel ranks: every rank must be given the same "
                          "global batch (the engine shards it by prompt groups itself)")
-
-
-def plan_micro_batches(batch, *, rank: int, world: int, max_tokens: int, zorro: bool,
-                       device: torch.device) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches of a global batch: ``[(rows, real), ...]``.
-
-    The batch is cut into ``world`` shards of whole prompt groups balanced by tokens
-    (``polynya.zorro.split_batch(num_parts=world)``), then this rank's shard into micro-batches
-    under ``max_tokens``. Every rank gets the same number of micro-batches (collectives inside
-    forward/backward must line up): a rank with fewer repeats its smallest one with
-    ``real=False`` (to be weighted 0). ``ValueError`` if there are fewer groups than ranks.
-    """
-    from .zorro import split_batch
-
-    shard = split_batch(batch, zorro=zorro, num_parts=world)[rank] if world > 1 else list(range(len(batch)))
-    sub = batch.select(shard)
-    parts = [[shard[i] for i in part] for part in split_batch(sub, max_tokens, zorro=zorro)]
-    n = all_reduce_max([len(parts)], device)[0]
-    smallest = min(parts, key=len)
-    return [(p, True) for p in parts] + [(smallest, False)] * (n - len(parts))

@@ -24,9 +24,9 @@ from ..distributed import (
     batch_fingerprint,
     check_same_on_all_ranks,
     local_device,
-    plan_micro_batches,
 )
 from ..types import RolloutBatch, TokenStats
+from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
 
 
@@ -40,7 +40,7 @@ def sharded_logprobs(owner, batch: RolloutBatch, *, entropy: bool, temperature: 
     cfg = owner.config
     check_same_on_all_ranks(batch_fingerprint(batch), owner.device, "the batch")
     plan = plan_micro_batches(batch, rank=owner.rank, world=owner.world_size,
-                              max_tokens=cfg.micro_batch_tokens, zorro=cfg.zorro, device=owner.device)
+                              max_tokens=cfg.micro_batch_tokens, zorro=cfg.zorro)
     shape = (len(batch), batch.max_response_len)
     lp = torch.zeros(shape, dtype=torch.float32, device=owner.device)
     ent = torch.zeros_like(lp) if entropy else None

@@ -9,7 +9,7 @@ trains on its share::
     for names, flat in engine.export_weights(1 << 28): sampler.load_weights((names, flat))
 
 How a batch flows: the global batch is cut into ``world_size`` shards of whole prompt groups
-(``polynya.zorro.split_batch(num_parts=world_size)``), each shard into micro-batches under
+(``polynya.zorro.batching.plan_micro_batches``), each shard into micro-batches under
 ``micro_batch_tokens``; each micro-batch goes through ``polynya.compute_logprobs`` (ZoRRo when
 ``zorro``) and ``polynya.losses.policy_loss``, whose normalisation uses the *global* batch's
 token/sequence counts, so the accumulated gradient does not depend on the split.
@@ -37,11 +37,11 @@ from ..distributed import (
     batch_fingerprint,
     check_same_on_all_ranks,
     local_device,
-    plan_micro_batches,
 )
 from ..files import verify_manifest, write_manifest
 from ..losses import Normalizer, policy_loss, resolve_loss
 from ..types import RolloutBatch, TokenStats
+from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
 
 _METRICS = ("loss", "pg_loss", "clip_frac", "ratio", "kl", "entropy")
@@ -139,8 +139,7 @@ class TrainingEngine:
         normalizer = Normalizer.from_mask(batch.response_mask(), self.loss_spec.max_response_len)
         check_same_on_all_ranks(batch_fingerprint(batch), self.device, "the batch")
         plan = plan_micro_batches(batch, rank=self.rank, world=self.world_size,
-                                  max_tokens=self.config.micro_batch_tokens, zorro=self.config.zorro,
-                                  device=self.device)
+                                  max_tokens=self.config.micro_batch_tokens, zorro=self.config.zorro)
         return normalizer, plan
 
     def forward_backward(self, batch: RolloutBatch) -> dict[str, float]:

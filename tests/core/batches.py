@@ -9,13 +9,15 @@ from polynya import RolloutBatch
 def random_batch(rng: random.Random, vocab: int, *, groups: int = 4, max_group: int = 8,
                  max_prompt: int = 24, max_response: int = 12, system_prompt: bool = True,
                  shuffle: bool = True, with_group_ids: bool = False) -> RolloutBatch:
-    """Groups of 1..max_group samples sharing a prompt; ragged lengths; some prompts share a
-    system-prompt prefix (partial sharing); one response duplicated; rows shuffled."""
+    """Groups of 1..max_group samples sharing a prompt; ragged lengths; every prompt starts with
+    the same few tokens (as a chat template's header does), half of them also with a system
+    prompt (deeper partial sharing); one response duplicated; rows shuffled."""
+    template = [rng.randrange(2, vocab) for _ in range(3)]
     system = [rng.randrange(2, vocab) for _ in range(rng.randint(3, 8))]
     prompts, responses, gids = [], [], []
     for g in range(groups):
         question = [rng.randrange(2, vocab) for _ in range(rng.randint(1, max_prompt))]
-        prompt = (system + question) if system_prompt and g % 2 == 0 else question
+        prompt = template + ((system + question) if system_prompt and g % 2 == 0 else question)
         for _ in range(rng.randint(1, max_group)):
             prompts.append(prompt)
             responses.append([rng.randrange(2, vocab) for _ in range(rng.randint(1, max_response))])

@@ -3,7 +3,7 @@ import random
 import numpy as np
 import pytest
 from polynya import RolloutBatch
-from polynya.zorro import build_forest, pack_rows, split_batch
+from polynya.zorro import build_forest, pack_rows
 from polynya.zorro.attention import dense_mask
 
 from .batches import random_batch
@@ -64,25 +64,22 @@ def test_rows_respect_budget_and_never_split_groups():
         assert len(set().union(*(row_of_sample[i] for i in members))) == 1
 
 
-def test_split_batch_keeps_groups_whole_and_balances():
-    rng = random.Random(1)
-    batch = random_batch(rng, vocab=50, groups=7, with_group_ids=True, system_prompt=False)
-    for parts in (split_batch(batch, 60), split_batch(batch, num_parts=3)):
-        assert sorted(i for p in parts for i in p) == list(range(len(batch)))
-        for p in parts:
-            gids = {batch.group_ids[i] for i in p}
-            assert all(batch.group_ids[i] not in gids for q in parts if q is not p for i in q)
-    assert len(split_batch(batch, num_parts=3)) == 3
-    with pytest.raises(ValueError, match="cannot split"):
-        split_batch(batch, num_parts=100)
-    with pytest.raises(ValueError):
-        split_batch(batch, 0)
-
-
-def test_group_ids_merge_units_with_different_prompts():
-    b = RolloutBatch([[1, 2], [3, 4], [5]], [[1], [1], [1]], group_ids=[0, 0, 1])
-    parts = split_batch(b, 1)
-    assert sorted(map(sorted, parts)) == [[0, 1], [2]]
+def test_rows_split_shared_prefix_by_group_and_repeat_it():
+    """Three groups share a template head: with a row budget they get rows of their own, each
+    row carrying its own copy of the head; log-prob inputs still address the right tokens."""
+    head = [1, 2, 3, 4]
+    b = RolloutBatch([head + [5], head + [5], head + [6], head + [7, 8]], [[9], [10], [9], [11]])
+    one = pack_rows(b)
+    assert one.input_ids.shape[0] == 1 and one.num_real_tokens == 4 + 1 + 2 + 1 + 1 + 2 + 1
+    rows = pack_rows(b, max_tokens_per_row=7)
+    assert rows.input_ids.shape[0] >= 2
+    assert rows.num_real_tokens > one.num_real_tokens  # the head is repeated per row
+    for r in range(rows.input_ids.shape[0]):
+        assert rows.input_ids[r, :4].tolist() == head
+    flat = rows.input_ids.reshape(-1)
+    for i, (p, resp) in enumerate(zip(b.prompts, b.responses)):
+        at = rows.pred_index[rows.out_row == i]
+        assert flat[at].tolist() == [int(p[-1])] and rows.pred_target[rows.out_row == i].tolist() == resp.tolist()
 
 
 @pytest.mark.parametrize("seed,block,window", [(0, 8, None), (1, 8, None), (2, 16, None),

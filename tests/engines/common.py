@@ -12,13 +12,15 @@ VOCAB = 512
 
 def make_batch(seed: int, *, groups: int = 4, per_group: int = 3, adv_per_token: bool = False,
                old: bool = False) -> RolloutBatch:
-    """Ragged groups sharing prompts (two prompts share a system prefix), random advantages."""
+    """Ragged groups sharing prompts; every prompt starts with the same chat-template-like head,
+    every other one also with a system prefix; random advantages."""
     g = torch.Generator().manual_seed(seed)
+    template = torch.randint(2, VOCAB, (3,), generator=g).tolist()
     system = torch.randint(2, VOCAB, (5,), generator=g).tolist()
     prompts, responses = [], []
     for k in range(groups):
         q = torch.randint(2, VOCAB, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-        prompt = system + q if k % 2 == 0 else q
+        prompt = template + (system + q if k % 2 == 0 else q)
         for _ in range(per_group):
             n = int(torch.randint(2, 10, (1,), generator=g))
             prompts.append(prompt)
