@@ -6,10 +6,21 @@ directory, or an HF dataset id (``datasets.load_dataset(source, "main", split=sp
 ``"openai/gsm8k"``). Records need ``question`` and ``answer`` (the worked solution ending in
 ``#### N``, or just ``N``).
 
-``reward(completion, example)`` follows verl's GSM8K scorer: the answer is the last
-``#### number`` in the completion (``method="strict"``) or the last number anywhere
-(``method="flexible"``); commas and ``$`` are stripped on both sides and numbers compared by
-value. 1.0 when correct, ``format_score`` when an answer was extracted but is wrong, else 0.
+``reward(completion, example, convention=...)`` scores a completion in one of two explicit
+conventions:
+
+- ``"verl"`` (the default: what a verl user's GSM8K runs report) reproduces verl's
+  ``verl.utils.reward_score.gsm8k.compute_score`` (verl 0.9.1): only the last 300 characters are
+  searched; ``method="strict"`` takes the last ``"#### "`` + ``-?[0-9.,]+`` (one space, no ``$``),
+  ``method="flexible"`` the last ``-?[0-9.,]+`` that is not ``"."``; commas (and ``$``, strict
+  only) are removed and the result is compared *as a string* with the ground truth. So
+  ``3.50``, ``072``, ``.5`` and ``72.`` are wrong for ``3.5`` / ``72`` / ``0.5`` / ``72``;
+  ``####18``, ``#### $18`` and an answer followed by more than 300 characters find nothing.
+- ``"value"``: the whole completion is searched; ``#### `` with any spacing, an optional ``$``
+  after the sign, a trailing period ignored; numbers compared by value (``Decimal``).
+
+Both give ``score`` (1.0) when correct, ``format_score`` (0.0, as in verl) when an answer was
+extracted but is wrong, and 0 when none was found.
 """
 from __future__ import annotations
 
@@ -51,38 +62,51 @@ def load(split: str, source: str | None = None) -> list[Example]:
 
 def ground_truth(solution: str) -> str | None:
     """The final number of a reference solution (``#### N``, or a bare number)."""
-    found = extract_answer(solution, "strict")
+    found = extract_answer(solution, "strict", "value")
     if found is None and _FLEXIBLE.fullmatch(solution.strip()):
         found = _clean(solution)
     return found
 
 
-def extract_answer(text: str, method: str = "strict") -> str | None:
-    """The answer a completion gives, as a cleaned number string, or ``None``.
+CONVENTIONS = ("verl", "value")
+_VERL_CLIP_CHARS = 300
+_VERL_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_VERL_FLEXIBLE = re.compile(r"(\-?[0-9\.\,]+)")
+
+
+def extract_answer(text: str, method: str = "strict", convention: str = "verl") -> str | None:
+    """The answer a completion gives, or ``None`` (see the module docstring for the conventions).
 
     ``strict``: the last ``#### number``. ``flexible``: the last number anywhere.
     """
-    if method == "strict":
-        matches = _STRICT.findall(text)
-    elif method == "flexible":
-        matches = _FLEXIBLE.findall(text)
-    else:
+    if method not in ("strict", "flexible"):
         raise ValueError(f"unknown extraction method {method!r}; use 'strict' or 'flexible'")
-    for match in reversed(matches):
+    if convention == "verl":
+        text = text[-_VERL_CLIP_CHARS:]
+        if method == "strict":
+            found = _VERL_STRICT.findall(text)
+            return found[-1].replace(",", "").replace("$", "") if found else None
+        found = [m for m in _VERL_FLEXIBLE.findall(text) if m not in ("", ".")]
+        return found[-1] if found else None
+    if convention != "value":
+        raise ValueError(f"unknown gsm8k reward convention {convention!r}; use one of {CONVENTIONS}")
+    for match in reversed((_STRICT if method == "strict" else _FLEXIBLE).findall(text)):
         cleaned = _clean(match)
         if cleaned is not None:
             return cleaned
     return None
 
 
-def reward(completion: str, example: Example, *, method: str = "strict",
-           format_score: float = 0.1, score: float = 1.0) -> float:
-    """``score`` if the extracted answer equals ``example.answer``, ``format_score`` if an answer
-    was extracted but differs, 0.0 if none was found."""
-    answer = extract_answer(completion, method)
+def reward(completion: str, example: Example, *, convention: str = "verl", method: str = "strict",
+           format_score: float = 0.0, score: float = 1.0) -> float:
+    """``score`` if the extracted answer equals ``example.answer`` (as a string under ``"verl"``,
+    by value under ``"value"``), ``format_score`` if an answer was extracted but differs, 0.0 if
+    none was found."""
+    answer = extract_answer(completion, method, convention)
     if answer is None:
         return 0.0
-    return score if _same_number(answer, example.answer) else format_score
+    same = answer == example.answer if convention == "verl" else _same_number(answer, example.answer)
+    return score if same else format_score
 
 
 def _clean(number: str) -> str | None:

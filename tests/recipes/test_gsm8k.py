@@ -23,52 +23,85 @@ def test_bundled_sample_loads_and_its_solutions_score_full():
     assert len({e.prompt for e in train + test}) == 250
     for e in train + test:
         assert e.prompt.endswith(gsm8k.INSTRUCTION) and e.answer.lstrip("-").isdigit()
-        assert gsm8k.reward(e.meta["solution"], e) == 1.0
-        assert gsm8k.reward(e.meta["solution"] + "1", e) == pytest.approx(0.1)
+        for convention in gsm8k.CONVENTIONS:
+            assert gsm8k.reward(e.meta["solution"], e, convention=convention) == 1.0
+            assert gsm8k.reward(e.meta["solution"] + "1", e, convention=convention) == 0.0
+            assert gsm8k.reward(e.meta["solution"] + "1", e, convention=convention, format_score=0.1) == 0.1
 
 
-@pytest.mark.parametrize("completion,expected", [
-    ("3 + 4 = 7 so 72 in all.\n#### 72", 1.0),
-    ("#### 72.00", 1.0),
-    ("####72", 1.0),
-    ("#### $72", 1.0),
-    ("#### 71", 0.1),
-    ("#### 71\nwait, recount\n#### 72", 1.0),   # last #### wins
-    ("#### 72\nno: #### 71", 0.1),
-    ("The answer is 72.", 0.0),                   # strict needs ####
-    ("####", 0.0),
-    ("#### seventy-two", 0.0),
-    ("", 0.0),
+LONG_TAIL = " and that is how I checked it." * 11  # > 300 characters after the answer
+# (completion, ground truth, verl score, value score); format_score 0 (verl's default)
+CASES = [
+    ("3 + 4 = 7 so 72 in all.\n#### 72", "72", 1, 1),
+    ("#### 72", "72", 1, 1),
+    ("#### 3.50", "3.5", 0, 1),
+    ("#### 072", "72", 0, 1),
+    ("#### .5", "0.5", 0, 1),
+    ("#### 72.", "72", 0, 1),
+    ("#### $18", "18", 0, 1),
+    ("#### -$5", "-5", 0, 1),
+    ("####18", "18", 0, 1),
+    ("#### 18" + LONG_TAIL, "18", 0, 1),
+    ("#### 1,234", "1234", 1, 1),
+    ("#### -5", "-5", 1, 1),
+    ("#### 5", "-5", 0, 0),
+    ("#### 71", "72", 0, 0),
+    ("#### 71\nwait, recount\n#### 72", "72", 1, 1),  # the last #### wins
+    ("#### 72\nno: #### 71", "72", 0, 0),
+    ("The answer is 72.", "72", 0, 0),  # strict needs ####
+    ("####", "72", 0, 0),
+    ("#### seventy-two", "72", 0, 0),
+    ("", "72", 0, 0),
+]
+
+
+@pytest.mark.parametrize("completion,truth,verl,value", CASES)
+def test_strict_scores_in_both_conventions(completion, truth, verl, value):
+    ex = Example("q", truth)
+    assert gsm8k.reward(completion, ex) == verl  # verl is the default
+    assert gsm8k.reward(completion, ex, convention="verl") == verl
+    assert gsm8k.reward(completion, ex, convention="value") == value
+
+
+@pytest.mark.parametrize("completion,verl,value", [
+    ("The answer is 72.", 0, 1),   # verl: "72." is the last number string
+    ("It costs $72", 1, 1),
+    ("5 - 3 = 2, then 72", 1, 1),
+    ("72 apples, minus 3", 0, 0),  # last number is 3
+    ("no numbers here", 0, 0),
+    ("so 72" + LONG_TAIL, 0, 1),
 ])
-def test_strict_scores(completion, expected):
-    assert gsm8k.reward(completion, EX) == pytest.approx(expected)
+def test_flexible_scores(completion, verl, value):
+    assert gsm8k.reward(completion, EX, method="flexible") == verl
+    assert gsm8k.reward(completion, EX, method="flexible", convention="value") == value
+
+
+def test_matches_verl_compute_score_when_installed():
+    scorer = pytest.importorskip("verl.utils.reward_score.gsm8k")
+    flexible = [(c, t) for c, t, _, _ in CASES] + [("It costs $72 or 7,2", "72"), ("1.5. then .", "1.5")]
+    for method in ("strict", "flexible"):
+        for completion, truth in flexible:
+            for fmt in (0.0, 0.1):
+                want = scorer.compute_score(completion, truth, method=method, format_score=fmt)
+                got = gsm8k.reward(completion, Example("q", truth), method=method, format_score=fmt)
+                assert got == want, (method, completion, truth)
 
 
 def test_commas_and_dollars_stripped_on_both_sides():
     ex = Example("q", gsm8k.ground_truth("#### 1,234"))
     assert ex.answer == "1234"
-    assert gsm8k.reward("#### $1,234", ex) == 1.0
-    assert gsm8k.reward("#### 1234", Example("q", "1,234")) == 1.0
-    assert gsm8k.reward("#### -5", Example("q", "-5")) == 1.0
-    assert gsm8k.reward("#### 5", Example("q", "-5")) == pytest.approx(0.1)
-
-
-@pytest.mark.parametrize("completion,expected", [
-    ("The answer is 72.", 1.0),
-    ("It costs $72", 1.0),
-    ("5 - 3 = 2, then 72", 1.0),
-    ("72 apples, minus 3", 0.1),   # last number is 3
-    ("no numbers here", 0.0),
-])
-def test_flexible_scores(completion, expected):
-    assert gsm8k.reward(completion, EX, method="flexible") == pytest.approx(expected)
+    assert gsm8k.reward("#### 1,234", ex) == 1.0
+    assert gsm8k.reward("#### $1,234", ex, convention="value") == 1.0
+    assert gsm8k.reward("#### 1234", Example("q", "1,234"), convention="value") == 1.0
 
 
 def test_score_options_and_bad_method():
-    assert gsm8k.reward("#### 71", EX, format_score=0.0) == 0.0
+    assert gsm8k.reward("#### 71", EX, format_score=0.3) == 0.3
     assert gsm8k.reward("#### 72", EX, score=2.0) == 2.0
     with pytest.raises(ValueError, match="unknown extraction method"):
         gsm8k.reward("#### 72", EX, method="lenient")
+    with pytest.raises(ValueError, match="unknown gsm8k reward convention"):
+        gsm8k.reward("#### 72", EX, convention="trl")
 
 
 RECORDS = [{"question": "Tom has 3 cats and 2 dogs. How many pets?", "answer": "3 + 2 = 5\n#### 5"},
