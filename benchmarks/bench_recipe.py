@@ -51,7 +51,7 @@ def compose_recipe(args, on: bool, out: str):
                  f"run.steps={args.steps}", f"run.prompts_per_step={args.prompts}",
                  f"run.group_size={args.group_size}", f"run.max_new_tokens={args.max_new_tokens}",
                  f"run.out_dir={out}/{'on' if on else 'off'}", "run.resume=false", "run.progress=false",
-                 f"client.zorro_train={on}", f"client.zorro_inference={on}",
+                 f"client.zorro_train={on}", f"client.fca={on}",
                  "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true"]
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         return compose("config", overrides=overrides)

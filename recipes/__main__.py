@@ -11,10 +11,16 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/polyn
 
 
 def main() -> None:
+    import sys
+
     import hydra
 
-    from .schema import register
+    from .schema import check_overrides, register
 
+    try:
+        check_overrides(sys.argv[1:])
+    except ValueError as exc:
+        raise SystemExit(f"polynya-recipe: {exc}") from None
     register()
 
     @hydra.main(config_path="conf", config_name="config", version_base=None)

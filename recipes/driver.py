@@ -80,7 +80,7 @@ class GRPODriver:
         rc, times = self.run_cfg, {}
         idx = self._pick(step)
         prompts = [self.prompt_ids[i] for i in idx]
-        params = SamplingParams(n=rc.group_size, temperature=rc.temperature, top_p=rc.top_p,
+        params = SamplingParams(n=rc.group_size, temperature=self.client_config.train.temperature, top_p=rc.top_p,
                                 top_k=rc.top_k, max_tokens=rc.max_new_tokens, seed=rc.seed + step)
         t = time.perf_counter()
         groups = client.generate(prompts, params)

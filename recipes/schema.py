@@ -2,33 +2,48 @@
 
 ``RecipeConfig`` has four sections: ``task`` (which task, its data and reward options), ``run``
 (the GRPO loop), ``client`` (every field of ``polynya.RLClientConfig``, with the engine sections
-``train`` / ``logprob`` / ``sampling`` typed by ``TrainConfig`` / ``LogProbConfig`` /
-``SamplerConfig`` themselves) and ``framework``. Nothing is copied by hand: ``ClientSchema`` is
-derived from ``RLClientConfig``'s fields, so a new client or engine field shows up in the recipes
-and their YAML at once. YAML files only override defaults; ``to_client_config`` turns the
-composed section back into a validated ``RLClientConfig``.
+``train`` / ``logprob`` / ``sampling`` derived from ``TrainConfig`` / ``LogProbConfig`` /
+``SamplerConfig`` minus the fields the client owns — model, dtype, device, ``zorro``, ``fca``,
+``backend``, the non-trainer ``seed`` — which exist once, as ``client.<key>``: an override such
+as ``client.train.dtype=...`` is rejected by Hydra as an unknown key) and ``framework``. Nothing
+is copied by hand: the schema is derived from the dataclasses, so a new client or engine field
+shows up in the recipes and their YAML at once. YAML files only override defaults;
+``to_client_config`` turns the composed section back into a validated ``RLClientConfig``.
 """
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from ..client.config import RLClientConfig
-from ..config.logprob import LogProbConfig
-from ..config.sampler import SamplerConfig
-from ..config.train import TrainConfig
+from ..client.config import SECTIONS, RLClientConfig, owned_fields
 
-_ENGINE_SECTIONS = {"train": TrainConfig, "logprob": LogProbConfig, "sampling": SamplerConfig}
+
+def _copy_field(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return field(default_factory=f.default_factory)
+    return field(default=f.default)
+
+
+def _section_schema(name: str, cls) -> type:
+    """``cls`` without the client-owned fields: the recipe's ``client.<name>`` section."""
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, hints[f.name], _copy_field(f)) for f in dataclasses.fields(cls)
+              if f.name not in owned_fields(name)]
+    return dataclasses.make_dataclass(f"{cls.__name__}Section", fields)
+
+
+SECTION_SCHEMAS = {name: _section_schema(name, cls) for name, cls in SECTIONS.items()}
 
 
 def _client_schema():
     fields = []
     for f in dataclasses.fields(RLClientConfig):
-        if f.name in _ENGINE_SECTIONS:
-            cls = _ENGINE_SECTIONS[f.name]
+        if f.name in SECTION_SCHEMAS:
+            cls = SECTION_SCHEMAS[f.name]
             fields.append((f.name, cls, field(default_factory=lambda cls=cls: OmegaConf.structured(cls))))
             continue
         typ = {"str": str, "int": int, "bool": bool, "float": float, "str | None": Optional[str]}[f.type]
@@ -56,14 +71,14 @@ class TaskSection:
 
 @dataclass
 class RunSection:
-    """The GRPO loop: ``prompts_per_step`` prompts x ``group_size`` samples per step.
+    """The GRPO loop: ``prompts_per_step`` prompts x ``group_size`` samples per step. Rollouts
+    are sampled at ``client.train.temperature`` (the temperature the log-probs are taken at).
     ``launch``: frameworks that write a run of their own (``framework=verl``) also start it."""
 
     steps: int = 20
     prompts_per_step: int = 8
     group_size: int = 8
     max_new_tokens: int = 32
-    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     advantage_eps: float = 1e-6
@@ -87,21 +102,29 @@ class RecipeConfig:
 
 
 def to_client_config(client: DictConfig) -> RLClientConfig:
-    """The composed ``client`` section as a validated ``RLClientConfig`` (ValueError if bad).
-
-    The engine sections get the client's ``model_name`` (RLClientConfig writes it over them
-    anyway) so that ``OmegaConf.to_object`` can build and validate each engine dataclass.
-    """
-    client = client.copy()
+    """The composed ``client`` section as a validated ``RLClientConfig`` (ValueError if bad):
+    the engine sections are plain dicts of engine settings; the client fills in the rest."""
     values = {}
     for key in client:
-        if key in _ENGINE_SECTIONS:
-            section = client[key].copy()
-            section.model = client.model_name
-            values[key] = OmegaConf.to_object(section)
+        if key in SECTION_SCHEMAS:
+            section = OmegaConf.to_object(client[key])
+            values[key] = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
         else:
             values[key] = client[key]
     return RLClientConfig(**values)
+
+
+def check_overrides(args: list[str]) -> None:
+    """``ValueError`` for a command-line override of an engine field the client owns (Hydra
+    would only say it cannot override the key): name the key to use instead."""
+    for arg in args:
+        key = arg.lstrip("+~").split("=", 1)[0]
+        parts = key.split(".")
+        if len(parts) == 3 and parts[0] == "client" and parts[1] in SECTIONS:
+            owner = owned_fields(parts[1]).get(parts[2])
+            if owner is not None:
+                raise ValueError(f"{key} is not a recipe setting: it is set once for every engine, "
+                                 f"as client.{owner}")
 
 
 def register() -> None:

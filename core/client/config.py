@@ -8,14 +8,19 @@
         ...
 
 Engine settings come from ``train`` / ``logprob`` / ``sampling`` (the engine dataclasses, or
-dicts of their fields); ``model_name``, ``dtype``, ``zorro_train`` and ``zorro_inference`` (FCA)
-are written over them so the engines always agree on the model. Validated in ``__post_init__``.
+dicts of their fields). Each setting has one place: what the client owns (``OWNED``: the model,
+dtype, device, ``zorro_train`` -> ``zorro``, ``fca`` -> ``fca``, ``sampler`` -> ``backend``;
+``train.seed`` -> the other engines' ``seed``, ``train.temperature`` -> ``logprob.temperature``)
+flows from the client into the engine sections,
+and a section that sets one of those fields to a different, non-default value is a
+``ValueError`` naming both keys (never a silent override). ``zorro_inference`` is the former
+name of ``fca`` and is still accepted. Validated in ``__post_init__``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from ..config.common import check_model_spec, check_positive
 from ..config.logprob import LogProbConfig
@@ -26,16 +31,61 @@ PROTOCOLS = ("local", "ray", "http")
 SAMPLERS = ("native", "vllm")
 
 
-def _as(cls, value, name: str, **fixed):
+# Settings the client owns, and the engine-section field each one flows into. A section that
+# sets one of them to a value other than its default and the client's is a contradiction.
+OWNED = {
+    "model_name": ("model", ("train", "logprob", "sampling")),
+    "dtype": ("dtype", ("train", "logprob", "sampling")),
+    "device": ("device", ("train", "logprob", "sampling")),
+    "zorro_train": ("zorro", ("train", "logprob")),
+    "fca": ("fca", ("sampling",)),
+    "sampler": ("backend", ("sampling",)),
+}
+# Fields of the other engines that follow the trainer's (same weights for random specs; the
+# log-probs of the rollouts' temperature).
+FROM_TRAINER = {"logprob": ("seed", "temperature"), "sampling": ("seed",)}
+SECTIONS = {"train": TrainConfig, "logprob": LogProbConfig, "sampling": SamplerConfig}
+
+
+def owned_fields(section: str) -> dict[str, str]:
+    """``{engine field: client key}`` of the fields of engine section ``section`` that the client
+    sets (``train.<field>`` for those that follow the trainer: ``FROM_TRAINER``)."""
+    out = {field: owner for owner, (field, names) in OWNED.items() if section in names}
+    return {**out, **{f: f"train.{f}" for f in FROM_TRAINER.get(section, ())}}
+
+
+def _client_value(cfg: "RLClientConfig", key: str):
+    return getattr(cfg.train, key[6:]) if key.startswith("train.") else getattr(cfg, key)
+
+
+def _default(cls, name: str):
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def _section(name: str, value, fixed: dict[str, tuple[str, object]]):
+    """Build engine section ``name`` from a dataclass / dict / None with the client-owned
+    ``fixed`` fields (``field -> (client key, value)``) written in; ``ValueError`` when the
+    section set one of them to something else."""
+    cls = SECTIONS[name]
     if value is None:
-        return cls(**fixed)
-    if isinstance(value, dict):
-        return cls(**{**value, **fixed})
-    if isinstance(value, cls):
-        return dataclasses.replace(value, **fixed)
-    raise ValueError(
-        f"RLClientConfig.{name} must be a {cls.__name__} or a dict, got {type(value).__name__}"
-    )
+        given = {}
+    elif isinstance(value, dict):
+        given = dict(value)
+    elif isinstance(value, cls):
+        given = {f.name: getattr(value, f.name) for f in dataclasses.fields(cls)}
+    else:
+        raise ValueError(f"RLClientConfig.{name} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+    for key, (owner, want) in fixed.items():
+        if key in given and given[key] != want and given[key] != _default(cls, key):
+            raise ValueError(
+                f"RLClientConfig.{name}.{key}={given[key]!r} contradicts RLClientConfig.{owner}={want!r}: "
+                f"{owner} is set once, on the client, for every engine; set RLClientConfig.{owner} "
+                f"and leave {name}.{key} unset")
+        given[key] = want
+    return cls(**given)
 
 
 @dataclass
@@ -54,10 +104,13 @@ class RLClientConfig:
             shared-memory sync); False = separate devices, broadcast sync.
         sampler: ``"native"`` or ``"vllm"``.
         zorro_train: ZoRRo in the training and log-prob engines.
-        zorro_inference: FCA decode in the sampler.
+        fca: forest cascade attention (FCA) decode in the sampler (``SamplerConfig.fca``).
+        zorro_inference: former name of ``fca`` (public contract): accepted at construction
+            and mapped onto ``fca``; giving both with different values is a ``ValueError``.
         reference_model: also keep a frozen reference copy for ``compute_logprobs(model="reference")``.
         train, logprob, sampling: engine configs (``TrainConfig`` / ``LogProbConfig`` /
-            ``SamplerConfig`` or dicts); their ``model``/``dtype``/``zorro``/``fca`` are overridden.
+            ``SamplerConfig`` or dicts) holding only engine settings: the client-owned fields
+            are filled in (see module docstring).
         device: ``"cpu"`` forces the CPU; ``None`` uses GPUs when present.
         bucket_bytes: flat bucket size of a weight sync.
         timeout_s: longest wait for any engine call (a dead actor or server surfaces as an error).
@@ -76,7 +129,7 @@ class RLClientConfig:
     colocate: bool = True
     sampler: str = "native"
     zorro_train: bool = True
-    zorro_inference: bool = True
+    fca: bool = True
     reference_model: bool = False
     train: TrainConfig | dict | None = None
     logprob: LogProbConfig | dict | None = None
@@ -89,8 +142,16 @@ class RLClientConfig:
     max_body_bytes: int = 1 << 30
     ray_address: str | None = None
     device_resource: str = "GPU"
+    zorro_inference: InitVar[bool | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, zorro_inference: bool | None = None) -> None:
+        if zorro_inference is not None:
+            if not isinstance(zorro_inference, bool):
+                raise ValueError(f"RLClientConfig.zorro_inference must be a bool, got {zorro_inference!r}")
+            if zorro_inference != self.fca and self.fca is not True:
+                raise ValueError(f"RLClientConfig.zorro_inference={zorro_inference} contradicts "
+                                 f"fca={self.fca}: zorro_inference is the former name of fca, give one")
+            self.fca = zorro_inference
         check_model_spec(self.model_name, "RLClientConfig.model_name")
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(
@@ -108,7 +169,7 @@ class RLClientConfig:
         for name in (
             "colocate",
             "zorro_train",
-            "zorro_inference",
+            "fca",
             "reference_model",
         ):
             if not isinstance(getattr(self, name), bool):
@@ -141,29 +202,21 @@ class RLClientConfig:
             )
         if not isinstance(self.device_resource, str) or not self.device_resource:
             raise ValueError("RLClientConfig.device_resource must be a resource name")
-        common = dict(model=self.model_name, dtype=self.dtype)
-        dev = {} if self.device is None else {"device": self.device}
-        self.train = _as(TrainConfig, self.train, "train", zorro=self.zorro_train, **common, **dev)
-        self.logprob = _as(
-            LogProbConfig,
-            self.logprob,
-            "logprob",
-            zorro=self.zorro_train,
-            seed=self.train.seed,
-            **common,
-            **dev,
-        )
-        self.sampling = _as(
-            SamplerConfig,
-            self.sampling,
-            "sampling",
-            backend=self.sampler,
-            fca=self.zorro_inference,
-            seed=self.train.seed,
-            **common,
-            **dev,
-        )
+        for name in SECTIONS:  # train first: the others take its seed
+            fixed = {f: (key, _client_value(self, key)) for f, key in owned_fields(name).items()}
+            setattr(self, name, _section(name, getattr(self, name), fixed))
 
     def replace(self, **changes) -> "RLClientConfig":
-        """A copy with ``changes`` (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (validated again); engine fields that came from a changed
+        client setting follow it."""
+        if "zorro_inference" in changes:
+            changes["fca"] = changes.pop("zorro_inference")
+        sections = {}
+        for name, cls in SECTIONS.items():
+            if name in changes:
+                continue
+            follow = {f: changes[key] if key in changes else _default(cls, f)
+                      for f, key in owned_fields(name).items()
+                      if key in changes or (key.startswith("train.") and "train" in changes)}
+            sections[name] = dataclasses.replace(getattr(self, name), **follow)
+        return dataclasses.replace(self, **{**sections, **changes})
