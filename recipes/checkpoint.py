@@ -31,6 +31,25 @@ def complete(out_dir: str) -> list[str]:
     return [os.path.join(root, d) for d in dirs if os.path.isfile(os.path.join(root, d, MANIFEST))]
 
 
+METRICS = "metrics.jsonl"
+_RUN_FILES = (METRICS, "checkpoints", "tensorboard")  # what a run leaves in out_dir
+
+
+def has_run(out_dir: str) -> bool:
+    """Whether ``out_dir`` holds (part of) a previous run: metrics or checkpoints."""
+    return any(os.path.exists(os.path.join(out_dir, name)) for name in _RUN_FILES[:2])
+
+
+def clear_run(out_dir: str) -> None:
+    """Delete a previous run's metrics, checkpoints and TensorBoard logs (``run.overwrite``)."""
+    for name in _RUN_FILES:
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
 def latest(out_dir: str, *, fallback: bool = False) -> tuple[str, dict] | None:
     """(directory, driver state) of the newest complete checkpoint, verified, or None.
 

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from .checkpoint import METRICS
+
 
 class MetricsLogger:
     """``log(step, metrics)`` appends one JSON line to ``<out_dir>/metrics.jsonl``.
@@ -18,7 +20,7 @@ class MetricsLogger:
     def __init__(self, out_dir: str, *, total_steps: int, start_step: int, progress: bool,
                  tensorboard: bool):
         os.makedirs(out_dir, exist_ok=True)
-        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.path = os.path.join(out_dir, METRICS)
         kept = _rows_before(self.path, start_step) if start_step > 0 else []
         self._file = open(self.path, "w")
         self._file.writelines(kept)
@@ -37,6 +39,14 @@ class MetricsLogger:
                 raise ValueError("run.tensorboard=true needs the tensorboard package: "
                                  "pip install tensorboard") from exc
             self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+
+    def phase(self, step: int, text: str) -> None:
+        """Show what step ``step`` is doing now (a CPU step can take minutes)."""
+        if self._bar is not None:
+            self._bar.set_description_str(f"step {step}: {text}")
+            self._bar.refresh()
+        else:
+            print(f"step {step}: {text}", flush=True)
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items() if k != "step"}}

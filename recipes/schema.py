@@ -73,7 +73,14 @@ class TaskSection:
 class RunSection:
     """The GRPO loop: ``prompts_per_step`` prompts x ``group_size`` samples per step. Rollouts
     are sampled at ``client.train.temperature`` (the temperature the log-probs are taken at).
-    ``launch``: frameworks that write a run of their own (``framework=verl``) also start it."""
+    ``launch``: frameworks that write a run of their own (``framework=verl``) also start it.
+
+    ``checkpoint_every`` (0: only the last step is checkpointed), ``keep_checkpoints``;
+    ``resume``: continue from ``out_dir``'s latest checkpoint; ``overwrite``: delete a previous
+    run in ``out_dir`` first (without it, a run in the way is an error, never overwritten);
+    ``eval_every``: every N steps and after the last, mean reward and pass@1 of one completion
+    per prompt on ``eval_split`` (first ``eval_examples`` prompts, 0 = all; greedy unless
+    ``eval_greedy=false``), logged as ``eval_*`` in the step's metrics."""
 
     steps: int = 20
     prompts_per_step: int = 8
@@ -88,6 +95,11 @@ class RunSection:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = True
+    overwrite: bool = False
+    eval_every: int = 0
+    eval_split: str = "test"
+    eval_examples: int = 64
+    eval_greedy: bool = True
     tensorboard: bool = False
     progress: bool = True
     launch: bool = False

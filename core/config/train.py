@@ -174,6 +174,8 @@ class TrainConfig:
         log_entropy: compute the entropy metric even when ``entropy_coef == 0``.
         device: ``"cpu"``, ``"cuda"``; ``None`` = CUDA when available (``LOCAL_RANK``'s GPU).
         deepspeed: raw DeepSpeed settings merged over the generated config (nested dicts merge).
+        export_hf: ``save(path)`` also writes a Hugging Face export (weights + tokenizer) to
+            ``<path>/hf``.
     """
 
     model: str
@@ -193,6 +195,7 @@ class TrainConfig:
     log_entropy: bool = True
     device: str | None = None
     deepspeed: dict[str, Any] = field(default_factory=dict)
+    export_hf: bool = True
 
     def __post_init__(self) -> None:
         check_model_spec(self.model, "TrainConfig")
@@ -220,6 +223,7 @@ class TrainConfig:
         _check_bool(self.log_entropy, "TrainConfig.log_entropy")
         check_device(self.device, "TrainConfig")
         check_deepspeed_overrides(self.deepspeed, "TrainConfig")
+        _check_bool(self.export_hf, "TrainConfig.export_hf")
 
 
 def check_device(device: object, owner: str) -> None:

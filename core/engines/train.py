@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -44,6 +45,7 @@ from ..types import RolloutBatch, TokenStats
 from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
 
+HF_EXPORT = "hf"  # sub-directory of a checkpoint holding its Hugging Face export
 _METRICS = ("loss", "pg_loss", "clip_frac", "ratio", "kl", "entropy")
 
 
@@ -307,14 +309,37 @@ class TrainingEngine:
     # ------------------------------------------------------------------ state
     def save(self, path: str) -> None:
         """Checkpoint weights, optimizer, LR schedule and step count to directory ``path``
-        (every rank calls it; ZeRO partitions are saved per rank), then a manifest with the
-        sha256 of every file (``polynya.files``; rank 0 writes it once every rank is done)."""
+        (every rank calls it; ZeRO partitions are saved per rank), with ``config.export_hf`` a
+        Hugging Face export of the weights beside it in ``<path>/hf`` (``save_pretrained``),
+        then a manifest with the sha256 of every file (``polynya.files``; rank 0 writes it once
+        every rank is done)."""
         self._check_onloaded()
         self.engine.save_checkpoint(path, tag="polynya")
+        if self.config.export_hf:
+            self.save_pretrained(os.path.join(path, HF_EXPORT))
         dsu.barrier()
         if self.rank == 0:
             write_manifest(path)
         dsu.barrier()
+
+    def save_pretrained(self, path: str) -> str:
+        """Write the current weights in Hugging Face format to directory ``path``: ``config.json``
+        and safetensors of the consolidated weights (``export_weights``: ZeRO partitions
+        gathered; the module's dtype, i.e. the weights the trainer computes with) plus the
+        model's tokenizer, loadable by ``AutoModelForCausalLM.from_pretrained`` and vLLM. Every
+        rank calls it; rank 0 writes. Returns ``path``."""
+        from ..models import load_tokenizer
+
+        self._check_onloaded()
+        shapes = {n: dsu.full_shape(p) for n, p in self.module.named_parameters()}
+        state = {}
+        for names, flat in self.export_weights():
+            for n, piece in zip(names, flat.cpu().split([shapes[n].numel() for n in names])):
+                state[n] = piece.view(shapes[n]).clone()
+        if self.rank == 0:
+            self.module.save_pretrained(path, state_dict=state)
+            load_tokenizer(self.config.model).save_pretrained(path)
+        return path
 
     def load(self, path: str) -> None:
         """Restore a checkpoint written by ``save`` (same ZeRO stage and world size).

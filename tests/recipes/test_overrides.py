@@ -84,6 +84,7 @@ VALUES = {
     "train.gradient_checkpointing": (True, [], {}),
     "train.log_entropy": (False, [], {}),
     "train.deepspeed": ({"steps_per_print": 5}, [], {}),
+    "train.export_hf": (False, [], {}),
     "logprob.zero_stage": (3, [], {}),
     "logprob.zorro_attention": ("split", [], {}),
     "logprob.micro_batch_tokens": (999, [], {}),

@@ -97,11 +97,44 @@ def test_killed_run_resumes_from_latest_checkpoint(tmp_path):
     assert [r["step"] for r in rows] == list(range(latest + 1)), "every step logged exactly once"
 
 
-def test_fresh_run_starts_a_new_metrics_file(tmp_path):
-    for _ in range(2):
-        out = _run(tmp_path, "toy", "run.steps=1", "run.resume=false")
-    rows = [json.loads(line) for line in open(out["metrics_path"])]
+def test_a_second_run_never_overwrites_the_first(tmp_path):
+    first = _run(tmp_path, "toy", "run.steps=1", "run.resume=false")
+    before = open(first["metrics_path"]).read()
+    with pytest.raises(ValueError, match="already holds a run.*run.overwrite=true"):
+        _run(tmp_path, "toy", "run.steps=1", "run.resume=false")
+    assert open(first["metrics_path"]).read() == before  # refused before touching anything
+    done = _run(tmp_path, "toy", "run.steps=1")  # resume: the run is complete, nothing to do
+    assert done["steps"] == 0 and done["model"] == first["model"]
+    assert open(first["metrics_path"]).read() == before
+    again = _run(tmp_path, "toy", "run.steps=1", "run.resume=false", "run.overwrite=true")
+    rows = [json.loads(line) for line in open(again["metrics_path"])]
     assert [r["step"] for r in rows] == [0]
+
+
+def test_run_evaluates_and_ends_with_a_loadable_model(tmp_path, capfd):
+    from transformers import AutoModelForCausalLM
+
+    import polynya
+
+    out = _run(tmp_path, "toy", "run.steps=2", "run.eval_every=1", "run.eval_examples=5")
+    rows = [json.loads(line) for line in open(out["metrics_path"])]
+    for r in rows:
+        assert r["eval_examples"] == 5 and 0.0 <= r["eval_pass_at_1"] <= r["eval_reward_mean"] + 1 \
+            and 0.0 <= r["eval_reward_mean"] <= 1.0
+    last = capfd.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"model: {out['model']} ") and out["model"].endswith("step_000002/engine/hf")
+    model = AutoModelForCausalLM.from_pretrained(out["model"], dtype=torch.float32)
+    batch = polynya.RolloutBatch([[5, 6, 7, 8]] * 2, [[9, 10, 11], [12]])
+    with torch.no_grad():
+        got = polynya.compute_logprobs(model, batch).logprobs
+        init = polynya.compute_logprobs(polynya.models.load_model("tiny:qwen3"), batch).logprobs
+    assert (got - init).abs().max() > 1e-4  # the trained weights, not the initial ones
+
+
+@pytest.mark.parametrize("key, value", [("eval_every", -1), ("group_size", 0), ("eval_examples", -2)])
+def test_bad_run_values_are_rejected(key, value):
+    with pytest.raises(ValueError, match=f"run.{key} must be an integer"):
+        GRPODriver(_compose([f"run.{key}={value}"]))
 
 
 def test_group_advantages():
