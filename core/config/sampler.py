@@ -7,7 +7,10 @@ One dataclass for every backend; fields a backend does not use are ignored by it
     engine = SamplingEngine(cfg)
 
 KV-cache size: ``num_blocks`` when given, else ``kv_cache_memory_gb`` split over the model's
-layers (a block holds ``block_size`` tokens of keys and values for every layer).
+layers (a block holds ``block_size`` tokens of keys and values for every layer), else (the
+default) sized from the model and the machine: enough blocks for ``max_num_seqs`` sequences of
+the longest length (``max_model_len`` or the model's window), capped at 10 % of the host's
+available RAM on the CPU and 40 % of the GPU's free memory on CUDA.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ class SamplerConfig:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ... ; ``None`` picks CUDA when available.
         block_size: tokens per KV-cache block (page).
         num_blocks: KV-cache blocks; ``None`` sizes the cache from ``kv_cache_memory_gb``.
-        kv_cache_memory_gb: KV-cache budget in GiB when ``num_blocks`` is ``None``.
+        kv_cache_memory_gb: KV-cache budget in GiB when ``num_blocks`` is ``None``; ``None``:
+            sized from the model and the machine (module docstring).
         max_num_seqs: most sequences decoded together in one step (max batch size).
         max_num_batched_tokens: most prompt tokens computed in one prefill step.
         max_model_len: longest sequence (prompt + completion); ``None`` = the model's window.
@@ -49,7 +53,7 @@ class SamplerConfig:
     device: str | None = None
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 4.0
+    kv_cache_memory_gb: float | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 32768
     max_model_len: int | None = None
@@ -69,7 +73,8 @@ class SamplerConfig:
         check_positive(self.block_size, "SamplerConfig.block_size", integer=True)
         if self.num_blocks is not None:
             check_positive(self.num_blocks, "SamplerConfig.num_blocks", integer=True)
-        check_positive(self.kv_cache_memory_gb, "SamplerConfig.kv_cache_memory_gb")
+        if self.kv_cache_memory_gb is not None:
+            check_positive(self.kv_cache_memory_gb, "SamplerConfig.kv_cache_memory_gb")
         check_positive(self.max_num_seqs, "SamplerConfig.max_num_seqs", integer=True)
         if isinstance(self.fca_min_shared_tokens, bool) or not isinstance(self.fca_min_shared_tokens, int) \
                 or self.fca_min_shared_tokens < 0:

@@ -64,3 +64,29 @@ def test_vllm_weight_pieces_split_by_hf_shapes():
         checked_pairs([(["zz"], flat)], shapes)
     with pytest.raises(ValueError, match="unknown"):
         checked_pairs([("c", torch.ones(1)), ("zz", torch.ones(1))], shapes)
+
+
+
+def test_default_cache_is_sized_from_the_model_and_the_machine(monkeypatch):
+    """No budget given: enough blocks for max_num_seqs full-length sequences, capped at a share
+    of the available memory; the tiny model no longer gets a 4 GiB cache."""
+    import time
+
+    from polynya.engines.sample.native import model_runner as mr
+
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head dim * fp32
+    t0 = time.perf_counter()
+    engine = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu",
+                                          max_num_seqs=8, max_model_len=1000))
+    runner = engine.backend.runner
+    assert runner.num_blocks == 8 * 63 and runner.max_model_len == 1000  # ceil(1000 / 16) = 63
+    assert time.perf_counter() - t0 < 30
+    monkeypatch.setattr(mr, "available_memory", lambda device: 100 * per_block)
+    small = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu"))
+    assert small.backend.runner.num_blocks == int(100 * per_block * mr.KV_AUTO_FRACTION["cpu"]) // per_block
+    assert small.backend.runner.max_model_len == small.backend.runner.num_blocks * 16
+    out = small.generate([[5, 6, 7]], __import__("polynya").SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0][0].token_ids) == 4
+    monkeypatch.setattr(mr, "available_memory", lambda device: per_block)
+    with pytest.raises(ValueError, match="holds no KV block"):
+        SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu"))

@@ -9,6 +9,7 @@ the block tables; every layer reuses it.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -25,6 +26,23 @@ from . import attention
 from .cuda_graph import DecodeGraphs, GraphCaptureError
 from .kv_memory import KVMemory
 from .sequence import Sequence
+
+
+KV_AUTO_FRACTION = {"cpu": 0.1, "cuda": 0.4}  # share of free memory a default-sized cache may take
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on ``device``: ``cudaMemGetInfo`` on CUDA, the OS's available RAM on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class ModelRunner:
@@ -47,10 +65,14 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.max_positions = getattr(hf, "max_position_embeddings", None)
         self.block_size = config.block_size
-        self.num_blocks = config.num_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
-        limits = [self.num_blocks * self.block_size]
-        limits += [x for x in (self.max_positions, config.max_model_len) if x]
-        self.max_model_len = min(limits)
+        longest = min(x for x in (self.max_positions, config.max_model_len, 1 << 62) if x)
+        if config.num_blocks is not None:
+            self.num_blocks = config.num_blocks
+        elif config.kv_cache_memory_gb is not None:
+            self.num_blocks = self._blocks_for_budget(config.kv_cache_memory_gb)
+        else:
+            self.num_blocks = self._blocks_auto(longest)
+        self.max_model_len = min(longest, self.num_blocks * self.block_size)
         # FCA serves full-attention layers only (windowed ones decode paged): no plan without one
         self.use_fca = config.fca and None in self.features.layer_windows
         self.last_step_fca = False  # whether the last decode step took the FCA path
@@ -82,6 +104,20 @@ class ModelRunner:
         if n < 1:
             raise ValueError(f"kv_cache_memory_gb={gib} holds no block of {self._block_bytes()} bytes")
         return n
+
+    def _blocks_auto(self, longest: int) -> int:
+        """Default cache size: what ``max_num_seqs`` sequences of the longest length can use,
+        capped at ``KV_AUTO_FRACTION`` of the device's free memory (host RAM on the CPU)."""
+        if longest >= 1 << 62:
+            raise ValueError(f"{self.config.model}: no context length known; set SamplerConfig."
+                             "max_model_len, num_blocks or kv_cache_memory_gb")
+        want = self.config.max_num_seqs * -(-longest // self.block_size)
+        free = available_memory(self.device)
+        room = int(free * KV_AUTO_FRACTION[self.device.type]) // self._block_bytes()
+        if room < 1:
+            raise ValueError(f"{free / 2**30:.2f} GiB free on {self.device} holds no KV block of "
+                             f"{self._block_bytes()} bytes; set SamplerConfig.num_blocks")
+        return min(want, room)
 
     def allocate_kv(self) -> None:
         """The cache, plus one scratch page (id ``num_blocks``) that CUDA-graph padding rows
