@@ -28,6 +28,10 @@ def create_rl_client(config: RLClientConfig) -> RLClient:
     """Build the engines (or connect to them) as ``config`` says; the result is a context manager."""
     if not isinstance(config, RLClientConfig):
         raise ValueError(f"create_rl_client needs an RLClientConfig, got {type(config).__name__}")
+    if config.cpu_threads is not None and config.comm_protocol != "ray":
+        import torch
+
+        torch.set_num_threads(config.cpu_threads)  # the engines run in this process
     if config.comm_protocol == "local":
         from .local import LocalClient
 

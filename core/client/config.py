@@ -112,6 +112,10 @@ class RLClientConfig:
             ``SamplerConfig`` or dicts) holding only engine settings: the client-owned fields
             are filled in (see module docstring).
         device: ``"cpu"`` forces the CPU; ``None`` uses GPUs when present.
+        cpu_threads: torch intra-op threads of each engine process computing on the CPU (the
+            one setting for it). ``None``: torch's default (every core) for ``"local"`` and an
+            in-process ``"http"`` server, where one process runs every engine; 1 per Ray actor
+            for ``"ray"`` (several actors share the cores).
         bucket_bytes: flat bucket size of a weight sync.
         timeout_s: longest wait for any engine call (a dead actor or server surfaces as an error).
         server_url, api_token: ``http``: where the server is, and its bearer token.
@@ -135,6 +139,7 @@ class RLClientConfig:
     logprob: LogProbConfig | dict | None = None
     sampling: SamplerConfig | dict | None = None
     device: str | None = None
+    cpu_threads: int | None = None
     bucket_bytes: int = 1 << 28
     timeout_s: float = 600.0
     server_url: str | None = None
@@ -191,6 +196,8 @@ class RLClientConfig:
             raise ValueError(
                 f"RLClientConfig.device must be 'cpu', 'cuda' or None, got {self.device!r}"
             )
+        if self.cpu_threads is not None:
+            check_positive(self.cpu_threads, "RLClientConfig.cpu_threads", integer=True)
         check_positive(self.bucket_bytes, "RLClientConfig.bucket_bytes", integer=True)
         check_positive(self.timeout_s, "RLClientConfig.timeout_s")
         check_positive(self.max_body_bytes, "RLClientConfig.max_body_bytes", integer=True)

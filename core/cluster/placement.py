@@ -84,6 +84,7 @@ def start_actors(cfg, layout: Layout, pg) -> tuple[list, list, list]:
     from . import workers
 
     kind = "cpu" if cfg.device == "cpu" or cfg.device_resource != "GPU" else "cuda"
+    threads = cfg.cpu_threads or 1
 
     def opts(bundle: int, **kw) -> dict:
         return actor_options(pg, bundle, layout.share, cfg.device_resource, **kw)
@@ -96,16 +97,16 @@ def start_actors(cfg, layout: Layout, pg) -> tuple[list, list, list]:
     ref_cfg = cfg.logprob if cfg.reference_model and not cfg.log_prob_gpus else None
     trainer = ray.remote(workers.TrainerWorker)
     trainers = [trainer.options(**opts(b)).remote(cfg.train, ref_cfg, r, cfg.training_gpus,
-                                                  addr, port, kind)
+                                                  addr, port, kind, threads)
                 for r, b in enumerate(layout.trainer)]
     sampler = ray.remote(workers.SamplerWorker)
-    samplers = [sampler.options(**opts(b, max_concurrency=4)).remote(cfg.sampling, kind)
+    samplers = [sampler.options(**opts(b, max_concurrency=4)).remote(cfg.sampling, kind, threads)
                 for b in layout.sampler]
     logprobs = []
     if cfg.log_prob_gpus:
         addr, port = rendezvous(layout.logprob[0])
         logprob = ray.remote(workers.LogProbWorker)
         logprobs = [logprob.options(**opts(b)).remote(cfg.logprob, cfg.reference_model, r,
-                                                      cfg.log_prob_gpus, addr, port, kind)
+                                                      cfg.log_prob_gpus, addr, port, kind, threads)
                     for r, b in enumerate(layout.logprob)]
     return trainers, samplers, logprobs

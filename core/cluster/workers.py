@@ -32,11 +32,12 @@ from ..sync import (
 from ..types import TokenStats
 
 
-def actor_device(kind: str) -> str:
-    """``"cuda"`` when this actor was given a GPU and ``kind`` allows it, else ``"cpu"``."""
+def actor_device(kind: str, threads: int = 1) -> str:
+    """``"cuda"`` when this actor was given a GPU and ``kind`` allows it, else ``"cpu"`` (then
+    torch computes on ``threads`` threads: ``RLClientConfig.cpu_threads``, default 1)."""
     if kind == "cuda" and torch.cuda.is_available():
         return "cuda:0"  # Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU
-    torch.set_num_threads(int(os.environ.get("POLYNYA_ACTOR_THREADS", "1")))
+    torch.set_num_threads(threads)
     return "cpu"
 
 
@@ -99,12 +100,13 @@ class TrainerWorker:
     """One DeepSpeed training rank (plus an optional frozen reference ``LogProbEngine``)."""
 
     def __init__(
-        self, train_cfg, reference_cfg, rank: int, world: int, addr: str, port: int, kind: str
+        self, train_cfg, reference_cfg, rank: int, world: int, addr: str, port: int, kind: str,
+        threads: int = 1,
     ):
         from ..engines import LogProbEngine, TrainingEngine
 
         _set_rank_env(rank, world, addr, port)
-        self.device = actor_device(kind)
+        self.device = actor_device(kind, threads)
         self.engine = TrainingEngine(dataclasses.replace(train_cfg, device=self.device))
         self.reference = (
             LogProbEngine(dataclasses.replace(reference_cfg, device=self.device))
@@ -206,10 +208,10 @@ class _ReceivingWorker:
 class SamplerWorker(_ReceivingWorker):
     """One sampler replica."""
 
-    def __init__(self, sampler_cfg, kind: str):
+    def __init__(self, sampler_cfg, kind: str, threads: int = 1):
         from ..engines import SamplingEngine
 
-        self.device = actor_device(kind)
+        self.device = actor_device(kind, threads)
         self.engine = SamplingEngine(dataclasses.replace(sampler_cfg, device=self.device))
         self.receiver = WeightReceiver(self.engine, self.device)
 
@@ -233,12 +235,13 @@ class LogProbWorker(_ReceivingWorker):
     """One log-prob rank: the synced old-policy engine, plus an optional frozen reference."""
 
     def __init__(
-        self, logprob_cfg, reference: bool, rank: int, world: int, addr: str, port: int, kind: str
+        self, logprob_cfg, reference: bool, rank: int, world: int, addr: str, port: int, kind: str,
+        threads: int = 1,
     ):
         from ..engines import LogProbEngine
 
         _set_rank_env(rank, world, addr, port)
-        self.device = actor_device(kind)
+        self.device = actor_device(kind, threads)
         cfg = dataclasses.replace(logprob_cfg, device=self.device)
         self.engine = LogProbEngine(cfg)
         self.reference = LogProbEngine(cfg) if reference else None

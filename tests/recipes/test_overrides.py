@@ -50,6 +50,7 @@ VALUES = {
     "fca": (False, [], {"sampling.fca": False}),
     "reference_model": (True, [], {}),
     "device": ("cpu", [], {"train.device": "cpu", "logprob.device": "cpu", "sampling.device": "cpu"}),
+    "cpu_threads": (3, [], {}),
     "bucket_bytes": (4096, [], {}),
     "verify_sync": (False, [], {}),
     "timeout_s": (5.5, [], {}),
@@ -184,3 +185,19 @@ def test_overrides_reach_the_built_engines():
         assert next(client.trainer.module.parameters()).dtype == polynya.config.DTYPES["float32"]
     finally:
         client.shutdown()
+
+
+def test_cpu_threads_is_the_one_thread_setting(monkeypatch):
+    import torch
+    from polynya.cluster.workers import actor_device
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    assert actor_device("cpu", 3) == "cpu" and calls == [3]  # a Ray actor on the CPU
+    cfg = polynya.RLClientConfig("tiny:qwen3", comm_protocol="http", server_url="http://127.0.0.1:9",
+                                 cpu_threads=2)
+    client = polynya.create_rl_client(cfg)  # a remote server: nothing built here
+    client.shutdown()
+    assert calls == [3, 2]
+    with pytest.raises(ValueError, match="cpu_threads"):
+        polynya.RLClientConfig("tiny:qwen3", cpu_threads=0)
