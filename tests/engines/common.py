@@ -90,14 +90,14 @@ def dp_scenario(stage: int, ckpt_dir: str) -> dict:
     from polynya.engines.train import TrainingEngine
     from polynya.models import load_model
 
-    cfg = train_config(stage, loss="dapo", lr=1e-2, micro_batch_tokens=40)
+    cfg = train_config(stage, loss="dapo", lr=3e-3, micro_batch_tokens=40)  # 1e-2 oscillates on this batch
     engine = TrainingEngine(cfg)
     plain = make_batch(30, groups=5)
     lp = engine.compute_logprobs(plain).logprobs.cpu()
     noise = 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
     batch = RolloutBatch(plain.prompts, plain.responses, advantages=plain.advantages,
                          old_logprobs=(lp + noise) * plain.response_mask())
-    off = TrainingEngine(train_config(stage, loss="dapo", lr=1e-2, micro_batch_tokens=40, zorro=False))
+    off = TrainingEngine(train_config(stage, loss="dapo", lr=3e-3, micro_batch_tokens=40, zorro=False))
     zorro_off = (off.forward_backward(batch)["loss"], off.step()["grad_norm"])
     steps = []
     for i in range(3):
