@@ -68,7 +68,7 @@ def direct_generate(driver: GRPODriver, client, first_step: int, calls: int) -> 
     for i in range(calls):
         step = first_step + i
         prompts = [driver.prompt_ids[j] for j in driver._pick(step)]
-        params = SamplingParams(n=rc.group_size, temperature=rc.temperature, top_p=rc.top_p,
+        params = SamplingParams(n=rc.group_size, temperature=driver.client_config.train.temperature, top_p=rc.top_p,
                                 top_k=rc.top_k, max_tokens=rc.max_new_tokens, seed=rc.seed + step)
         before = sampler.stats()
         _sync()

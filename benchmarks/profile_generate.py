@@ -97,7 +97,7 @@ def main() -> None:
 
     prompts = [driver.prompt_ids[i] for i in driver._pick(args.steps - 1)]
     rc = driver.run_cfg
-    params = SamplingParams(n=rc.group_size, temperature=rc.temperature, max_tokens=rc.max_new_tokens,
+    params = SamplingParams(n=rc.group_size, temperature=driver.client_config.train.temperature, max_tokens=rc.max_new_tokens,
                             seed=123)
     client.generate(prompts, params)  # hand-over done; the sampler stays awake below
     direct = []

@@ -25,6 +25,17 @@ def run(cfg: DictConfig) -> None:
     module.run(cfg)
 
 
+BUILTIN_ONLY = ("eval_every", "overwrite")  # run settings only the built-in driver implements
+
+
+def reject_builtin_only(cfg: DictConfig, framework: str) -> None:
+    """``ValueError`` when a ``run`` setting that ``framework`` does not translate is set."""
+    for key in BUILTIN_ONLY:
+        if cfg.run[key]:
+            raise ValueError(f"framework={framework} does not translate run.{key}; it is a setting of "
+                             "framework=builtin")
+
+
 def _folder():
     from pathlib import Path
 

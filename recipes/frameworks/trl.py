@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from ...losses import resolve_loss
 from ...models import is_synthetic, load_model, load_tokenizer
 from ..driver import GRPODriver
+from . import reject_builtin_only
 from ..metrics import MetricsLogger
 
 # polynya loss -> (TRL loss_type, importance_sampling_level)
@@ -42,6 +43,7 @@ def run(cfg: DictConfig) -> None:
     except ImportError as exc:
         raise ImportError(f"framework=trl needs TRL: pip install 'polynya[trl]' ({exc})") from exc
 
+    reject_builtin_only(cfg, "trl")
     data = GRPODriver(cfg)  # the built-in driver's task, filtered prompts, reward options, config
     client, task, examples, tokenizer = data.client_config, data.task, data.examples, data.tokenizer
     rc, out_dir, reward_kwargs = cfg.run, cfg.run.out_dir, data.reward_kwargs
@@ -97,7 +99,7 @@ def grpo_config(cfg: DictConfig, client, cuda: bool):
     return GRPOConfig(
         output_dir=rc.out_dir, max_steps=rc.steps, seed=rc.seed, data_seed=rc.seed,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=rc.group_size,
-        max_completion_length=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+        max_completion_length=rc.max_new_tokens, temperature=train.temperature, top_p=rc.top_p,
         top_k=0 if rc.top_k == -1 else rc.top_k,
         scale_rewards="group" if rc.scale_advantages else "none",
         loss_type=loss_type, importance_sampling_level=level, epsilon=spec.clip_low,

@@ -23,6 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ...adapters.verl.overrides import SWAP, engine_overrides
+from . import reject_builtin_only
 from ..schema import to_client_config
 from ..tasks import get_task
 
@@ -41,6 +42,7 @@ def run(cfg: DictConfig) -> None:
 
 def write_run(cfg: DictConfig, out: Path) -> list[str]:
     """Write the data, the overrides and ``run.sh``; return the overrides."""
+    reject_builtin_only(cfg, "verl")
     client = to_client_config(cfg.client)
     _check(cfg, client)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,7 @@ def translate(cfg: DictConfig, client, data: str) -> list[str]:
         f"data.max_response_length={rc.max_new_tokens}", f"data.seed={rc.seed}",
         f"actor_rollout_ref.model.path={client.model_name}",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={str(train.gradient_checkpointing).lower()}",
-        f"actor_rollout_ref.rollout.n={rc.group_size}", f"actor_rollout_ref.rollout.temperature={rc.temperature}",
+        f"actor_rollout_ref.rollout.n={rc.group_size}", f"actor_rollout_ref.rollout.temperature={train.temperature}",
         f"actor_rollout_ref.rollout.top_p={rc.top_p}", f"actor_rollout_ref.rollout.top_k={rc.top_k}",
         f"actor_rollout_ref.rollout.dtype={client.dtype}",
         f"{actor}.optim.lr={train.lr}", f"{actor}.optim.weight_decay={train.optim.weight_decay}",

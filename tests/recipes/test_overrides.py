@@ -52,7 +52,6 @@ VALUES = {
     "device": ("cpu", [], {"train.device": "cpu", "logprob.device": "cpu", "sampling.device": "cpu"}),
     "cpu_threads": (3, [], {}),
     "bucket_bytes": (4096, [], {}),
-    "verify_sync": (False, [], {}),
     "timeout_s": (5.5, [], {}),
     "server_url": ("http://127.0.0.1:9", [], {}),
     "api_token": ("secret", [], {}),
@@ -97,6 +96,7 @@ VALUES = {
     "sampling.max_num_seqs": (17, [], {}),
     "sampling.max_num_batched_tokens": (4096, [], {}),
     "sampling.max_model_len": (256, [], {}),
+    "sampling.fca_min_shared_tokens": (0, [], {}),
     "sampling.cuda_graphs": (False, [], {}),
 }
 
