@@ -256,7 +256,7 @@ class TrainingEngine:
         if not isinstance(batch, RolloutBatch):
             raise ValueError(f"expected a polynya.RolloutBatch, got {type(batch).__name__}")
         plan = plan_micro_batches(batch, rank=0, world=1, max_tokens=self.config.micro_batch_tokens,
-                                  zorro=self.config.zorro, device=self.device)
+                                  zorro=self.config.zorro)
         self.module.train(backward)
         out = []
         for rows, real in plan:
