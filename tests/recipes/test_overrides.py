@@ -201,3 +201,13 @@ def test_cpu_threads_is_the_one_thread_setting(monkeypatch):
     assert calls == [3, 2]
     with pytest.raises(ValueError, match="cpu_threads"):
         polynya.RLClientConfig("tiny:qwen3", cpu_threads=0)
+
+
+@pytest.mark.parametrize("key", ["eval_every=2", "overwrite=true"])
+def test_builtin_only_run_settings_are_rejected_by_other_frameworks(key, tmp_path):
+    from polynya.recipes.frameworks import verl
+
+    cfg = _compose(["framework=verl", "model=qwen3-0.6b", f"run.{key}", f"run.out_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=f"framework=verl does not translate run.{key.split('=')[0]}"):
+        verl.write_run(cfg, tmp_path / "verl")
+    assert not (tmp_path / "verl").exists()
