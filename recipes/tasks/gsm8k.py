@@ -12,7 +12,8 @@ conventions:
 - ``"verl"`` (the default: what a verl user's GSM8K runs report) reproduces verl's
   ``verl.utils.reward_score.gsm8k.compute_score`` (verl 0.9.1): only the last 300 characters are
   searched; ``method="strict"`` takes the last ``"#### "`` + ``-?[0-9.,]+`` (one space, no ``$``),
-  ``method="flexible"`` the last ``-?[0-9.,]+`` that is not ``"."``; commas (and ``$``, strict
+  ``method="flexible"`` the last ``-?[0-9.,]+`` that is not ``"."`` (or, as verl's loop does, the
+  first match when all are ``"."``); commas (and ``$``, strict
   only) are removed and the result is compared *as a string* with the ground truth. So
   ``3.50``, ``072``, ``.5`` and ``72.`` are wrong for ``3.5`` / ``72`` / ``0.5`` / ``72``;
   ``####18``, ``#### $18`` and an answer followed by more than 300 characters find nothing.
@@ -86,8 +87,11 @@ def extract_answer(text: str, method: str = "strict", convention: str = "verl") 
         if method == "strict":
             found = _VERL_STRICT.findall(text)
             return found[-1].replace(",", "").replace("$", "") if found else None
-        found = [m for m in _VERL_FLEXIBLE.findall(text) if m not in ("", ".")]
-        return found[-1] if found else None
+        found = _VERL_FLEXIBLE.findall(text)
+        valid = [m for m in found if m not in ("", ".")]
+        # verl's loop leaves its first match (".") when every match is invalid: an "answer"
+        # that earns format_score, kept for parity
+        return valid[-1] if valid else (found[0] if found else None)
     if convention != "value":
         raise ValueError(f"unknown gsm8k reward convention {convention!r}; use one of {CONVENTIONS}")
     for match in reversed((_STRICT if method == "strict" else _FLEXIBLE).findall(text)):

@@ -76,6 +76,14 @@ def test_flexible_scores(completion, verl, value):
     assert gsm8k.reward(completion, EX, method="flexible", convention="value") == value
 
 
+def test_verl_flexible_quirk_only_periods_earn_format_score():
+    # verl's flexible loop keeps "." when no real number is left: wrong answer, not "none found"
+    assert gsm8k.reward("no number at all. really.", EX, method="flexible", format_score=0.1) == 0.1
+    assert gsm8k.reward("no number at all", EX, method="flexible", format_score=0.1) == 0.0
+    assert gsm8k.reward("no number at all. really.", EX, method="flexible", format_score=0.1,
+                        convention="value") == 0.0
+
+
 def test_commas_and_dollars_stripped_on_both_sides():
     ex = Example("q", gsm8k.ground_truth("#### 1,234"))
     assert ex.answer == "1234"
