@@ -13,8 +13,8 @@ conventions:
   ``verl.utils.reward_score.gsm8k.compute_score`` (verl 0.9.1): only the last 300 characters are
   searched; ``method="strict"`` takes the last ``"#### "`` + ``-?[0-9.,]+`` (one space, no ``$``),
   ``method="flexible"`` the last ``-?[0-9.,]+`` that is not ``"."`` (or, as verl's loop does, the
-  first match when all are ``"."``); commas (and ``$``, strict
-  only) are removed and the result is compared *as a string* with the ground truth. So
+  first match when all are ``"."``); strict removes commas and ``$`` from its match, flexible
+  keeps it as is; the result is compared *as a string* with the ground truth. So
   ``3.50``, ``072``, ``.5`` and ``72.`` are wrong for ``3.5`` / ``72`` / ``0.5`` / ``72``;
   ``####18``, ``#### $18`` and an answer followed by more than 300 characters find nothing.
 - ``"value"``: the whole completion is searched; ``#### `` with any spacing, an optional ``$``
