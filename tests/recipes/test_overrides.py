@@ -74,6 +74,7 @@ VALUES = {
     "train.loss_config.clip_low": (0.1, [], {}),
     "train.loss_config.clip_high": (0.3, [], {}),
     "train.loss_config.norm": ("token", [], {}),
+    "train.loss_config.kl_norm": ("sequence", [], {}),
     "train.loss_config.max_response_len": (64, [], {}),
     "train.loss_config.kl_coef": (0.1, [], {}),
     "train.loss_config.kl_estimator": ("k1", [], {}),
