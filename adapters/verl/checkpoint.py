@@ -20,7 +20,8 @@ import socket
 from collections.abc import AsyncIterator, Iterable
 
 import torch
-from polynya.distributed import combine_signatures, free_port, tensor_signature
+from polynya.checksum import combine_signatures, tensor_signature
+from polynya.distributed import free_port
 from polynya.sync import BucketSpec, StagedUpdate, SyncError, SyncGroup, SyncManifest
 from verl.checkpoint_engine.base import CheckpointEngine
 

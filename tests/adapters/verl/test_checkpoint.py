@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from polynya.adapters.verl.checkpoint import PolynyaCheckpointEngine
-from polynya.distributed import checksum_named_tensors
+from polynya.checksum import checksum_named_tensors
 from polynya.models import load_model
 from polynya.sync import SyncError
 
