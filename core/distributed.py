@@ -4,18 +4,30 @@
 
 - under ``torchrun`` / Ray / a DeepSpeed launcher the usual ``RANK``, ``WORLD_SIZE``,
   ``MASTER_ADDR`` and ``MASTER_PORT`` are set and are used as they are;
-- in a plain Python process nothing is set: a single-rank group is made on a free local port
-  (only ``LOCAL_RANK=0`` is written to the environment, for DeepSpeed).
+- in a plain Python process nothing is set: a single-rank group is made over an in-process
+  ``HashStore`` (no TCPStore; gloo's listener on ``127.0.0.1``), so it opens no socket on any
+  other interface; only ``LOCAL_RANK=0`` is written to the environment, for DeepSpeed.
 
 The backend is NCCL on CUDA and gloo on CPU. (The weight checksum lives in ``polynya.checksum``.)
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
 import torch
 import torch.distributed as dist
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def free_port() -> int:
@@ -30,7 +42,7 @@ def ensure_process_group(device: torch.device) -> tuple[int, int]:
     """Initialise ``torch.distributed`` if needed; return ``(rank, world_size)``.
 
     With a launcher's ``WORLD_SIZE`` > 1 the ``env://`` variables are used. Without one, a
-    single-rank group is made on a free local port; the environment is left alone except for
+    single-rank group is made over an in-process store (nothing listens off loopback); the environment is left alone except for
     ``LOCAL_RANK=0``, which DeepSpeed reads (so child processes started later by other code do
     not inherit a fake ``RANK`` / ``WORLD_SIZE`` / ``MASTER_PORT``).
     """
@@ -47,8 +59,12 @@ def ensure_process_group(device: torch.device) -> tuple[int, int]:
             dist.init_process_group(backend, init_method="env://", **kwargs)
         else:
             os.environ.setdefault("LOCAL_RANK", "0")
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                    world_size=1, **kwargs)
+            if backend == "gloo":  # gloo's pair listener on loopback, not the hostname's address
+                opts = dist.ProcessGroupGloo._Options()
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+                kwargs["pg_options"] = opts
+            # an in-process store: one rank needs no rendezvous, so no TCPStore listens at all
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -26,16 +26,28 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _check(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> None:
+def check_inputs(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> None:
+    """``ValueError`` unless ``batch`` and ``temperature`` suit ``model``: ids inside the vocabulary,
+    every sample within the model's positions, temperature finite and > 0. Engines call it before
+    touching any state (a refused micro-batch must not follow an accepted one)."""
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"compute_logprobs expects a polynya.RolloutBatch, got {type(batch).__name__}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature) or temperature <= 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r} (log-probs "
+                         "at temperature 0 are undefined; 1.0 gives the policy's own)")
     vocab = model.get_input_embeddings().num_embeddings
     for name, seqs in (("prompt_ids", batch.prompts), ("response_ids", batch.responses)):
         for i, s in enumerate(seqs):
             if s.size and int(s.max()) >= vocab:
                 raise ValueError(f"{name}[{i}] has token id {int(s.max())} >= vocab size {vocab}")
+    window = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(window, int):
+        for i, (p, r) in enumerate(zip(batch.prompts, batch.responses)):
+            if p.size + r.size > window:
+                raise ValueError(f"sample {i} has {p.size} prompt + {r.size} response tokens, more "
+                                 f"than the model's {window} positions (max_position_embeddings): "
+                                 "truncate it")
 
 
 def check_model(model: torch.nn.Module, *, zorro: bool, train: bool = False) -> AttentionFeatures:
@@ -96,7 +108,7 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         ``TokenStats`` with ``logprobs`` / ``entropy`` ``[B, Rmax]`` float32 and ``mask``
         ``[B, Rmax]``; differentiable w.r.t. the model's parameters.
     """
-    _check(model, batch, temperature)
+    check_inputs(model, batch, temperature)
     device = _device(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     base = model.base_model

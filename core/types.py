@@ -179,24 +179,49 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+        n, top_k, max_tokens = (_int(getattr(self, k), f"SamplingParams.{k}")
+                                for k in ("n", "top_k", "max_tokens"))
+        if n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {n!r}")
+        if _real(self.temperature, "SamplingParams.temperature") < 0:
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < _real(self.top_p, "SamplingParams.top_p") <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if not 0.0 <= self.min_p < 1.0:
+        if top_k < 1 and top_k != -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {top_k!r}")
+        if not 0.0 <= _real(self.min_p, "SamplingParams.min_p") < 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1), got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {max_tokens!r}")
         if self.stop_token_ids is not None:
-            self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+            ids = self.stop_token_ids
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray, torch.Tensor)):
+                raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got {ids!r}")
+            self.stop_token_ids = tuple(_int(t, "SamplingParams.stop_token_ids[]") for t in ids)
             if any(t < 0 for t in self.stop_token_ids):
                 raise ValueError("SamplingParams.stop_token_ids must be >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None:
+            _int(self.seed, "SamplingParams.seed")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"SamplingParams.logprobs must be a bool, got {self.logprobs!r}")
+
+
+def _int(v, what: str) -> int:
+    """``v`` as a Python int (numpy / 0-d tensor ints accepted), else ``ValueError``."""
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() and v.dtype != torch.bool:
+        v = int(v)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{what} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _real(v, what: str) -> float:
+    """``v`` as a finite float, else ``ValueError`` (strings, bools, NaN and inf refused)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{what} must be a number, got {v!r}")
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be finite, got {v!r}")
+    return float(v)
 
 
 @dataclass

@@ -18,6 +18,7 @@ and TensorBoard logs first).
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -67,6 +68,10 @@ class GRPODriver:
         self.out_dir = cfg.run.out_dir
         self.reward_kwargs = dict(cfg.task.reward)
         self.evaluator = self._evaluator() if cfg.run.eval_every else None
+        self._warned = False
+        if self.client_config.comm_protocol == "http" and self.client_config.server_url is None \
+                and self.client_config.run_dir is None:  # the embedded server saves under out_dir
+            self.client_config = self.client_config.replace(run_dir=os.path.abspath(self.out_dir))
         self.kl = self.client_config.train.loss_config.kl_coef > 0
         if self.kl and not self.client_config.reference_model:
             self.client_config = self.client_config.replace(reference_model=True)
@@ -119,11 +124,12 @@ class GRPODriver:
         groups = client.generate(prompts, params)
         times["generate_s"] = time.perf_counter() - t
 
-        responses, rewards, truncated = [], [], 0
+        responses, rewards, truncated, reward_errors = [], [], 0, 0
         for i, samples in zip(idx, groups):
             for s in samples:
-                text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                rewards.append(float(self.task.reward(text, self.examples[i], **self.reward_kwargs)))
+                reward = self._reward(s.token_ids, self.examples[i])
+                reward_errors += reward is None
+                rewards.append(0.0 if reward is None else reward)
                 responses.append(s.token_ids)
                 truncated += s.finish_reason == "length"
         rewards_t = torch.tensor(rewards)
@@ -149,9 +155,23 @@ class GRPODriver:
         return dict(reward_mean=rewards_t.mean().item(), reward_std=rewards_t.std(unbiased=False).item(),
                     reward_max=rewards_t.max().item(),
                     response_len=sum(map(len, responses)) / len(responses),
-                    truncated_frac=truncated / len(responses),
+                    truncated_frac=truncated / len(responses), reward_errors=reward_errors,
                     **{k: v for k, v in train.items() if isinstance(v, (int, float))},
                     **times, step_s=sum(times.values()))
+
+    def _reward(self, token_ids: list[int], example: Example) -> float | None:
+        """The task's reward of one completion; None (scored 0, counted in ``reward_errors``)
+        when it cannot be judged: one odd completion must never end a run."""
+        try:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            r = float(self.task.reward(text, example, **self.reward_kwargs))
+        except Exception as exc:  # noqa: BLE001 - any failure to judge scores 0
+            if not self._warned:
+                print(f"warning: reward failed ({type(exc).__name__}: {exc}); scored 0 and counted "
+                      "in reward_errors", flush=True)
+                self._warned = True
+            return None
+        return r if math.isfinite(r) else None
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:

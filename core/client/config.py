@@ -120,6 +120,9 @@ class RLClientConfig:
         timeout_s: longest wait for any engine call (a dead actor or server surfaces as an error).
         server_url, api_token: ``http``: where the server is, and its bearer token.
         max_body_bytes: ``http``: request size limit of a server started by the client.
+        run_dir: ``http``: the only directory a server started by the client lets ``save`` /
+            ``load`` use (default: the current directory). Such a server always has a token:
+            ``api_token``, or a random one the client keeps.
         ray_address: ``ray.init`` address (``None``: connect or start locally).
         device_resource: Ray resource one device stands for (``"GPU"``; a custom one on CPU).
     """
@@ -145,6 +148,7 @@ class RLClientConfig:
     server_url: str | None = None
     api_token: str | None = None
     max_body_bytes: int = 1 << 30
+    run_dir: str | None = None
     ray_address: str | None = None
     device_resource: str = "GPU"
     zorro_inference: InitVar[bool | None] = None
@@ -207,6 +211,8 @@ class RLClientConfig:
             raise ValueError(
                 f"RLClientConfig.server_url must start with http:// or https://, got {self.server_url!r}"
             )
+        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
+            raise ValueError(f"RLClientConfig.run_dir must be a directory path, got {self.run_dir!r}")
         if not isinstance(self.device_resource, str) or not self.device_resource:
             raise ValueError("RLClientConfig.device_resource must be a resource name")
         for name in SECTIONS:  # train first: the others take its seed

@@ -1,18 +1,12 @@
 """vLLM-compatible routes on the polynya server, so TRL's server mode and SkyRL's remote engine
-client can drive the native sampler unchanged (payloads as those clients send them):
+client can drive the native sampler unchanged (payloads as those clients send them); the
+weight-transfer routes are in ``weight_transfer.py``:
 
 - ``/v1/models``, ``/server_info``, ``POST /v1/completions``, ``POST /v1/chat/completions``:
   ``openai_compat.py`` (vLLM's OpenAI-compatible answers, as TRL's ``VLLMClient`` reads them);
 - ``POST /inference/v1/generate`` — ``{"token_ids": [...], "sampling_params": {...}}``;
-- weight transfer (vLLM's RLHF router): ``/init_weight_transfer_engine``
-  ``{"init_info": {"master_address", "master_port", "rank_offset", "world_size"}}`` joins a
-  broadcast group in which the trainer is rank 0; ``/start_weight_update``; ``/update_weights``
-  ``{"update_info": {"names", "dtype_names", "shapes", "packed"}}`` receives one broadcast (packed:
-  one flat buffer) or one per tensor, into staging; ``/finish_weight_update`` (optional
-  ``"checksum"`` / ``"version"``, or SkyRL's ``"weight_version"``, an int or a string of one)
-  verifies and applies the staged weights in one go;
-- ``/sleep`` (``?level=``), ``/wake_up``, ``/reset_prefix_cache``, ``/pause`` (``?mode=keep|wait``,
-  ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
+- ``/sleep`` (``?level=`` 1 or 2), ``/wake_up``, ``/reset_prefix_cache``, ``/pause``
+  (``?mode=keep|wait``, ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
   ``GET /get_world_size`` (1: a server joins a weight-transfer group as one rank).
 """
 
@@ -20,11 +14,6 @@ import asyncio
 import time
 import uuid
 
-import torch
-
-from ..checksum import combine_signatures, tensor_signature
-from ..sync import SyncError, SyncGroup
-from ..sync.manifest import dtype_from_name
 from ..types import SamplingParams
 from .gate import GenerationGate
 from .openai_compat import add_openai_routes
@@ -61,97 +50,12 @@ def _prompt_lists(prompt) -> list[list[int]]:
     raise ValueError("prompt must be token ids: a list of ints or a list of lists of ints")
 
 
-class WeightTransfer:
-    """Receiver state of the vLLM-style weight-transfer routes."""
-
-    def __init__(self, samplers):
-        self.samplers = samplers
-        self.groups: list[SyncGroup] = []
-        self.staged: dict[str, torch.Tensor] | None = None
-
-    def init(self, info: dict) -> None:
-        try:
-            host, port = str(info["master_address"]), int(info["master_port"])
-            offset, world = int(info.get("rank_offset", 1)), int(info["world_size"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"init_info needs master_address, master_port, world_size: {exc}"
-            ) from None
-        device = self.samplers[0].device
-        self.groups = [
-            SyncGroup(host, port, rank=offset + i, world_size=world, device=device)
-            for i in range(len(self.samplers))[:1]
-        ]
-
-    def update(self, info: dict) -> None:
-        if self.staged is None:
-            raise RuntimeError("call /start_weight_update before /update_weights")
-        if not self.groups:
-            raise RuntimeError("call /init_weight_transfer_engine first")
-        try:
-            names, shapes = list(info["names"]), [tuple(int(x) for x in s) for s in info["shapes"]]
-            dtypes = [dtype_from_name(str(d)) for d in info["dtype_names"]]
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"update_info needs names, dtype_names, shapes: {exc}") from None
-        if not (len(names) == len(shapes) == len(dtypes)):
-            raise ValueError("update_info: names, dtype_names and shapes differ in length")
-        group = self.groups[0]
-        if info.get("packed"):
-            if len(set(dtypes)) != 1:
-                raise ValueError("packed update_info needs one dtype")
-            sizes = [int(torch.Size(s).numel()) for s in shapes]
-            buf = torch.empty(sum(sizes), dtype=dtypes[0], device=group.device)
-            group.broadcast(buf, 0).wait()
-            for n, s, piece in zip(names, shapes, buf.split(sizes)):
-                self.staged[n] = piece.view(s)
-        else:
-            for n, s, d in zip(names, shapes, dtypes):
-                buf = torch.empty(s, dtype=d, device=group.device)
-                group.broadcast(buf, 0).wait()
-                self.staged[n] = buf
-
-    def finish(self, body: dict) -> int:
-        if self.staged is None:
-            raise RuntimeError("no weight update in progress")
-        version = _explicit_version(body)  # checked before the staged weights are consumed
-        staged, self.staged = self.staged, None
-        want = body.get("checksum")
-        if want is not None:
-            got = combine_signatures(tensor_signature(n, t) for n, t in staged.items())
-            if got != want:
-                raise SyncError(f"checksum mismatch: staged weights hash to {got}, expected {want}")
-        out = 0
-        for s in self.samplers:
-            v = s.stats()["weight_version"] + 1 if version is None else int(version)
-            if v <= s.stats()["weight_version"]:
-                raise SyncError(f"stale version {v}")
-            out = s.load_weights(staged, version=v)
-        return out
-
-
-def _explicit_version(body: dict) -> int | None:
-    """``version`` (polynya) or ``weight_version`` (SkyRL's ``finish_weight_update`` sends a
-    string) as an int; None when neither is given."""
-    raw = body.get("version", body.get("weight_version"))
-    if raw is None:
-        return None
-    try:
-        if isinstance(raw, bool) or isinstance(raw, float):
-            raise ValueError
-        return int(raw)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"weight version must be an integer (or a string of one), got {raw!r}"
-        ) from None
-
-
 def add_ecosystem_routes(app, client, tokenizer) -> None:
     from fastapi import Request
 
     from .codec import read_json
 
     samplers = list(getattr(client, "samplers", []))
-    transfer = WeightTransfer(samplers)
     gate = GenerationGate()  # pause / resume of every generation route
 
     async def gen(prompts, params):
@@ -193,34 +97,6 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
                 "completion_tokens": sum(len(c["token_ids"]) for c in choices),
             },
         }
-
-    @app.post("/init_weight_transfer_engine")
-    async def init_transfer(request: Request) -> dict:
-        info = (await read_json(request)).get("init_info")
-        if not isinstance(info, dict):
-            raise ValueError("missing 'init_info' object in the request body")
-        await asyncio.to_thread(transfer.init, info)
-        return {"message": "Weight transfer initialized"}
-
-    @app.post("/start_weight_update")
-    async def start_update(request: Request) -> dict:
-        await read_json(request)
-        transfer.staged = {}
-        return {"message": "Weight update started"}
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> dict:
-        info = (await read_json(request)).get("update_info")
-        if not isinstance(info, dict):
-            raise ValueError("missing 'update_info' object in the request body")
-        await asyncio.to_thread(transfer.update, info)
-        return {"message": "Weights updated"}
-
-    @app.post("/finish_weight_update")
-    async def finish_update(request: Request) -> dict:
-        body = await read_json(request)
-        version = await asyncio.to_thread(transfer.finish, body)
-        return {"message": "Weight update finished", "version": version}
 
     @app.post("/sleep")
     async def sleep(level: int = 1) -> dict:

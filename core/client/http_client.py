@@ -1,16 +1,17 @@
 """``HTTPClient``: the client API against a polynya server (``comm_protocol="http"``).
 
 With ``server_url`` it talks to that server; without, it starts one in this process (local
-engines behind uvicorn on ``127.0.0.1``, a free port, the config's token and body limit) and stops
-it on ``shutdown``. Sync calls use ``httpx.Client``, async ones ``httpx.AsyncClient``; both share
+engines behind uvicorn on ``127.0.0.1``, a free port, the config's body limit and run directory,
+the config's token or a random one) and stops it on ``shutdown``. Sync calls use ``httpx.Client``, async ones ``httpx.AsyncClient``; both share
 one request description per call, so they behave the same. Errors map back to Python: 4xx →
-``ValueError`` (401 → ``PermissionError``, 409 → ``RuntimeError`` / ``SyncError``), 5xx and
-network failures or timeouts → ``EngineError``.
+``ValueError`` (401 / 403 → ``PermissionError``, 404 → ``FileNotFoundError``, 409 →
+``RuntimeError`` / ``SyncError``), 5xx and network failures or timeouts → ``EngineError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from typing import Any, Sequence
@@ -48,15 +49,18 @@ class _EmbeddedServer:
 
         from ..distributed import free_port
         from ..models import load_tokenizer
+        from .guard import new_token
         from .local import LocalClient
         from .server import create_app
 
         self.client = LocalClient(config.replace(comm_protocol="local"))
+        self.token = config.api_token or new_token()  # other local users cannot drive it
         app = create_app(
             self.client,
-            api_token=config.api_token,
+            api_token=self.token,
             max_body_bytes=config.max_body_bytes,
             tokenizer=load_tokenizer(config.model_name),
+            run_dir=config.run_dir or os.getcwd(),
         )
         self.port = free_port()
         self.server = uvicorn.Server(
@@ -87,7 +91,8 @@ class HTTPClient(ClientLifecycle):
         self.config = config
         self.server = None if config.server_url else _EmbeddedServer(config)
         self.url = (config.server_url or self.server.url).rstrip("/")
-        headers = {"Authorization": f"Bearer {config.api_token}"} if config.api_token else {}
+        token = config.api_token if self.server is None else self.server.token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         timeout = httpx.Timeout(config.timeout_s, connect=min(30.0, config.timeout_s))
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self._ahttp_args = dict(base_url=self.url, headers=headers, timeout=timeout)
@@ -104,6 +109,8 @@ class HTTPClient(ClientLifecycle):
             text = f"{req.path}: HTTP {resp.status_code}: {msg}"
             if resp.status_code in (401, 403):
                 raise PermissionError(text)
+            if resp.status_code == 404:
+                raise FileNotFoundError(text)
             if resp.status_code == 409:
                 raise SyncError(text) if kind == "SyncError" else RuntimeError(text)
             if resp.status_code == 501:
@@ -196,11 +203,16 @@ class HTTPClient(ClientLifecycle):
     def wake(self, engine: str = "sampler") -> None:
         self._send(_Req("POST", "/rl/wake", json={"engine": check_engine(engine)}))
 
+    def _path(self, path: str) -> str:
+        """A remote server resolves paths in its run directory; the embedded one shares this
+        process's working directory, so relative paths mean what they mean to the caller."""
+        return os.path.abspath(path) if self.server is not None and isinstance(path, str) else path
+
     def save(self, path: str) -> None:
-        self._send(_Req("POST", "/rl/save", json={"path": path}))
+        self._send(_Req("POST", "/rl/save", json={"path": self._path(path)}))
 
     def load(self, path: str) -> None:
-        self._send(_Req("POST", "/rl/load", json={"path": path}))
+        self._send(_Req("POST", "/rl/load", json={"path": self._path(path)}))
 
     def weight_checksums(self) -> dict[str, Any]:
         return self._send(_Req("GET", "/rl/weight_checksums"))
@@ -232,10 +244,10 @@ class HTTPClient(ClientLifecycle):
         await self._asend(_Req("POST", "/rl/wake", json={"engine": check_engine(engine)}))
 
     async def save_async(self, path: str) -> None:
-        await self._asend(_Req("POST", "/rl/save", json={"path": path}))
+        await self._asend(_Req("POST", "/rl/save", json={"path": self._path(path)}))
 
     async def load_async(self, path: str) -> None:
-        await self._asend(_Req("POST", "/rl/load", json={"path": path}))
+        await self._asend(_Req("POST", "/rl/load", json={"path": self._path(path)}))
 
     async def weight_checksums_async(self) -> dict[str, Any]:
         return await self._asend(_Req("GET", "/rl/weight_checksums"))

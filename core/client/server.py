@@ -1,25 +1,28 @@
 """HTTP server (FastAPI + uvicorn, ``polynya[http]``): the client API plus the routes that
 vLLM-speaking RL frameworks (TRL server mode, SkyRL's remote engine client) already use.
 
-    python -m polynya.client.server --model tiny:qwen3 --dtype float32 --port 8000 --token SECRET
+    python -m polynya.client.server --model tiny:qwen3 --dtype float32 --port 8000 --run-dir runs/x
 
-Binds ``127.0.0.1`` unless told otherwise; with a token every route but ``/health`` needs
-``Authorization: Bearer <token>``; bodies over ``max_body_bytes`` get 413. Malformed payloads
-get a 4xx with ``{"error": ...}`` and never take the server down.
+Binds ``127.0.0.1`` unless told otherwise; on another address without ``--token`` it generates
+one and prints it. With a token every route but ``/health`` needs ``Authorization: Bearer
+<token>`` (docs included); bodies over ``max_body_bytes`` get 413, a stalled body 408; file
+routes stay inside the run directory (``guard.py``). Malformed payloads get a 4xx with
+``{"error": ...}`` and never take the server down.
 
 Client API (``HTTPClient`` speaks it): ``POST /rl/generate`` (JSON), ``/rl/compute_logprobs`` and
 ``/rl/forward_backward`` (a batch as safetensors bytes, ``polynya.client.codec``), ``/rl/step``,
 ``/rl/sync_weights``, ``/rl/sleep``, ``/rl/wake``, ``/rl/save``, ``/rl/load``,
-``GET /rl/weight_checksums``. Ecosystem routes: ``ecosystem.py``; SkyRL's extra routes:
-``routes_skyrl.py``.
+``GET /rl/weight_checksums``. Ecosystem routes: ``ecosystem.py`` (generation, sleep, pause),
+``weight_transfer.py`` (vLLM's weight-transfer routes), SkyRL's extra routes ``routes_skyrl.py``;
+each module adds its routes with one ``add_*_routes(app, ...)`` call in ``create_app``.
 """
 
 import argparse
-import hmac
 import json
-from typing import Any
+import os
 
-from .api import EngineError
+from ..distributed import is_loopback
+from .api import EngineError, check_engine
 from .codec import (
     decode_batch,
     encode_stats,
@@ -28,6 +31,7 @@ from .codec import (
     read_json,
     sample_to_json,
 )
+from .guard import BodyGuard, RunDir, TokenGuard, new_token
 
 
 def _fastapi():
@@ -39,83 +43,39 @@ def _fastapi():
         ) from exc
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for bodies over ``limit`` bytes (declared or streamed)."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _reply(
-                send,
-                413,
-                f"request body of {int(declared)} bytes exceeds the limit of {self.limit}",
-            )
-        body, more = bytearray(), True
-        while more:  # buffered up to the limit, then replayed to the app
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > self.limit:
-                return await _reply(
-                    send, 413, f"request body exceeds the limit of {self.limit} bytes"
-                )
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-async def _reply(send, status: int, message: str) -> None:
-    body = json.dumps({"error": message}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
 def create_app(
-    client, *, api_token: str | None = None, max_body_bytes: int = 1 << 30, tokenizer=None
+    client,
+    *,
+    api_token: str | None = None,
+    max_body_bytes: int = 1 << 30,
+    tokenizer=None,
+    run_dir: str | os.PathLike = ".",
+    read_timeout_s: float = 30.0,
+    require_weight_checksum: bool = True,
 ):
-    """A FastAPI app serving ``client`` (a ``LocalClient``; the ecosystem routes use its samplers)."""
+    """The server's ASGI app: ``client`` (a ``LocalClient``) behind the guards of ``guard.py``.
+
+    Args:
+        api_token: bearer token every route but ``/health`` needs (None: no token).
+        max_body_bytes: larger bodies get 413.
+        tokenizer: decodes ``/v1/completions`` text (None: empty text).
+        run_dir: the only directory ``/rl/save`` and ``/rl/load`` may touch (created if missing).
+        read_timeout_s: 408 when a client sends no body bytes for this long.
+        require_weight_checksum: ``/finish_weight_update`` needs the trainer's checksum.
+    """
     _fastapi()
-    from fastapi import Depends, FastAPI, HTTPException, Request, Response
+    from fastapi import FastAPI, HTTPException, Request, Response
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
     from ..sync import SyncError
     from .ecosystem import add_ecosystem_routes
     from .routes_skyrl import add_skyrl_routes
+    from .weight_transfer import add_weight_transfer_routes
 
-    def auth(request: Request) -> None:
-        if api_token is None or request.url.path == "/health":
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {api_token}".encode()):  # constant time
-            raise HTTPException(
-                401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-            )
-
-    app = FastAPI(title="polynya", dependencies=[Depends(auth)])
+    app = FastAPI(title="polynya", description=__doc__)
     app.state.client = client
+    run = app.state.run_dir = RunDir(run_dir)
 
     def err(status: int):
         return lambda request, exc: JSONResponse(
@@ -126,11 +86,14 @@ def create_app(
         HTTPException,
         lambda r, e: JSONResponse({"error": e.detail}, e.status_code, headers=e.headers),
     )
-    app.add_exception_handler(ValueError, err(400))
+    for exc_type, status in _STATUS.items():
+        app.add_exception_handler(exc_type, err(status))
+    app.add_exception_handler(
+        RequestValidationError,  # FastAPI's own parameter parsing (e.g. /sleep?level=x)
+        lambda r, e: JSONResponse({"error": f"invalid request parameters: {e.errors()}"}, 422),
+    )
     app.add_exception_handler(SyncError, err(409))
-    app.add_exception_handler(NotImplementedError, err(501))
     app.add_exception_handler(EngineError, err(503))
-    app.add_exception_handler(RuntimeError, err(409))
 
     @app.get("/health")
     async def health() -> dict:
@@ -150,15 +113,14 @@ def create_app(
         return {"samples": [[sample_to_json(s) for s in g] for g in out]}
 
     @app.post("/rl/compute_logprobs")
-    async def compute_logprobs(
-        request: Request,
-        model: str = "policy",
-        entropy: bool = False,
-        temperature: float | None = None,
-    ) -> Response:
-        batch = decode_batch(await request.body())
+    async def compute_logprobs(request: Request) -> Response:
+        q = request.query_params
+        temperature = q.get("temperature")
         stats = await client.compute_logprobs_async(
-            batch, model=model, entropy=entropy, temperature=temperature
+            decode_batch(await request.body()),
+            model=q.get("model", "policy"),
+            entropy=_flag(q.get("entropy", "false"), "entropy"),
+            temperature=None if temperature is None else _float(temperature, "temperature"),
         )
         return Response(encode_stats(stats), media_type="application/octet-stream")
 
@@ -176,25 +138,36 @@ def create_app(
 
     @app.post("/rl/sleep")
     async def sleep(request: Request) -> dict:
-        body = await read_json(request)
-        await client.sleep_async(body.get("engine", "sampler"), _int(body.get("level", 1), "level"))
+        body = await read_json(request)  # the level is checked by the hand-over (1 or 2)
+        await client.sleep_async(check_engine(body.get("engine", "sampler")), body.get("level", 1))
         return {"status": "asleep"}
 
     @app.post("/rl/wake")
     async def wake(request: Request) -> dict:
         body = await read_json(request)
-        await client.wake_async(body.get("engine", "sampler"))
+        await client.wake_async(check_engine(body.get("engine", "sampler")))
         return {"status": "awake"}
 
     @app.post("/rl/save")
     async def save(request: Request) -> dict:
-        await client.save_async(_path(await read_json(request)))
-        return {"status": "saved"}
+        path = run.resolve((await read_json(request)).get("path"))
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{path} is a file: /rl/save writes a checkpoint directory")
+        await client.save_async(str(path))
+        return {"status": "saved", "path": str(path)}
 
     @app.post("/rl/load")
     async def load(request: Request) -> dict:
-        await client.load_async(_path(await read_json(request)))
-        return {"status": "loaded"}
+        path = run.checkpoint_dir((await read_json(request)).get("path"))
+        try:
+            await client.load_async(str(path))
+        except (ValueError, SyncError, EngineError):
+            raise
+        except Exception as exc:  # a truncated / foreign file inside a checkpoint directory
+            raise ValueError(
+                f"the checkpoint at {path} could not be loaded: {type(exc).__name__}: {exc}"
+            ) from exc
+        return {"status": "loaded", "path": str(path)}
 
     @app.get("/rl/weight_checksums")
     async def weight_checksums() -> dict:
@@ -202,61 +175,186 @@ def create_app(
 
     add_ecosystem_routes(app, client, tokenizer)
     add_skyrl_routes(app, client, tokenizer)
-    return BodyLimit(app, max_body_bytes)
+    add_weight_transfer_routes(app, client, require_checksum=require_weight_checksum)
+    return TokenGuard(BodyGuard(app, max_body_bytes, read_timeout_s), api_token)
 
 
-def _int(v: Any, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
-    return v
+# user mistakes -> 4xx; a failure of the server itself -> 500 with the same JSON shape
+_STATUS = {
+    ValueError: 400,
+    PermissionError: 403,
+    FileNotFoundError: 404,
+    NotImplementedError: 501,
+    RuntimeError: 409,
+    Exception: 500,
+}
 
 
-def _path(body: dict) -> str:
-    path = body.get("path")
-    if not isinstance(path, str) or not path:
-        raise ValueError("'path' must be a non-empty string")
-    return path
+def _flag(v: str, name: str) -> bool:
+    if v.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"{name} must be true or false, got {v!r}")
+    return v.lower() in ("true", "1")
+
+
+def _float(v: str, name: str) -> float:
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {v!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m polynya.client.server``."""
+    ap = argparse.ArgumentParser(
+        prog="python -m polynya.client.server",
+        description="Serve polynya's engines (training, log-prob, native sampler) over HTTP: the "
+        "client API (/rl/*, what comm_protocol='http' speaks) and the vLLM-style routes TRL's "
+        "server mode and SkyRL's remote engine client use. Binds 127.0.0.1 unless --host says "
+        "otherwise; on any other address a bearer token is required and generated when not given.",
+        epilog="Example: python -m polynya.client.server --model tiny:qwen3 --dtype float32 "
+        "--port 8000 --run-dir runs/demo   (then: curl localhost:8000/health)",
+    )
+    ap.add_argument(
+        "--model",
+        required=True,
+        help="HF model id, local path, or tiny:<family> (random tiny model for tests)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="engine dtype: bfloat16, float16 or float32 (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; anything but loopback requires a token (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--token",
+        default=None,
+        help="bearer token for every route but /health (default: $POLYNYA_API_TOKEN, "
+        "which keeps it out of the process list; generated and printed when binding "
+        "a non-loopback address without one)",
+    )
+    ap.add_argument(
+        "--run-dir",
+        default=".",
+        help="the only directory /rl/save and /rl/load may use; their paths are "
+        "relative to it (created if missing; default: the current directory)",
+    )
+    ap.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 30,
+        help="larger request bodies are refused with 413 (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without request-body bytes before a request gets 408 (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--no-weight-checksum",
+        action="store_true",
+        help="let /finish_weight_update apply weights without the trainer's checksum "
+        "(for clients that cannot send one; names, shapes, sizes and NaN are still "
+        "checked)",
+    )
+    ap.add_argument(
+        "--sampling-gpus", type=int, default=1, help="sampler replicas (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--no-colocate",
+        action="store_true",
+        help="put trainer and samplers on separate GPUs (broadcast weight sync)",
+    )
+    ap.add_argument(
+        "--config-json",
+        default="{}",
+        help='extra RLClientConfig fields as a JSON object, e.g. \'{"train": {"zero_stage": 3}}\'',
+    )
+    return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m polynya.client.server``: build local engines and serve them."""
     import uvicorn
 
+    from ..models import load_tokenizer
     from .config import RLClientConfig
     from .local import LocalClient
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--token", default=None, help="bearer token (default: none)")
-    ap.add_argument("--max-body-bytes", type=int, default=1 << 30)
-    ap.add_argument("--sampling-gpus", type=int, default=1)
-    ap.add_argument("--no-colocate", action="store_true")
-    ap.add_argument("--config-json", default="{}", help="extra RLClientConfig fields as JSON")
+    ap = parser()
     a = ap.parse_args(argv)
+    try:
+        extra = json.loads(a.config_json)
+    except json.JSONDecodeError as exc:
+        ap.error(f"--config-json is not valid JSON: {exc}")
+    token, generated = server_token(a.host, a.token or os.environ.get("POLYNYA_API_TOKEN"))
     cfg = RLClientConfig(
         a.model,
         dtype=a.dtype,
         comm_protocol="local",
         sampling_gpus=a.sampling_gpus,
         colocate=not a.no_colocate,
-        **json.loads(a.config_json),
+        **extra,
     )
     client = LocalClient(cfg)
-    from ..models import load_tokenizer
-
     app = create_app(
         client,
-        api_token=a.token,
+        api_token=token,
         max_body_bytes=a.max_body_bytes,
         tokenizer=load_tokenizer(cfg.model_name),
+        run_dir=a.run_dir,
+        read_timeout_s=a.read_timeout,
+        require_weight_checksum=not a.no_weight_checksum,
     )
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning"))
+    startup = server.startup
+
+    async def announce(sockets=None):  # print once uvicorn is listening
+        await startup(sockets)
+        if server.started:
+            print(ready_message(a.host, a.port, token, generated, app_run_dir(app)), flush=True)
+
+    server.startup = announce
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+        server.run()
     finally:
         client.shutdown()
+
+
+def server_token(host: str, given: str | None) -> tuple[str | None, bool]:
+    """``(token, generated)``: the given token, else a fresh one when ``host`` is not loopback."""
+    if given:
+        return given, False
+    if not is_loopback(host):
+        return new_token(), True
+    return None, False
+
+
+def app_run_dir(app) -> str:
+    """The run directory of an app made by ``create_app``."""
+    while not hasattr(getattr(app, "state", None), "run_dir"):
+        app = app.app
+    return str(app.state.run_dir.root)
+
+
+def ready_message(host: str, port: int, token: str | None, generated: bool, run_dir: str) -> str:
+    """What the server prints when it is ready: URL, run directory, token status."""
+    shown = f"[{host}]" if ":" in host else host
+    lines = [f"polynya server ready at http://{shown}:{port}  (run directory: {run_dir})"]
+    if generated:
+        lines.append(f"generated API token (send 'Authorization: Bearer <token>'): {token}")
+    elif token is None:
+        lines.append("no API token: only processes on this host can reach the server")
+    else:
+        lines.append("API token required (the one given)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,11 @@ from . import _deepspeed as dsu
 def sharded_logprobs(owner, batch: RolloutBatch, *, entropy: bool, temperature: float) -> TokenStats:
     """Data-parallel ``compute_logprobs`` for an engine ``owner`` (``module``, ``config``,
     ``rank``, ``world_size``, ``device``): each rank does its shard, results are summed."""
-    from ..logprobs import compute_logprobs
+    from ..logprobs import check_inputs, compute_logprobs
 
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"expected a polynya.RolloutBatch, got {type(batch).__name__}")
+    check_inputs(owner.module, batch, temperature)
     cfg = owner.config
     check_same_on_all_ranks(batch_fingerprint(batch), owner.device, "the batch")
     plan = plan_micro_batches(batch, rank=owner.rank, world=owner.world_size,
@@ -100,7 +101,7 @@ class LogProbEngine:
         """
         self._check_awake()
         return sharded_logprobs(self, batch, entropy=entropy,
-                                temperature=temperature or self.config.temperature)
+                                temperature=self.config.temperature if temperature is None else temperature)
 
     def load_weights(self, weights: Iterable, version: int | None = None, *,
                      checksum: str | None = None) -> int:

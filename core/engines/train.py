@@ -137,7 +137,10 @@ class TrainingEngine:
     # ------------------------------------------------------------------ training
     def _plan(self, batch: RolloutBatch):
         """Validate and plan a batch; raises ``ValueError`` before any state changes."""
+        from ..logprobs import check_inputs
+
         check_train_batch(batch, needs_ref=self.loss_spec.kl_coef > 0)
+        check_inputs(self.module, batch, self.config.temperature)
         normalizer = Normalizer.from_mask(batch.response_mask(), self.loss_spec.max_response_len)
         check_same_on_all_ranks(batch_fingerprint(batch), self.device, "the batch")
         plan = plan_micro_batches(batch, rank=self.rank, world=self.world_size,
@@ -292,7 +295,7 @@ class TrainingEngine:
 
         with torch.set_grad_enabled(grad):
             return compute_logprobs(self.module, batch, zorro=self.config.zorro, entropy=entropy,
-                                    temperature=temperature or self.config.temperature,
+                                    temperature=self.config.temperature if temperature is None else temperature,
                                     max_tokens_per_row=self.config.max_tokens_per_row,
                                     zorro_attention=self.config.zorro_attention)
 
@@ -304,7 +307,7 @@ class TrainingEngine:
         self._check_onloaded()
         self.module.eval()
         return sharded_logprobs(self, batch, entropy=entropy,
-                                temperature=temperature or self.config.temperature)
+                                temperature=self.config.temperature if temperature is None else temperature)
 
     # ------------------------------------------------------------------ state
     def save(self, path: str) -> None:

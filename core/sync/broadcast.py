@@ -14,15 +14,19 @@ trainer packs bucket ``i + 1`` (``export_weights`` is a generator), so packing o
     apply_update(sampler, staged)
 
 The manifest travels out of band (Ray call, HTTP JSON); receivers allocate every buffer from it.
+Rank 0's store listens on the given ``host`` only; with a loopback host gloo's own listener is
+on loopback too, so a group on one machine opens nothing on the network.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
 
+from ..distributed import is_loopback
 from .manifest import SyncError, SyncManifest
 from .staging import StagedUpdate
 
@@ -45,6 +49,9 @@ class SyncGroup:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
+        # rank 0's store listens on ``host`` only (TCPStore alone would listen on every interface)
+        # (the store owns the descriptor from here on: Python must not close it a second time)
+        listen_fd = listen_socket(host, int(port)).detach() if rank == 0 else None
         self.store = dist.TCPStore(
             host,
             int(port),
@@ -52,15 +59,18 @@ class SyncGroup:
             is_master=rank == 0,
             timeout=timeout,
             wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
+        prefixed = dist.PrefixStore("polynya_sync", self.store)
         if self.device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(
-                dist.PrefixStore("polynya_sync", self.store), rank, world_size
-            )
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        elif is_loopback(host):  # a group on this host: gloo's pair listener on loopback too
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(
-                dist.PrefixStore("polynya_sync", self.store), rank, world_size, timeout
-            )
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor, root: int):
         """Asynchronous broadcast; returns the ``Work`` to wait on."""
@@ -76,6 +86,20 @@ class SyncGroup:
                 shutdown()
             except Exception:  # best effort: the peer may be gone already
                 pass
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``host`` (name or address) and ``port``."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def send_weights(

@@ -59,6 +59,8 @@ def single_statement(sql: str) -> str:
     read statement (``SELECT``, ``WITH`` or ``VALUES``)."""
     if len(sql) > MAX_SQL_CHARS:
         raise QueryError(f"query longer than {MAX_SQL_CHARS} characters")
+    if "\x00" in sql:  # sqlite3.complete_statement raises ValueError on it
+        raise QueryError("query contains a NUL character")
     text = sql.strip()
     while text.endswith(";"):
         text = text[:-1].rstrip()

@@ -21,8 +21,14 @@ LIMIT = 1 << 16
 
 
 @pytest.fixture(scope="module")
-def client():
-    with polynya.create_rl_client(tiny_config("http", api_token=TOKEN, max_body_bytes=LIMIT)) as c:
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("run")
+
+
+@pytest.fixture(scope="module")
+def client(run_dir):
+    cfg = tiny_config("http", api_token=TOKEN, max_body_bytes=LIMIT, run_dir=str(run_dir))
+    with polynya.create_rl_client(cfg) as c:
         yield c
 
 
@@ -42,6 +48,9 @@ def test_http_round_trip_colocated(client):
 def test_http_round_trip_split():
     with polynya.create_rl_client(tiny_config("http", colocate=False)) as c:
         assert rl_round_trip(c)["version"] == 1
+        # no api_token given: the embedded server still has one, which only this client knows
+        assert c.server.token and len(c.server.token) >= 40
+        assert httpx.post(c.url + "/rl/step", timeout=30).status_code == 401
 
 
 def _batch_tensors(**override):
@@ -237,7 +246,7 @@ def test_weight_transfer_routes(client, raw):
 
     old_sum, old_version = sampler.weight_checksum(), sampler.stats()["weight_version"]
     bad = push("0" * 32)  # a mismatched sync is rejected, the old weights stay
-    assert bad.status_code == 409 and "checksum" in bad.json()["error"]
+    assert bad.status_code == 400 and "checksum mismatch" in bad.json()["error"]
     assert sampler.weight_checksum() == old_sum and sampler.stats()["weight_version"] == old_version
     good = push(trainer.weight_checksum())
     assert good.status_code == 200 and good.json()["version"] == old_version + 1
@@ -261,3 +270,17 @@ def test_http_async_api(client):
     assert sums["trainer"] and len(sums["samplers"]) == 1
     with pytest.raises(ValueError, match="model"):
         asyncio.run(client.compute_logprobs_async(RolloutBatch([[1]], [[2]]), model="critic"))
+
+
+def test_http_save_load_inside_run_dir_only(client, run_dir, tmp_path):
+    before = client.weight_checksums()
+    client.save(str(run_dir / "ckpt"))
+    assert (run_dir / "ckpt" / "polynya" / "mp_rank_00_model_states.pt").is_file()
+    client.load(str(run_dir / "ckpt"))
+    assert client.weight_checksums()["trainer"] == before["trainer"]
+    with pytest.raises(PermissionError, match="run directory"):
+        client.save(str(tmp_path / "elsewhere"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        client.load(str(run_dir / "missing"))
+    assert not (tmp_path / "elsewhere").exists()
+

@@ -98,6 +98,11 @@ class SamplingEngine:
         """``polynya.checksum`` of the served weights."""
         return self.backend.weight_checksum()
 
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` of the weights ``load_weights`` accepts: what a receiver
+        checks a sender's announcement against before any transfer."""
+        return self.backend.weight_specs()
+
     def sleep(self, level: int = 1) -> None:
         """Release the KV cache (level 1) and also the weights' device memory (level 2)."""
         self.backend.sleep(level)

@@ -110,6 +110,10 @@ class VLLMEngine:
         raise NotImplementedError("weight_checksum of the vLLM backend: vLLM fuses and renames "
                                   "weights (qkv_proj, gate_up_proj); compare against the "
                                   "trainer through load_weights(..., checksum=) instead")
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF names and shapes (vLLM fuses some internally) in the engine's dtype."""
+        dtype = resolve_dtype(self.config.dtype)
+        return {n: (tuple(s), dtype) for n, s in self._shapes.items()}
 
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):

@@ -100,3 +100,18 @@ def test_two_level_inverse_cdf_matches_one_scan(vocab, chunk):
     assert got.shape == (256,) and got.dtype == torch.int64
     assert (got < vocab).all() and (probs.gather(1, got[:, None]) > 0).all()
     assert (got == ref).float().mean() >= 0.99, (got != ref).sum()
+def test_rows_are_independent_of_neighbours_filters():
+    """A row's token and log-prob do not depend on the filters its neighbours use (a top-p
+    neighbour once made every row sample in sorted order: seeded requests changed with the
+    batch they landed in)."""
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randn(64, V, generator=g) * 2
+    kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
+             SamplingParams(temperature=1.3, top_k=4), SamplingParams(min_p=0.2),
+             SamplingParams(temperature=0.0), SamplingParams(top_p=0.5, top_k=6, min_p=0.05)]
+    params = [kinds[i % len(kinds)] for i in range(len(rows))]
+    u = draws(len(rows), seed=9)
+    tok, lp = sample(rows, SamplingTensors.build(params, u, V, "cpu"))
+    for i, p in enumerate(params):
+        t1, lp1 = sample(rows[i:i + 1], SamplingTensors.build([p], u[i:i + 1], V, "cpu"))
+        assert (tok[i].item(), lp[i].item()) == (t1.item(), lp1.item()), (i, p)

@@ -210,6 +210,9 @@ class NativeEngine:
         with self._lock:
             return self.runner.weight_checksum()
 
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return self.runner.weight_specs()
+
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1), and move the weights off the GPU too (level 2)."""
         if level not in (1, 2):

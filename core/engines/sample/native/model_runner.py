@@ -314,6 +314,11 @@ class ModelRunner:
             self._copy_plans = {weights.key: plan}  # the last layout only (a plan pins weights)
         return plan
 
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` of every weight ``load_weights`` accepts (tied aliases too)."""
+        return {n: (tuple(p.shape), p.dtype)
+                for n, p in self.model.named_parameters(remove_duplicate=False)}
+
     def offload_weights(self) -> None:
         self._copy_plans = {}  # its views would keep the device weights alive
         if self.device.type == "cuda" and not self.weights_offloaded:

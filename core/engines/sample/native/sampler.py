@@ -3,9 +3,10 @@
 One call samples one token for every row of a ``[B, V]`` logits tensor, each row with its own
 settings. The filters apply in the order temperature → top-k → top-p (on the top-k-renormalised
 distribution) → min-p (relative to the most likely token). Sampling is by inverse CDF: each row
-brings one uniform number drawn from its own ``torch.Generator`` (CPU; ``Sequence.next_uniform``),
-so a seeded request
-gives the same tokens whatever else is in the batch, on CPU and GPU alike.
+brings one uniform number drawn from its own ``torch.Generator`` (CPU; ``Sequence.next_uniform``)
+and the inverse CDF always runs in vocabulary order (top-k / top-p sort only to decide what to
+remove), so a seeded request gives the same tokens whatever else is in the batch — neighbours
+with other filters included — on CPU and GPU alike.
 
 Returned log-probs are those of the sampled tokens under the distribution actually sampled
 from (after temperature and filters). Greedy rows (``temperature == 0``) sample the argmax;
@@ -68,30 +69,30 @@ class SamplingTensors:
         return dataclasses.replace(self, uniform=host.to(self.uniform.device, non_blocking=True))
 
 
-def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Apply temperature and filters.
 
     Args:
         logits: ``[B, V]`` float32.
     Returns:
-        ``(filtered, order)``: ``[B, V]`` logits with removed tokens at ``-inf``; when a sort was
-        needed they are in descending order and ``order [B, V]`` maps positions to token ids,
-        else they are in vocabulary order and ``order`` is None.
+        ``[B, V]`` logits in vocabulary order with removed tokens at ``-inf``. A row without
+        filters comes back exactly as ``logits / temperature`` whatever its neighbours ask for
+        (so its sample does not depend on the batch).
     """
     x = logits / st.temperature[:, None]
-    order = None
     if st.needs_sort:
-        x, order = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(x.shape[-1], device=x.device)
-        x = x.masked_fill(ranks[None, :] >= st.top_k[:, None], float("-inf"))
-        probs = x.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        x = x.masked_fill(mass_before >= st.top_p[:, None], float("-inf"))  # rank 0 always kept
+        xs, order = x.sort(dim=-1, descending=True)
+        ranks = torch.arange(xs.shape[-1], device=xs.device)
+        drop = ranks[None, :] >= st.top_k[:, None]
+        probs = xs.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # rank 0 always kept
+        drop |= (mass_before >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None]
+        x = x.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
     if st.needs_min_p:
         probs = x.softmax(dim=-1)
         top = probs.max(dim=-1, keepdim=True).values
         x = x.masked_fill(probs < st.min_p[:, None] * top, float("-inf"))
-    return x, order
+    return x
 
 
 CDF_CHUNK = 2048  # vocabulary chunk of the two-level inverse CDF
@@ -142,7 +143,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, tor
         greedy_lp = logits.log_softmax(dim=-1).gather(-1, greedy_tok[:, None])[:, 0]
         if st.all_greedy:
             return greedy_tok, greedy_lp
-    x, order = filter_logits(logits, st)
+    x = filter_logits(logits, st)
     logp = x.log_softmax(dim=-1)
     probs = logp.exp()
     pos = inverse_cdf(probs, st.uniform)[:, None]
@@ -150,7 +151,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, tor
     mode = x.argmax(dim=-1, keepdim=True)
     pos = torch.where(probs.gather(-1, pos) > 0, pos, mode)
     lp = logp.gather(-1, pos)[:, 0]
-    tok = (order.gather(-1, pos) if order is not None else pos)[:, 0]
+    tok = pos[:, 0]
     if st.any_greedy:
         tok = torch.where(st.greedy, greedy_tok, tok)
         lp = torch.where(st.greedy, greedy_lp, lp)

@@ -1,0 +1,191 @@
+"""What the HTTP server trusts, enforced before a request reaches a route.
+
+- ``TokenGuard`` (ASGI): with a token set, every path but ``/health`` needs
+  ``Authorization: Bearer <token>`` (compared in constant time) — the docs and ``/openapi.json``
+  included, and any route a module adds later, since the check wraps the whole app;
+- ``BodyGuard`` (ASGI): 413 for a body over ``limit`` bytes (declared or streamed), 408 when
+  the client sends no body bytes for ``read_timeout_s`` (a body shorter than its
+  ``Content-Length`` would otherwise hold the request forever);
+- ``RunDir``: the one directory file routes (``/rl/save``, ``/rl/load``) may touch; a path is
+  resolved against it and refused (``PermissionError`` -> 403) when it names ``..``, lies
+  outside it, or reaches outside it through a symlink; ``checkpoint_dir`` also refuses what
+  ``TrainingEngine.save`` did not write (no ``polynya/`` tag directory, non-regular files);
+- ``new_token``: the server generates one when it binds a non-loopback address without a token
+  (``polynya.distributed.is_loopback`` decides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import secrets
+from pathlib import Path
+
+PUBLIC_PATHS = ("/health",)
+CHECKPOINT_TAG = "polynya"  # TrainingEngine.save's DeepSpeed tag: <dir>/polynya/*.pt
+
+
+def new_token() -> str:
+    """A fresh bearer token (256 random bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+async def reply(send, status: int, message: str, headers: list | None = None) -> None:
+    """Send a whole JSON ``{"error": message}`` response from ASGI middleware."""
+    body = json.dumps({"error": message}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class TokenGuard:
+    """ASGI middleware: 401 unless the bearer token matches (every path but ``/health``)."""
+
+    def __init__(self, app, token: str | None):
+        self.app = app
+        self.expected = None if token is None else f"Bearer {token}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if (
+            scope["type"] == "http"
+            and self.expected is not None
+            and scope["path"] not in PUBLIC_PATHS
+        ):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return await reply(
+                    send,
+                    401,
+                    "missing or wrong bearer token: send "
+                    "'Authorization: Bearer <token>' (the token the server was "
+                    "started with, or printed at start)",
+                    [(b"www-authenticate", b"Bearer")],
+                )
+        return await self.app(scope, receive, send)
+
+
+class BodyGuard:
+    """ASGI middleware: the body read in full (bounded in size and idle time), then replayed."""
+
+    def __init__(self, app, limit: int, read_timeout_s: float):
+        self.app, self.limit, self.read_timeout_s = app, limit, read_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await reply(
+                send,
+                413,
+                f"request body of {int(declared)} bytes exceeds the limit of {self.limit}",
+            )
+        body, more = bytearray(), True
+        while more:
+            try:
+                msg = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except asyncio.TimeoutError:
+                return await reply(
+                    send,
+                    408,
+                    f"no request body data for {self.read_timeout_s:g} s "
+                    f"({len(body)} bytes received; is the body shorter than its "
+                    "Content-Length?)",
+                    [(b"connection", b"close")],
+                )
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                return await reply(
+                    send, 413, f"request body exceeds the limit of {self.limit} bytes"
+                )
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class RunDir:
+    """The directory the server's file routes are confined to (created if missing)."""
+
+    def __init__(self, root: str | os.PathLike):
+        os.makedirs(root, exist_ok=True)
+        self.root = Path(os.path.realpath(root))
+
+    def resolve(self, path: object, what: str = "path") -> Path:
+        """``path`` (relative to the run directory, or absolute inside it) fully resolved.
+
+        Raises ``ValueError`` for a non-string or empty path, ``PermissionError`` for ``..``, a
+        path outside the run directory, the run directory itself, or a symlink leading out.
+        """
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise ValueError(
+                f"{what} must be a non-empty string without NUL characters, got {path!r}"
+            )
+        p = Path(path)
+        if ".." in p.parts:
+            raise PermissionError(
+                f"{what} {path!r}: '..' is not allowed; give a path inside the "
+                f"server's run directory {self.root}"
+            )
+        real = Path(os.path.realpath(p if p.is_absolute() else self.root / p))
+        if self.root not in real.parents:
+            raise PermissionError(
+                f"{what} {path!r} resolves to {real}, outside the server's run "
+                f"directory {self.root} (start the server with --run-dir to "
+                "choose it); give a sub-directory of it"
+            )
+        self._no_links_out(real, what)
+        return real
+
+    def _no_links_out(self, real: Path, what: str) -> None:
+        if not real.is_dir():
+            return
+        for top, dirs, files in os.walk(real):
+            for name in dirs + files:
+                entry = Path(top) / name
+                if entry.is_symlink() and self.root not in Path(os.path.realpath(entry)).parents:
+                    raise PermissionError(
+                        f"{what}: {entry} is a symlink leading outside the "
+                        f"server's run directory {self.root}"
+                    )
+
+    def checkpoint_dir(self, path: object) -> Path:
+        """A directory ``TrainingEngine.save`` wrote, inside the run directory, else an error:
+        ``FileNotFoundError`` (missing), ``ValueError`` (not a polynya checkpoint),
+        ``PermissionError`` (outside the run directory)."""
+        real = self.resolve(path, "checkpoint path")
+        if not real.exists():
+            raise FileNotFoundError(f"no checkpoint at {path!r} (looked at {real})")
+        if not real.is_dir():
+            raise ValueError(
+                f"checkpoint path {path!r} is a file; give the directory that /rl/save wrote"
+            )
+        tag = real / CHECKPOINT_TAG
+        if not tag.is_dir() or not any(tag.glob("*.pt")):
+            raise ValueError(
+                f"{real} is not a polynya checkpoint (no {CHECKPOINT_TAG}/*.pt written by /rl/save)"
+            )
+        for entry in tag.iterdir():
+            if not entry.is_file():
+                raise ValueError(f"{entry} is not a regular file: refusing to load the checkpoint")
+        return real

@@ -1,0 +1,449 @@
+"""Fault injection at the server boundary (issue 16): every case gets its clear 4xx (or is
+scored 0), and the state around it — trainer and sampler weight checksums, the served version,
+the optimizer step, the files on disk — is compared before and after.
+
+| case                                              | outcome                      |
+|---------------------------------------------------|------------------------------|
+| no / wrong token on API, docs, openapi            | 401 (``/health`` stays open) |
+| save/load outside the run dir, ``..``, symlink    | 403, nothing written/read    |
+| load of a planted pickle outside the run dir      | 403, the pickle never runs   |
+| load of a missing dir / a file / a foreign dir    | 404 / 400 / 400              |
+| load of a truncated checkpoint                    | 400 (never 500)              |
+| trainer broadcasts more than announced            | 409, server alive, recovers  |
+| trainer broadcasts fewer elements                 | 400 checksum mismatch        |
+| finish without checksum / NaN weights / empty     | 400, version unchanged       |
+| unknown name / wrong shape / int dtype            | 400 before any collective    |
+| finish after a refused update; stale version      | 409                          |
+| explicit ``weight_version``                       | served as given              |
+| string / NaN / inf / null params, bad stop ids    | 400 on all three gen routes  |
+| ``/sleep?level=9``, ``/rl/sleep`` level 9          | 400, sampler keeps serving   |
+| ``compute_logprobs(temperature=0)`` HTTP + engine | 400 / ValueError             |
+| sequence longer than the model's positions        | 400, no gradient accumulated |
+| body shorter than its Content-Length              | 408 after the read timeout   |
+| completion with a NUL token in Txt2SQL reward     | scored 0, counted            |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from polynya import RolloutBatch
+from polynya.client.codec import encode_batch
+from polynya.client.local import LocalClient
+from polynya.client.server import create_app
+from polynya.checksum import checksum_named_tensors
+from polynya.distributed import free_port
+from polynya.models import TINY_WINDOW, load_tokenizer
+from polynya.sync import SyncGroup
+
+from .common import tiny_config
+from .serving import served, snapshot
+
+TOKEN = "t0ken"
+READ_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    outside = tmp_path_factory.mktemp("outside")
+    local = LocalClient(tiny_config("local"))
+    app = create_app(
+        local,
+        api_token=TOKEN,
+        max_body_bytes=1 << 21,
+        run_dir=run_dir,
+        read_timeout_s=READ_TIMEOUT_S,
+        tokenizer=load_tokenizer("tiny:qwen3"),
+    )
+    with served(app) as url:
+        yield dict(url=url, local=local, run=run_dir, outside=outside)
+    local.shutdown()
+
+
+@pytest.fixture()
+def raw(server):
+    with httpx.Client(
+        base_url=server["url"], headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+    ) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def planted(server):
+    """Everything a hostile or careless user may have left on disk, made before any snapshot."""
+    run, outside = server["run"], server["outside"]
+    (run / "link_out").symlink_to(outside, target_is_directory=True)
+    (outside / "model.pt").write_bytes(b"not ours")
+    (run / "sneaky" / "polynya").mkdir(parents=True)
+    (run / "sneaky" / "polynya" / "mp_rank_00_model_states.pt").symlink_to(outside / "model.pt")
+    (run / "file").write_bytes(b"\x80garbage")
+    (run / "foreign").mkdir()
+    (run / "foreign" / "latest").write_text("x")
+    (run / "fifo" / "polynya").mkdir(parents=True)
+    (run / "fifo" / "polynya" / "a.pt").write_bytes(b"x")
+    os.mkfifo(run / "fifo" / "polynya" / "b.pt")  # reading it would block forever
+    return {"marker": _plant(outside / "evil")}
+
+
+@pytest.fixture()
+def unchanged(server, planted):
+    """Asserts after the test that weights, version, step and files are as before it."""
+    before = snapshot(server["local"], server["run"], server["outside"])
+    yield
+    assert snapshot(server["local"], server["run"], server["outside"]) == before
+
+
+def _error(r, status: int, needle: str) -> None:
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"], r.json()
+
+
+# ---------------------------------------------------------------------------- security
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/rl/step"),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("POST", "/v1/completions"),
+        ("POST", "/finish_weight_update"),
+        ("GET", "/nope"),
+    ],
+)
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"bearer {TOKEN}", TOKEN])
+def test_token_required_everywhere_but_health(server, unchanged, method, path, auth):
+    headers = {} if auth is None else {"Authorization": auth}
+    _error(httpx.request(method, server["url"] + path, headers=headers, timeout=30), 401, "token")
+    assert httpx.get(server["url"] + "/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_docs_served_with_token(raw):
+    assert raw.get("/openapi.json").json()["info"]["title"] == "polynya"
+    assert raw.get("/docs").status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/rl/save", "/rl/load"])
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink", "root", "nul"])
+def test_file_routes_confined_to_run_dir(server, raw, unchanged, route, where):
+    run, outside = server["run"], server["outside"]
+    path = {
+        "dotdot": "../escape",
+        "absolute": str(outside / "ckpt"),
+        "symlink": "link_out/ckpt",
+        "root": str(run),
+        "nul": "a\x00b",
+    }[where]
+    r = raw.post(route, json={"path": path})
+    if where == "nul":
+        _error(r, 400, "NUL")
+    else:
+        _error(r, 403, "run directory")
+    assert not (outside / "ckpt").exists() and not (run.parent / "escape").exists()
+
+
+@pytest.mark.parametrize("route", ["/rl/save", "/rl/load"])
+def test_symlink_inside_checkpoint_leading_out_refused(server, raw, unchanged, route):
+    _error(raw.post(route, json={"path": "sneaky"}), 403, "symlink")
+    assert (server["outside"] / "model.pt").read_bytes() == b"not ours"
+
+
+class _Planted:
+    """Unpickling this writes a marker file: proof that a load ran code."""
+
+    marker = None
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _plant(directory):
+    (directory / "polynya").mkdir(parents=True, exist_ok=True)
+    _Planted.marker = directory.parent / f"{directory.name}_pwned"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (directory / "polynya" / name).write_bytes(pickle.dumps(_Planted()))
+    (directory / "latest").write_text("polynya")
+    return _Planted.marker
+
+
+@pytest.mark.parametrize("path", ["evil", "../evil", "link_out/evil"])
+def test_planted_pickle_outside_run_dir_never_runs(server, raw, unchanged, planted, path):
+    path = str(server["outside"] / "evil") if path == "evil" else path
+    _error(raw.post("/rl/load", json={"path": path}), 403, "run directory")
+    assert not planted["marker"].exists()
+
+
+@pytest.mark.parametrize(
+    "case, status, needle",
+    [
+        ("missing", 404, "no checkpoint"),
+        ("file", 400, "is a file"),
+        ("foreign", 400, "not a polynya checkpoint"),
+        ("fifo", 400, "not a regular file"),
+    ],
+)
+def test_load_of_non_checkpoints(raw, unchanged, case, status, needle):
+    _error(raw.post("/rl/load", json={"path": case}), status, needle)
+
+
+def test_save_load_round_trip_and_truncated_checkpoint(server, raw):
+    local, run = server["local"], server["run"]
+    r = raw.post("/rl/save", json={"path": "ckpt/a"})
+    assert r.status_code == 200 and r.json()["path"] == str((run / "ckpt" / "a").resolve())
+    assert (run / "ckpt" / "a" / "polynya" / "mp_rank_00_model_states.pt").is_file()
+    assert raw.post("/rl/load", json={"path": str(run / "ckpt" / "a")}).status_code == 200
+    import shutil
+
+    shutil.copytree(run / "ckpt" / "a", run / "ckpt" / "cut")
+    states = run / "ckpt" / "cut" / "polynya" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:100])
+    before = snapshot(local, run / "ckpt")
+    _error(raw.post("/rl/load", json={"path": "ckpt/cut"}), 400, "could not be loaded")
+    assert snapshot(local, run / "ckpt") == before
+
+
+# ---------------------------------------------------------------------------- weight transfer
+def _weights(local, scale: float = 0.01) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        n: (p.detach() + scale * torch.randn(p.shape, generator=g)).to(p.dtype)
+        for n, p in local.trainer.module.named_parameters()
+    }
+
+
+def _join(raw) -> SyncGroup:
+    port, out = free_port(), {}
+    info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+    t = threading.Thread(
+        target=lambda: out.update(
+            r=raw.post("/init_weight_transfer_engine", json={"init_info": info})
+        )
+    )
+    t.start()
+    group = SyncGroup("127.0.0.1", port, rank=0, world_size=2, device="cpu", timeout_s=30)
+    t.join(60)
+    assert out["r"].status_code == 200, out["r"].text
+    return group
+
+
+def _info(weights, packed=True) -> dict:
+    return {
+        "names": list(weights),
+        "dtype_names": [str(t.dtype)[6:] for t in weights.values()],
+        "shapes": [list(t.shape) for t in weights.values()],
+        "packed": packed,
+    }
+
+
+def _update(raw, group, info, sent: torch.Tensor):
+    out = {}
+    t = threading.Thread(
+        target=lambda: out.update(r=raw.post("/update_weights", json={"update_info": info}))
+    )
+    t.start()
+    group.broadcast(sent, 0).wait()
+    t.join(60)
+    return out["r"]
+
+
+@pytest.fixture(scope="module")
+def group(server):
+    with httpx.Client(
+        base_url=server["url"], headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+    ) as h:
+        holder = {"g": _join(h)}
+        yield holder
+
+
+def _fresh(raw, group) -> SyncGroup:
+    """The transfer group, re-joined when the server dropped it after a refused update."""
+    if group.get("dropped"):
+        group["g"].close()
+        group["g"], group["dropped"] = _join(raw), False
+    return group["g"]
+
+
+@pytest.mark.parametrize(
+    "fault, status, needle",
+    [
+        ("more", 409, "more than"),
+        ("fewer", 400, "checksum mismatch"),
+        ("no_checksum", 400, "needs the trainer's 'checksum'"),
+        ("nan", 400, "NaN"),
+        ("stale", 409, "stale"),
+    ],
+)
+def test_weight_update_faults_change_nothing(server, raw, group, unchanged, fault, status, needle):
+    local = server["local"]
+    w = _weights(local)
+    if fault == "nan":
+        next(iter(w.values()))[0] = float("nan")
+    flat = torch.cat([t.reshape(-1) for t in w.values()])
+    g = _fresh(raw, group)
+    assert raw.post("/start_weight_update", json={}).status_code == 200
+    sent = {"more": torch.cat([flat, torch.ones(10)]), "fewer": flat[: flat.numel() // 2].clone()}
+    r = _update(raw, g, _info(w), sent.get(fault, flat))
+    if fault == "more":
+        _error(r, status, needle)
+        group["dropped"] = True
+        _error(raw.post("/finish_weight_update", json={"checksum": "0"}), 409, "refused")
+        return
+    assert r.status_code == 200, r.text
+    body = {"checksum": checksum_named_tensors(w.items())}
+    if fault == "no_checksum":
+        body = {}
+    if fault == "stale":
+        body["weight_version"] = local.samplers[0].stats()["weight_version"]
+    _error(raw.post("/finish_weight_update", json=body), status, needle)
+
+
+@pytest.mark.parametrize(
+    "fault, needle",
+    [
+        ("unknown", "not weights"),
+        ("shape", "shape"),
+        ("dtype", "dtype"),
+        ("twice", "twice"),
+        ("lengths", "equally long"),
+    ],
+)
+def test_update_info_refused_before_the_collective(server, raw, group, unchanged, fault, needle):
+    w = _weights(server["local"])
+    info = _info(w)
+    name = info["names"][0]
+    if fault == "unknown":
+        info["names"][0] = "evil.weight"
+    elif fault == "shape":
+        info["shapes"][0] = [s + 1 for s in info["shapes"][0]]
+    elif fault == "dtype":
+        info["dtype_names"] = ["int64"] * len(info["names"])
+    elif fault == "twice":
+        info["names"][1] = name
+        info["shapes"][1] = info["shapes"][0]
+    else:
+        info["shapes"].pop()
+    _fresh(raw, group)
+    assert raw.post("/start_weight_update", json={}).status_code == 200
+    t0 = time.monotonic()  # no trainer broadcasts here: a receive would wait for the timeout
+    _error(raw.post("/update_weights", json={"update_info": info}), 400, needle)
+    assert time.monotonic() - t0 < 10
+    group["dropped"] = True
+    _error(raw.post("/finish_weight_update", json={"checksum": "0"}), 409, "refused")
+
+
+def test_empty_update_keeps_version(raw, unchanged):
+    assert raw.post("/start_weight_update", json={}).status_code == 200
+    _error(raw.post("/finish_weight_update", json={"checksum": "0"}), 400, "empty")
+    _error(raw.post("/finish_weight_update", json={"checksum": "0"}), 409, "no weight update")
+
+
+def test_good_update_with_explicit_version(server, raw, group):
+    local = server["local"]
+    w = _weights(local, scale=0.02)
+    flat = torch.cat([t.reshape(-1) for t in w.values()])
+    before = local.samplers[0].stats()["weight_version"]
+    g = _fresh(raw, group)
+    assert raw.post("/start_weight_update", json={}).status_code == 200
+    assert _update(raw, g, _info(w), flat).status_code == 200
+    r = raw.post(
+        "/finish_weight_update",
+        json={"checksum": checksum_named_tensors(w.items()), "weight_version": before + 5},
+    )
+    assert r.status_code == 200 and r.json()["version"] == before + 5
+    assert local.samplers[0].stats()["weight_version"] == before + 5
+    assert local.weight_checksums()["samplers"] == [checksum_named_tensors(w.items())]
+
+
+# ---------------------------------------------------------------------------- parameters
+BAD_PARAMS = [
+    ({"top_p": "0.5"}, "top_p"),
+    ({"min_p": "x"}, "min_p"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop_token_ids": [None]}, "stop_token_ids"),
+    ({"stop_token_ids": [float("inf")]}, "stop_token_ids"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+    ({"temperature": "1"}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"n": True}, "n must"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"seed": "1"}, "seed"),
+]
+
+
+@pytest.mark.parametrize("params, needle", BAD_PARAMS)
+@pytest.mark.parametrize("route", ["/rl/generate", "/v1/completions", "/inference/v1/generate"])
+def test_bad_sampling_params_get_400(raw, unchanged, route, params, needle):
+    body = {
+        "/rl/generate": {"prompts": [[5, 6]], "params": {"max_tokens": 2, **params}},
+        "/v1/completions": {"prompt": [5, 6], "max_tokens": 2, **params},
+        "/inference/v1/generate": {
+            "token_ids": [5, 6],
+            "sampling_params": {"max_tokens": 2, **params},
+        },
+    }[route]
+    r = raw.post(route, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    _error(r, 400, needle)  # json.dumps writes NaN / Infinity as Python's json reads them
+
+
+@pytest.mark.parametrize("call", ["ecosystem", "client"])
+def test_sleep_level_validated(server, raw, unchanged, call):
+    r = (
+        raw.post("/sleep", params={"level": 9})
+        if call == "ecosystem"
+        else raw.post("/rl/sleep", json={"level": 9})
+    )
+    _error(r, 400, "sleep level")
+    g = raw.post("/rl/generate", json={"prompts": [[5, 6]], "params": {"max_tokens": 2}})
+    assert g.status_code == 200 and len(g.json()["samples"][0][0]["token_ids"]) == 2
+
+
+def test_temperature_zero_logprobs_refused(server, raw, unchanged):
+    batch = encode_batch(RolloutBatch([[5, 6, 7]], [[8, 9]]))
+    _error(
+        raw.post("/rl/compute_logprobs", params={"temperature": 0}, content=batch),
+        400,
+        "temperature",
+    )
+    _error(
+        raw.post("/rl/compute_logprobs", params={"temperature": "hot"}, content=batch),
+        400,
+        "temperature",
+    )
+    with pytest.raises(ValueError, match="temperature"):  # the engine itself, through the client
+        server["local"].compute_logprobs(RolloutBatch([[5, 6, 7]], [[8, 9]]), temperature=0)
+    ok = raw.post("/rl/compute_logprobs", params={"temperature": 1.0}, content=batch)
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/rl/forward_backward", "/rl/compute_logprobs"])
+def test_sequence_longer_than_window_refused(raw, unchanged, route):
+    long = RolloutBatch(
+        [[5] * (TINY_WINDOW - 1), [6, 7]], [[8, 9], [10]], advantages=torch.tensor([1.0, -1.0])
+    )
+    _error(raw.post(route, content=encode_batch(long)), 400, "positions")
+    _error(raw.post("/rl/step"), 409, "forward_backward")  # nothing accumulated
+
+
+# ---------------------------------------------------------------------------- transport
+def test_short_body_times_out_with_408(server, unchanged):
+    port = int(server["url"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(
+            b"POST /rl/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + TOKEN.encode()
+            + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompts"'
+        )
+        t0 = time.monotonic()
+        reply = s.recv(4096).decode()
+        waited = time.monotonic() - t0
+    assert reply.startswith("HTTP/1.1 408") and "Content-Length" in reply, reply
+    assert READ_TIMEOUT_S * 0.9 <= waited < READ_TIMEOUT_S + 5
+    assert httpx.get(server["url"] + "/health", timeout=30).status_code == 200
