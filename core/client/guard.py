@@ -9,7 +9,8 @@
 - ``RunDir``: the one directory file routes (``/rl/save``, ``/rl/load``) may touch; a path is
   resolved against it and refused (``PermissionError`` -> 403) when it names ``..``, lies
   outside it, or reaches outside it through a symlink; ``checkpoint_dir`` also refuses what
-  ``TrainingEngine.save`` did not write (no ``polynya/`` tag directory, non-regular files);
+  ``TrainingEngine.save`` did not write (no manifest, no ``polynya/`` tag directory, non-regular
+  files) — the engine then verifies the manifest and unpickles weights-only;
 - ``new_token``: the server generates one when it binds a non-loopback address without a token
   (``polynya.distributed.is_loopback`` decides).
 """
@@ -22,6 +23,8 @@ import json
 import os
 import secrets
 from pathlib import Path
+
+from ..files import MANIFEST
 
 PUBLIC_PATHS = ("/health",)
 CHECKPOINT_TAG = "polynya"  # TrainingEngine.save's DeepSpeed tag: <dir>/polynya/*.pt
@@ -181,6 +184,9 @@ class RunDir:
                 f"checkpoint path {path!r} is a file; give the directory that /rl/save wrote"
             )
         tag = real / CHECKPOINT_TAG
+        if not (real / MANIFEST).is_file():
+            raise ValueError(f"{real} is not a polynya checkpoint (no {MANIFEST} written by "
+                             "/rl/save): refusing to load it")
         if not tag.is_dir() or not any(tag.glob("*.pt")):
             raise ValueError(
                 f"{real} is not a polynya checkpoint (no {CHECKPOINT_TAG}/*.pt written by /rl/save)"

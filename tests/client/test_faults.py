@@ -7,6 +7,7 @@ the optimizer step, the files on disk — is compared before and after.
 | no / wrong token on API, docs, openapi            | 401 (``/health`` stays open) |
 | save/load outside the run dir, ``..``, symlink    | 403, nothing written/read    |
 | load of a planted pickle outside the run dir      | 403, the pickle never runs   |
+| planted pickle inside it: no / forged manifest    | 400, the pickle never runs   |
 | load of a missing dir / a file / a foreign dir    | 404 / 400 / 400              |
 | load of a truncated checkpoint                    | 400 (never 500)              |
 | trainer broadcasts more than announced            | 409, server alive, recovers  |
@@ -41,6 +42,7 @@ from polynya.client.local import LocalClient
 from polynya.client.server import create_app
 from polynya.checksum import checksum_named_tensors
 from polynya.distributed import free_port
+from polynya.files import write_manifest
 from polynya.models import TINY_WINDOW, load_tokenizer
 from polynya.sync import SyncGroup
 
@@ -90,8 +92,12 @@ def planted(server):
     (run / "foreign" / "latest").write_text("x")
     (run / "fifo" / "polynya").mkdir(parents=True)
     (run / "fifo" / "polynya" / "a.pt").write_bytes(b"x")
-    os.mkfifo(run / "fifo" / "polynya" / "b.pt")  # reading it would block forever
-    return {"marker": _plant(outside / "evil")}
+    write_manifest(str(run / "fifo"))  # (before the FIFO: reading one blocks forever)
+    os.mkfifo(run / "fifo" / "polynya" / "b.pt")
+    markers = {"marker": _plant(outside / "evil"), "bare": _plant(run / "bare")}
+    markers["forged"] = _plant(run / "forged")
+    write_manifest(str(run / "forged"))  # a valid manifest over the planted files
+    return markers
 
 
 @pytest.fixture()
@@ -181,6 +187,16 @@ def test_planted_pickle_outside_run_dir_never_runs(server, raw, unchanged, plant
     assert not planted["marker"].exists()
 
 
+@pytest.mark.parametrize("manifest", [False, True])
+def test_planted_pickle_inside_run_dir_never_runs(server, raw, unchanged, planted, manifest):
+    """Our layout, planted pickles: refused at the boundary without a manifest; with a forged
+    manifest the engine's weights-only unpickling refuses them. Neither runs the pickle."""
+    name = "forged" if manifest else "bare"
+    _error(raw.post("/rl/load", json={"path": name}), 400,
+           "weights only" if manifest else "MANIFEST.json")
+    assert not planted[name].exists()
+
+
 @pytest.mark.parametrize(
     "case, status, needle",
     [
@@ -206,7 +222,7 @@ def test_save_load_round_trip_and_truncated_checkpoint(server, raw):
     states = run / "ckpt" / "cut" / "polynya" / "mp_rank_00_model_states.pt"
     states.write_bytes(states.read_bytes()[:100])
     before = snapshot(local, run / "ckpt")
-    _error(raw.post("/rl/load", json={"path": "ckpt/cut"}), 400, "could not be loaded")
+    _error(raw.post("/rl/load", json={"path": "ckpt/cut"}), 400, "truncated")
     assert snapshot(local, run / "ckpt") == before
 
 

@@ -147,7 +147,7 @@ def test_concurrent_load_matches_sequential_twins(server):
     after = local.samplers[0].stats()
     steps = after["decode_steps"] - mid["decode_steps"]
     tokens = after["decode_tokens"] - mid["decode_tokens"]
-    assert steps * 4 < tokens, (steps, tokens)  # the requests really were decoded together
+    assert steps * 2 < tokens, (steps, tokens)  # decoded together (one by one: ~1.5 per step)
     for (route, _), twin, r in zip(good, twins, replies[:GOOD]):
         assert r.status_code == 200, r.text
         got = _answer(route, r.json())
