@@ -458,8 +458,13 @@ def test_short_body_times_out_with_408(server, unchanged):
             + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompts"'
         )
         t0 = time.monotonic()
-        reply = s.recv(4096).decode()
+        first = s.recv(4096)
         waited = time.monotonic() - t0
-    assert reply.startswith("HTTP/1.1 408") and "Content-Length" in reply, reply
+        reply = first
+        while chunk := s.recv(4096):  # the server closes the connection after its answer
+            reply += chunk
+    head, _, body = reply.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 408") and "connection: close" in head.lower(), head
+    assert "Content-Length" in json.loads(body)["error"]
     assert READ_TIMEOUT_S * 0.9 <= waited < READ_TIMEOUT_S + 5
     assert httpx.get(server["url"] + "/health", timeout=30).status_code == 200
