@@ -18,7 +18,6 @@ and TensorBoard logs first).
 """
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -32,6 +31,7 @@ from .evaluate import Evaluator
 from .metrics import MetricsLogger
 from .schema import to_client_config
 from .tasks import Example, get_task
+from .tasks.common import judge
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool, eps: float) -> torch.Tensor:
@@ -162,16 +162,13 @@ class GRPODriver:
     def _reward(self, token_ids: list[int], example: Example) -> float | None:
         """The task's reward of one completion; None (scored 0, counted in ``reward_errors``)
         when it cannot be judged: one odd completion must never end a run."""
-        try:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            r = float(self.task.reward(text, example, **self.reward_kwargs))
-        except Exception as exc:  # noqa: BLE001 - any failure to judge scores 0
-            if not self._warned:
-                print(f"warning: reward failed ({type(exc).__name__}: {exc}); scored 0 and counted "
-                      "in reward_errors", flush=True)
-                self._warned = True
-            return None
-        return r if math.isfinite(r) else None
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        r, why = judge(self.task, text, example, self.reward_kwargs)
+        if why is not None and not self._warned:
+            print(f"warning: reward failed ({why}); scored 0 and counted in reward_errors",
+                  flush=True)
+            self._warned = True
+        return None if why is not None else r
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:

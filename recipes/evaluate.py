@@ -16,6 +16,7 @@ from types import ModuleType
 
 from .. import SamplingParams
 from .tasks import Example
+from .tasks.common import judge
 
 
 class Evaluator:
@@ -34,10 +35,13 @@ class Evaluator:
         params = SamplingParams(n=1, temperature=0.0 if self.greedy else self.temperature,
                                 max_tokens=self.max_new_tokens, seed=self.seed + 7919 * (step + 1))
         outs = client.generate(self.prompt_ids, params)
-        rewards = []
+        rewards, errors = [], 0
         for ex, (sample,) in zip(self.examples, outs):
             text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            rewards.append(float(self.task.reward(text, ex, **self.reward_kwargs)))
+            r, why = judge(self.task, text, ex, self.reward_kwargs)  # never raises: scored 0
+            rewards.append(r)
+            errors += why is not None
         return {"eval_reward_mean": sum(rewards) / len(rewards),
                 "eval_pass_at_1": sum(r >= 1.0 for r in rewards) / len(rewards),
-                "eval_examples": len(rewards), "eval_s": time.perf_counter() - t}
+                "eval_examples": len(rewards), "eval_reward_errors": errors,
+                "eval_s": time.perf_counter() - t}

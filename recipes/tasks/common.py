@@ -4,11 +4,12 @@ Every task turns its source (bundled sample, local file or directory, or a Huggi
 dataset id) into a list of plain dict records with :func:`load_records`, validates the fields
 it needs with :func:`field`, and builds :class:`Example` objects from them. Mistakes in the
 input (unknown split, missing file, malformed record) raise ``ValueError`` naming the file,
-the record index and the field.
+the record index and the field. :func:`judge` scores a completion without ever raising.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
@@ -138,3 +139,12 @@ def load_records(task: str, split: str, source: str | None, bundled: Path,
     name, _, config = source.partition(":")
     return load_hf(name, split, config or hf_config)
 
+
+def judge(task, text: str, example: Example, reward_kwargs: dict) -> tuple[float, str | None]:
+    """``(reward, None)``, or ``(0.0, why)`` when the task's reward raised or was not finite:
+    one completion that cannot be judged must never end a run (callers count the failures)."""
+    try:
+        r = float(task.reward(text, example, **reward_kwargs))
+    except Exception as exc:  # noqa: BLE001 - any failure to judge scores 0
+        return 0.0, f"{type(exc).__name__}: {exc}"
+    return (r, None) if math.isfinite(r) else (0.0, f"reward {r} is not finite")

@@ -69,3 +69,20 @@ def test_failing_reward_scores_zero_and_is_counted(tmp_path):
     # judged: calls 1, 7 -> 1.1; 2, 4, 8 -> 1.0; calls 3, 5, 6 score 0
     assert metrics["reward_max"] == pytest.approx(1.1)
     assert metrics["reward_mean"] == pytest.approx((2 * 1.1 + 3 * 1.0) / 8, rel=1e-6)
+
+
+def test_evaluator_scores_unjudgeable_completions_zero():
+    from polynya.recipes.evaluate import Evaluator
+    from polynya.recipes.tasks import toy
+
+    class _Client:  # what evaluate() needs of a client: generate
+        def generate(self, prompts, params):
+            return [[polynya.Sample([5, 6], None, "length")] for _ in prompts]
+
+    examples = toy.load("test")[:6]
+    ev = Evaluator(_Flaky(toy), examples, [[5, 6, 7]] * len(examples),
+                   tokenizer=load_tokenizer("tiny:qwen3"), reward_kwargs={}, max_new_tokens=2,
+                   greedy=True, temperature=1.0, seed=0)
+    out = ev.evaluate(_Client(), 0)
+    assert out["eval_reward_errors"] == 3 and out["eval_examples"] == 6  # calls 3, 5, 6
+    assert out["eval_reward_mean"] == pytest.approx((1.1 + 1.0 + 1.0) / 6)
