@@ -56,6 +56,7 @@ VALUES = {
     "server_url": ("http://127.0.0.1:9", [], {}),
     "api_token": ("secret", [], {}),
     "max_body_bytes": (1000, [], {}),
+    "run_dir": ("/tmp/polynya-run", [], {}),
     "ray_address": ("auto", [], {}),
     "device_resource": ("CPU", [], {}),
     "train.zero_stage": (3, [], {}),
