@@ -34,6 +34,7 @@ import torch
 from ..config.common import resolve_dtype
 from ..config.train import TrainConfig
 from ..distributed import (
+    all_reduce_max,
     all_reduce_sum,
     batch_fingerprint,
     check_same_on_all_ranks,
@@ -260,6 +261,10 @@ class TrainingEngine:
             raise ValueError(f"expected a polynya.RolloutBatch, got {type(batch).__name__}")
         plan = plan_micro_batches(batch, rank=0, world=1, max_tokens=self.config.micro_batch_tokens,
                                   zorro=self.config.zorro)
+        # shares differ per rank: every rank runs the largest count, padding with weight-0 repeats
+        count = all_reduce_max([len(plan)], self.device)[0]
+        smallest = min((rows for rows, _ in plan), key=len)
+        plan += [(smallest, False)] * (count - len(plan))
         self.module.train(backward)
         out = []
         for rows, real in plan:

@@ -46,7 +46,8 @@ def test_written_run_composes_in_verl_with_the_recipes_settings(tmp_path):
     assert a.use_kl_loss and a.kl_loss_coef == pytest.approx(0.01) and a.kl_loss_type == "low_var_kl"
     assert isinstance(omega_conf_to_dataclass(a), DeepSpeedActorConfig) and a.deepspeed.zero_stage == 2
     assert cfg.algorithm.adv_estimator == "grpo"
-    assert cfg.reward.custom_reward_function.reward_kwargs == {"method": "strict", "format_score": 0.1}
+    assert cfg.reward.custom_reward_function.reward_kwargs == {"convention": "verl", "method": "strict",
+                                                               "format_score": 0.0}  # the task yaml
 
     rows = pq.read_table(cfg.data.train_files).to_pylist()
     examples = gsm8k.load("train")
