@@ -12,3 +12,14 @@ The swap is a few overrides of verl's ``ppo_trainer.yaml`` (``overrides.SWAP``; 
 
 Importing this package imports nothing of verl; the submodules do.
 """
+
+
+def _module_done() -> None:
+    """Called at the end of each submodule that imports verl at its top: if verl's plugin loop
+    ran while that module was half-imported (it was imported before verl), the plugin finishes
+    its registration now. Does nothing when the plugin was not loaded (e.g. plugins off)."""
+    import sys
+
+    plugin = sys.modules.get(__name__ + ".plugin")
+    if plugin is not None:
+        plugin.complete_deferred()

@@ -15,6 +15,8 @@ generator (ZeRO-3 gathers need every rank) and sit the broadcast out, as verl's 
 """
 from __future__ import annotations
 
+from . import _module_done
+
 import json
 import socket
 from collections.abc import AsyncIterator, Iterable
@@ -154,3 +156,6 @@ class PolynyaCheckpointEngine(CheckpointEngine):
         self.last_checksum = got
         for name, t in staged.named_views():
             yield name, t
+
+
+_module_done()  # verl imported first by this module? finish the plugin's registration

@@ -17,6 +17,8 @@ Offload moves weights and optimizer state together (``TrainingEngine.offload``).
 """
 from __future__ import annotations
 
+from . import _module_done
+
 from contextlib import nullcontext
 
 import torch
@@ -175,3 +177,6 @@ def _model_output(parts, rows, entropy: bool) -> dict[str, torch.Tensor]:
     if entropy:
         out["entropy"] = jagged_logprobs(ent, everyone, rows)
     return out
+
+
+_module_done()  # verl imported first by this module? finish the plugin's registration

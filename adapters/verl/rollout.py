@@ -21,6 +21,8 @@ multimodal inputs are refused.
 """
 from __future__ import annotations
 
+from . import _module_done
+
 import asyncio
 import os
 from typing import Any
@@ -203,3 +205,6 @@ class PolynyaReplica(RolloutReplica):
         self.servers = [server]
         self._server_handle = server
         self._server_address = server_name(self.replica_rank, self.name_suffix)  # no HTTP endpoint
+
+
+_module_done()  # verl imported first by this module? finish the plugin's registration

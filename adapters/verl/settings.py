@@ -17,6 +17,8 @@ naming the verl key to change.
 """
 from __future__ import annotations
 
+from . import _module_done
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,3 +114,6 @@ def train_config(model_config, engine_config: DeepSpeedEngineConfig, optimizer_c
                        gradient_checkpointing=bool(getattr(model_config, "enable_gradient_checkpointing",
                                                            False)),
                        **engine_config.polynya_fields())
+
+
+_module_done()  # verl imported first by this module? finish the plugin's registration

@@ -34,7 +34,9 @@ print("RESULT" + json.dumps(out))
 
 
 BROKEN = "sys.modules['polynya.adapters.verl.engine'] = None"  # as after a broken install
-CASES = {"plain": ("", {}), "broken": (BROKEN, {}), "off": ("", {"VERL_USE_EXTERNAL_PLUGINS": "none"})}
+FIRST = "import polynya.adapters.verl.engine"  # our module imports verl, whose plugin loop comes back
+CASES = {"plain": ("", {}), "broken": (BROKEN, {}), "off": ("", {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+         "engine_first": (FIRST, {}), "engine_first_off": (FIRST, {"VERL_USE_EXTERNAL_PLUGINS": "none"})}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,11 @@ def probes() -> dict[str, tuple[dict, str]]:
     return out
 
 
-def test_import_verl_registers_everything(probes):
-    out, err = probes["plain"]
+@pytest.mark.parametrize("case", ["plain", "engine_first"])
+def test_import_verl_registers_everything(probes, case):
+    """Also when one of our modules is imported before verl (verl's plugin loop then runs while
+    that module is half-imported; the registration completes when it is done)."""
+    out, err = probes[case]
     assert out["plugin_loaded"]
     engine = "polynya.adapters.verl.engine.DeepSpeedLMEngine"
     assert out["engines"] == {"cuda": engine, "cpu": engine}
@@ -73,6 +78,7 @@ def test_broken_plugin_warns_loudly_and_verl_still_imports(probes):
     assert "pip install 'polynya[verl]'" in err  # ... and the fix
 
 
-def test_verl_switch_turns_the_plugin_off(probes):
-    out, _ = probes["off"]
+@pytest.mark.parametrize("case", ["off", "engine_first_off"])
+def test_verl_switch_turns_the_plugin_off(probes, case):
+    out, _ = probes[case]
     assert not out["plugin_loaded"] and out["engines"] == {} and not out["replica"]
