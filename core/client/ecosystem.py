@@ -10,8 +10,6 @@ weight-transfer routes are in ``weight_transfer.py``:
   ``GET /get_world_size`` (1: a server joins a weight-transfer group as one rank).
 """
 
-import asyncio
-import time
 import uuid
 
 from ..types import SamplingParams
