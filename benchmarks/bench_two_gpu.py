@@ -378,7 +378,7 @@ def report(res: dict) -> None:
                                 ("sync", "sync ms"), ("gap", "log-prob gap"),
                                 ("verified", "checksums equal")]))
     if "copy" in res and "split" in res:
-        sync_ms = median([s["sync_ms"] for s in res["split"]["steps"]])
+        sync_ms = median([s["sync_ms"] for s in res["split"]["steps"][1:]])  # warm, as the table
         gbps = res["split"]["weight_bytes"] / sync_ms / 1e6
         print(f"sync {gbps:.1f} GB/s = {gbps / res['copy']['p2p']['GBps']:.0%} of p2p "
               f"({res['copy']['p2p']['GBps']:.1f} GB/s)")
