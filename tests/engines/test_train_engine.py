@@ -91,9 +91,12 @@ def test_weights_match_stage0(stage):
         torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_save_load_resumes_exactly(stage, tmp_path):
-    cfg = train_config(stage, optim={"eps": 1e-3, "schedule": "warmup_cosine", "warmup_steps": 1, "total_steps": 10,
+def test_save_load_resumes_exactly(stage, dtype, tmp_path):
+    """bf16 too: its DeepSpeed checkpoint (bf16 optimizer, fp32 master partitions) must load
+    through the weights-only allow-list of ``polynya.engines._deepspeed.checkpoint_types``."""
+    cfg = train_config(stage, dtype=dtype, optim={"eps": 1e-3, "schedule": "warmup_cosine", "warmup_steps": 1, "total_steps": 10,
                                      "grad_clip": 1.0, "weight_decay": 0.01})
     batches = [make_batch(10 + i, old=True) for i in range(5)]
     a = TrainingEngine(cfg)
