@@ -12,6 +12,11 @@
    generates; sampler asleep while training): generate / logprobs / train / sync seconds.
 
     python benchmarks/bench_sync.py --out benchmarks/results
+    python benchmarks/bench_sync.py --receive-only --out $OUT   # 0. alone (no DeepSpeed)
+
+0. *Receive path* (GPU): old (finite pass + digest + ``_foreach_copy_``) vs new (fused check
+   pass + per-bucket copy kernel) verify + apply of the same buckets in one process; GB/s and
+   fraction of the HBM copy (``sync_receive.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cuda_median_ms, environment, markdown_table, median, save  # noqa: E402
+from sync_receive import bench_receive, receive_table  # noqa: E402
 
 MODEL = "random:qwen3-0.6b"
 DEVICE = (
@@ -325,11 +331,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--receive-only", action="store_true",
+                    help="only the receive-path arm (old vs new verify + apply; no DeepSpeed)")
+    ap.add_argument("--receive-iters", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     results = {"env": environment(), "model": a.model, "device": DEVICE}
-    parts = [("ipc", lambda: bench_ipc(a.iters, a.model))]
-    if not a.skip_step:
+    parts = []
+    if DEVICE == "cuda":  # the receive arm times Triton kernels: GPU only
+        parts.append(("receive", lambda: bench_receive(a.model, a.receive_iters)))
+    if not a.receive_only:
+        parts.append(("ipc", lambda: bench_ipc(a.iters, a.model)))
+    if not a.skip_step and not a.receive_only:
         parts.append(("rl_step", lambda: bench_rl_step(a.model, a.steps, a.prompts, a.group,
                                                        a.prompt_len, a.max_tokens)))
     for name, fn in parts:
@@ -339,6 +352,13 @@ def main() -> None:
             results[name] = {"error": traceback.format_exc()}
             print(results[name]["error"], flush=True)
         path = save(results, a.out, "bench_sync")  # after each part: a cut-short run keeps it
+    receive = results.get("receive") or {}
+    if "hbm_copy_ms" in receive:
+        print(f"receive path, {receive['bytes'] / 1e9:.2f} GB in {receive['tensors']} tensors; "
+              f"HBM copy {receive['hbm_copy_ms']:.3f} ms")
+        print(markdown_table(receive_table(receive), [
+            ("layout", "layout"), ("arm", "arm"), ("ms", "ms"), ("GBps", "GB/s"),
+            ("vs", "vs HBM copy")]))
     ipc = results.get("ipc") or {}
     if "runs" in ipc:
         named = dict(ipc["runs"], direct_in_process=ipc.get("direct", {}))

@@ -288,7 +288,7 @@ def check_pairs(pairs: list[tuple[str, torch.Tensor]], *, checksum: str | None =
     given) ``polynya.checksum.checksum_named_tensors(pairs)`` equals it. Nothing is copied
     here: engines call it before they touch a weight."""
     if not pairs:
-        raise ValueError("load_weights got no weights: nothing to load (the version stays)")
+        raise ValueError(NO_WEIGHTS)
     seen: set[str] = set()
     for name, t in pairs:
         if name in seen:
@@ -298,15 +298,28 @@ def check_pairs(pairs: list[tuple[str, torch.Tensor]], *, checksum: str | None =
             raise ValueError(f"load_weights: {name} has dtype {t.dtype}; weights are floating point")
     bad = non_finite(pairs)
     if bad:
-        raise ValueError(f"load_weights: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
-                         "hold NaN or inf; nothing was loaded")
+        raise ValueError(non_finite_error(bad))
     if checksum is not None:
         if not isinstance(checksum, str):
             raise ValueError(f"checksum must be a hex string, got {type(checksum).__name__}")
         got = checksum_views(pairs)
         if got != checksum:
-            raise ValueError(f"checksum mismatch: the weights hash to {got}, the sender's "
-                             f"checksum is {checksum} (corrupted or incomplete); nothing was loaded")
+            raise ValueError(checksum_error(got, checksum))
+
+
+NO_WEIGHTS = "load_weights got no weights: nothing to load (the version stays)"
+
+
+def non_finite_error(names: list[str]) -> str:
+    """The message of a load refused because ``names`` hold NaN or inf."""
+    return (f"load_weights: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
+            "hold NaN or inf; nothing was loaded")
+
+
+def checksum_error(got: str, expected: str) -> str:
+    """The message of a load refused because the weights hash to ``got``, not ``expected``."""
+    return (f"checksum mismatch: the weights hash to {got}, the sender's checksum is "
+            f"{expected} (corrupted or incomplete); nothing was loaded")
 
 
 def checked_pairs(weights: WeightPieces, shapes: Mapping[str, torch.Size], *,

@@ -14,12 +14,13 @@ import warnings
 
 import numpy as np
 import torch
+from polynya.checksum import checksum_views
 from polynya.config.common import resolve_dtype
 from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
 from polynya.model_features import attention_features
 from polynya.models import load_model
-from polynya.checksum import checksum_views
+from polynya.verified_copy import VerifiedBucketCopy
 from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, checked_pairs
 
 from . import attention
@@ -289,8 +290,16 @@ class ModelRunner:
         before anything is copied (``checked_pairs``: names, shapes, dtypes, finite values and
         ``checksum`` when given): a bad piece changes nothing.
 
-        ``FlatBuckets`` (a weight sync's staged buckets) are copied through a ``BucketCopyPlan``
-        made once per layout, with one ``_foreach_copy_``."""
+        ``FlatBuckets`` (a weight sync's staged buckets) with a ``checksum`` go through a
+        ``VerifiedBucketCopy`` made once per layout: one read checks the checksum and finite
+        values, then one launch per bucket copies them (``polynya.verified_copy``); without a
+        checksum, or when the parameters' dtype or layout differ from the buckets', through a
+        ``BucketCopyPlan`` with one ``_foreach_copy_`` after ``checked_pairs``."""
+        if isinstance(weights, FlatBuckets) and checksum is not None:
+            plan = self._verified_plan(weights)
+            if plan is not None:
+                plan.load(weights.flats, checksum)
+                return
         params = dict(self.model.named_parameters(remove_duplicate=False))
         pairs = checked_pairs(weights, {n: p.shape for n, p in params.items()}, checksum=checksum)
         if isinstance(weights, FlatBuckets):
@@ -306,13 +315,31 @@ class ModelRunner:
         """``polynya.checksum`` of the weights (in their dtype, wherever they are)."""
         return checksum_views(list(self.model.named_parameters()))
 
+    def _verified_plan(self, weights: FlatBuckets) -> VerifiedBucketCopy | None:
+        """The layout's ``VerifiedBucketCopy`` (None when the parameters cannot take it)."""
+        flats = weights.flats
+        if not flats or not isinstance(flats[0], torch.Tensor):
+            return None
+        key = ("verified", weights.key, flats[0].dtype)
+        plan = self._copy_plans.get(key)
+        if plan is None or not plan.current():
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            plan = VerifiedBucketCopy(weights.specs, params, flats[0].dtype)  # ValueError: no fit
+            self._keep_plan(key, plan)
+        return plan if plan.fits else None
+
     def _copy_plan(self, weights: FlatBuckets) -> BucketCopyPlan:
         plan = self._copy_plans.get(weights.key)
         if plan is None or not plan.current():
             params = dict(self.model.named_parameters(remove_duplicate=False))
             plan = BucketCopyPlan(weights.specs, params)  # ValueError when it does not fit
-            self._copy_plans = {weights.key: plan}  # the last layout only (a plan pins weights)
+            self._keep_plan(weights.key, plan)
         return plan
+
+    def _keep_plan(self, key, plan) -> None:
+        """Keep ``plan`` and the last plan of the other kind (a plan pins the weights)."""
+        kept = {k: p for k, p in self._copy_plans.items() if type(p) is not type(plan)}
+        self._copy_plans = {**kept, key: plan}
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """``{name: (shape, dtype)}`` of every weight ``load_weights`` accepts (tied aliases too)."""

@@ -1,0 +1,223 @@
+"""Copy tensors out of flat buffers and digest them in the same read: ``CopyPlan``.
+
+A weight sync receives flat buckets and must (1) prove that they hash to the trainer's checksum
+and hold only finite values, then (2) copy them into the receiver's parameters. ``CopyPlan``
+does both with ``_copy_digest_kernel`` (``kernel.py``): one launch per flat buffer covers every
+tensor in it through a table of ``(block -> tensor)``, ``(source offset, destination offset,
+length)`` built once per layout, plus one launch that sums each tensor's partials (digest and
+non-finite count)::
+
+    plan = CopyPlan([(starts, lengths, dsts)])        # once per layout; dsts: contiguous tensors
+    digests, bad = plan.check(flats)                  # one read: per-tensor digests, non-finite counts
+    plan.copy(flats)                                  # one launch per flat: the bytes into dsts
+    digests, bad = plan.copy(flats, digest=True)      # one read: copy + digest + finite check
+
+``check`` and ``copy(digest=True)`` return int64 tensors on the device (no host sync). The
+digests are bit-identical to ``reference.py`` (the same words and a wrapping sum). Elsewhere
+(CPU tensors unless ``op.KERNEL_ON_CPU``, no Triton) the same results come from ``reference.py`` and ``Tensor.copy_``.
+Destinations are addressed relative to the lowest one (one pointer argument), so every
+destination must be on the sources' device with the sources' element size; ``fits`` says
+whether a set of destinations can be planned.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from . import op
+from . import reference as ref
+from .op import MAX_TENSOR, have_triton
+
+# exponent bits of each floating dtype (all ones: inf or NaN); other dtypes are not checked
+EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000,
+            torch.float64: 0x7FF0000000000000}
+VECTOR_BYTES = 16  # widest load/store the launcher asks the compiler to assume
+
+
+def exponent_mask(dtype: torch.dtype) -> int:
+    return EXPONENT.get(dtype, 0)
+
+
+class CopyPlan:
+    """Tensors of a few flat buffers with their destinations: ``groups[g] = (starts, lengths,
+    dsts)`` (tensor ``k`` of group ``g`` is ``flats[g][starts[k]:starts[k] + lengths[k]]`` and
+    goes to ``dsts[k]``, a contiguous tensor of that many elements). Holds the destinations (a
+    plan must be dropped when they move). ``dsts`` may be ``None`` (check only)."""
+
+    def __init__(self, groups: Sequence[tuple[Sequence[int], Sequence[int], Sequence | None]]):
+        self.starts = [tuple(int(s) for s in st) for st, _, _ in groups]
+        self.lengths = [tuple(int(n) for n in ln) for _, ln, _ in groups]
+        self.dsts = [None if d is None else [t.detach() for t in d] for _, _, d in groups]
+        for st, ln, d in zip(self.starts, self.lengths, self.dsts):
+            if len(st) != len(ln) or any(s < 0 for s in st) or any(n < 0 for n in ln):
+                raise ValueError("a copy plan needs one non-negative start per tensor length")
+            if d is not None and (len(d) != len(ln) or any(t.numel() != n for t, n in zip(d, ln))):
+                raise ValueError("a copy plan needs one destination of each tensor's length")
+        self.num_tensors = sum(len(ln) for ln in self.lengths)
+        self.extents = [max((s + n for s, n in zip(st, ln)), default=0)
+                        for st, ln in zip(self.starts, self.lengths)]
+        self._device: dict[torch.device, tuple] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ which path
+    def kernel_ok(self, flats: Sequence[torch.Tensor], *, copy: bool) -> bool:
+        """Whether the Triton path can serve ``flats`` (CUDA, or any device with KERNEL_ON_CPU):
+        one device, contiguous 1-D sources of a known element width, tensors < 2**31 elements,
+        and (to copy) contiguous destinations of the sources' element size on that device."""
+        if len(flats) != len(self.starts) or not have_triton() or not flats:
+            return False
+        dev = flats[0].device
+        if not all((f.is_cuda or op.KERNEL_ON_CPU) and f.device == dev and f.dim() == 1
+                   and f.is_contiguous() and f.numel() >= e and f.element_size() in ref.BITS
+                   for f, e in zip(flats, self.extents)):
+            return False
+        if any(n >= MAX_TENSOR for ln in self.lengths for n in ln):
+            return False
+        if copy:
+            for f, d in zip(flats, self.dsts):
+                if d is None or not all(t.device == dev and t.is_contiguous()
+                                        and t.dtype == f.dtype for t in d):
+                    return False
+        return True
+
+    def _check_flats(self, flats: Sequence[torch.Tensor]) -> None:
+        if len(flats) != len(self.starts):
+            raise ValueError(f"{len(flats)} flat buffers for a plan of {len(self.starts)}")
+        for f, e in zip(flats, self.extents):
+            if f.numel() < e:
+                raise ValueError(f"a flat buffer of {f.numel()} elements; the plan needs {e}")
+
+    # ------------------------------------------------------------------ public calls
+    def check(self, flats: Sequence[torch.Tensor], *, kernel: bool | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(digests, non-finite counts)`` of every tensor (int64, groups in order), one read
+        of the sources, nothing written. On the kernel path both stay on the device."""
+        self._check_flats(flats)
+        if kernel is None:
+            kernel = self.kernel_ok(flats, copy=False)
+        if not kernel:
+            return self._reference(flats, copy=False)
+        return self._run(flats, copy=False, digest=True)
+
+    def copy(self, flats: Sequence[torch.Tensor], *, digest: bool = False,
+             kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Copy every tensor into its destination; with ``digest`` also return ``(digests,
+        non-finite counts)`` of the bytes copied, from the same read."""
+        self._check_flats(flats)
+        if any(d is None for d in self.dsts):
+            raise ValueError("this copy plan has no destinations (built to check only)")
+        if kernel is None:
+            kernel = self.kernel_ok(flats, copy=True)
+        if not kernel:
+            out = self._reference(flats, copy=True)
+            return out if digest else None
+        out = self._run(flats, copy=True, digest=digest)
+        return out if digest else None
+
+    # ------------------------------------------------------------------ torch path
+    def _reference(self, flats, *, copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        digests, bad = [], []
+        for g, (flat, st, ln) in enumerate(zip(flats, self.starts, self.lengths)):
+            flat = flat.reshape(-1)
+            for k, (s, n) in enumerate(zip(st, ln)):
+                src = flat[s:s + n]
+                digests.append(ref.digest_reference(ref.bits_view(src)))
+                bad.append(int((~torch.isfinite(src)).sum()) if src.is_floating_point() else 0)
+                if copy:
+                    dst = self.dsts[g][k]
+                    with torch.no_grad():
+                        dst.view(-1).copy_(src)
+        return torch.tensor(digests, dtype=torch.int64), torch.tensor(bad, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ Triton path
+    def _tables(self, device: torch.device, flats: Sequence[torch.Tensor]) -> tuple:
+        """Per group ``(blk_tensor, blk_start, src_off, dst_off, length, dst base, partial
+        offset, blocks, align)`` and the per-tensor segment tables (digest partials first,
+        non-finite partials after them); made once per device."""
+        key = (device, tuple(f.dtype for f in flats))
+        tables = self._device.get(key)
+        if tables is not None:
+            return tables
+
+        def upload(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device)
+
+        per_group, seg_first, seg_count, offset = [], [], [], 0
+        for g, (st, ln) in enumerate(zip(self.starts, self.lengths)):
+            offset += offset % 2
+            elem = flats[g].element_size()
+            n_blocks = [max(1, -(-n // op.BLOCK)) for n in ln]
+            blk_tensor = [k for k, nb in enumerate(n_blocks) for _ in range(nb)]
+            blk_start = [b * op.BLOCK for nb in n_blocks for b in range(nb)]
+            dst_base, dst_off = None, [0] * len(ln)
+            dsts = self.dsts[g]
+            if dsts and all(t.device == device and t.dtype == flats[g].dtype for t in dsts):
+                dst_base = min(dsts, key=lambda t: t.data_ptr())
+                dst_off = [(t.data_ptr() - dst_base.data_ptr()) // elem for t in dsts]
+                if any((t.data_ptr() - dst_base.data_ptr()) % elem for t in dsts):
+                    dst_base = None  # misaligned destination: the copy takes the torch path
+            src_addr = flats[g].data_ptr()
+            align = max(1, VECTOR_BYTES // elem)
+            values = list(st) + list(ln) + (dst_off if dst_base is not None else [])
+            align = math.gcd(align, *values) if values else align
+            if src_addr % VECTOR_BYTES or (dst_base is not None
+                                           and dst_base.data_ptr() % VECTOR_BYTES):
+                align = 1
+            group_off = offset
+            for nb in n_blocks:
+                seg_first.append(offset)
+                seg_count.append(nb)
+                offset += nb
+            per_group.append((upload(blk_tensor), upload(blk_start), upload(list(st)),
+                              upload(dst_off), upload(list(ln)), dst_base, group_off,
+                              len(blk_tensor), align))
+        total = offset + offset % 2
+        seg_first = seg_first + [f + total for f in seg_first]
+        tables = (per_group, upload(seg_first), upload(seg_count + seg_count), total)
+        with self._lock:
+            self._device.setdefault(key, tables)
+        return self._device[key]
+
+    def _run(self, flats, *, copy: bool, digest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = flats[0].device
+        if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+            with torch.cuda.device(dev):  # Triton launches on the current device
+                return self._launch(flats, dev, copy=copy, digest=digest)
+        return self._launch(flats, dev, copy=copy, digest=digest)
+
+    def _launch(self, flats, dev, *, copy: bool, digest: bool):
+        from .kernel import _copy_digest_kernel, _segment_sum_kernel
+
+        per_group, seg_first, seg_count, total = self._tables(dev, flats)
+        if copy and any(g[5] is None and g[7] for g in per_group):
+            raise ValueError("a destination is not aligned to its element size; copy with "
+                             "kernel=False")
+        partial = torch.zeros(2 * total if digest else 2, dtype=torch.int64, device=dev)
+        s1, s2, s3 = ref.SHIFTS
+        for g, (flat, tab) in enumerate(zip(flats, per_group)):
+            blk_tensor, blk_start, src_off, dst_off, length, dst_base, off, nb, align = tab
+            if not nb:
+                continue
+            bits_t = ref.BITS[flat.element_size()]
+            src_addr = flat.data_ptr()
+            if src_addr % VECTOR_BYTES:
+                align = 1  # this call's buffer is less aligned than the one the plan saw
+            bits = flat.view(bits_t)
+            dst = dst_base.view(-1).view(bits_t) if (copy and dst_base is not None) else bits
+            _copy_digest_kernel[(nb,)](
+                bits, dst, blk_tensor, blk_start, src_off, dst_off, length,
+                *((partial[off:], partial[total + off:]) if digest else (partial, partial)),
+                DIGEST=digest, COPY=copy, EXP=exponent_mask(flat.dtype) if digest else 0,
+                ALIGN=align, VMASK=ref.value_mask(flat.element_size()), GAMMA=ref.GAMMA,
+                KEY=ref.KEY, M1=ref.M1, M2=ref.M2, S1=s1, S2=s2, S3=s3, K1=ref.shift_mask(s1),
+                K2=ref.shift_mask(s2), K3=ref.shift_mask(s3), BLOCK=op.BLOCK)
+        if not digest:
+            return None
+        sums = torch.empty(2 * self.num_tensors, dtype=torch.int64, device=dev)
+        if self.num_tensors:
+            _segment_sum_kernel[(2 * self.num_tensors,)](partial, seg_first, seg_count, sums,
+                                                         RBLOCK=op.RBLOCK)
+        return sums[:self.num_tensors], sums[self.num_tensors:]
