@@ -47,7 +47,8 @@ class VerifiedBucketCopy:
         groups, self.numels = [], []
         for i, spec in enumerate(specs):
             if len(spec.names) != len(spec.shapes):
-                raise ValueError(f"bucket {i}: {len(spec.names)} names but {len(spec.shapes)} shapes")
+                raise ValueError(f"bucket {i}: {len(spec.names)} names but "
+                                 f"{len(spec.shapes)} shapes")
             check_known(spec.names, spec.shapes, {n: p.shape for n, p in params.items()})
             starts, sizes = list(spec.starts()), spec.sizes()
             if any(o < 0 or o + n > spec.numel for o, n in zip(starts, sizes)):

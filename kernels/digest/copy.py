@@ -8,13 +8,14 @@ length)`` built once per layout, plus one launch that sums each tensor's partial
 non-finite count)::
 
     plan = CopyPlan([(starts, lengths, dsts)])        # once per layout; dsts: contiguous tensors
-    digests, bad = plan.check(flats)                  # one read: per-tensor digests, non-finite counts
+    digests, bad = plan.check(flats)                  # one read: digests, non-finite counts
     plan.copy(flats)                                  # one launch per flat: the bytes into dsts
     digests, bad = plan.copy(flats, digest=True)      # one read: copy + digest + finite check
 
 ``check`` and ``copy(digest=True)`` return int64 tensors on the device (no host sync). The
 digests are bit-identical to ``reference.py`` (the same words and a wrapping sum). Elsewhere
-(CPU tensors unless ``op.KERNEL_ON_CPU``, no Triton) the same results come from ``reference.py`` and ``Tensor.copy_``.
+(CPU tensors unless ``op.KERNEL_ON_CPU``, no Triton) the same results come from
+``reference.py`` and ``Tensor.copy_``.
 Destinations are addressed relative to the lowest one (one pointer argument), so every
 destination must be on the sources' device with the sources' element size; ``fits`` says
 whether a set of destinations can be planned.
@@ -159,12 +160,10 @@ class CopyPlan:
                 dst_off = [(t.data_ptr() - dst_base.data_ptr()) // elem for t in dsts]
                 if any((t.data_ptr() - dst_base.data_ptr()) % elem for t in dsts):
                     dst_base = None  # misaligned destination: the copy takes the torch path
-            src_addr = flats[g].data_ptr()
-            align = max(1, VECTOR_BYTES // elem)
+            align = max(1, VECTOR_BYTES // elem)  # the source's own alignment: per call
             values = list(st) + list(ln) + (dst_off if dst_base is not None else [])
             align = math.gcd(align, *values) if values else align
-            if src_addr % VECTOR_BYTES or (dst_base is not None
-                                           and dst_base.data_ptr() % VECTOR_BYTES):
+            if dst_base is not None and dst_base.data_ptr() % VECTOR_BYTES:
                 align = 1
             group_off = offset
             for nb in n_blocks:
@@ -202,9 +201,8 @@ class CopyPlan:
             if not nb:
                 continue
             bits_t = ref.BITS[flat.element_size()]
-            src_addr = flat.data_ptr()
-            if src_addr % VECTOR_BYTES:
-                align = 1  # this call's buffer is less aligned than the one the plan saw
+            if flat.data_ptr() % VECTOR_BYTES:
+                align = 1  # the offsets' alignment only helps from an aligned buffer
             bits = flat.view(bits_t)
             dst = dst_base.view(-1).view(bits_t) if (copy and dst_base is not None) else bits
             _copy_digest_kernel[(nb,)](

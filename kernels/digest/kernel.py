@@ -63,7 +63,7 @@ def _copy_digest_kernel(src_ptr, dst_ptr, blk_tensor_ptr, blk_start_ptr, src_off
     ``ALIGN`` elements (checked by the launcher), so loads and stores vectorise."""
     pid = tl.program_id(0)
     t = tl.load(blk_tensor_ptr + pid)
-    start = tl.load(blk_start_ptr + pid).to(tl.int32)
+    start = tl.multiple_of(tl.load(blk_start_ptr + pid).to(tl.int32), BLOCK)
     n = tl.multiple_of(tl.load(len_ptr + t).to(tl.int32), ALIGN)
     src_base = tl.multiple_of(tl.load(src_off_ptr + t), ALIGN)
     offs = start + tl.arange(0, BLOCK)  # int32: tensors are < 2**31 elements (checked)

@@ -46,3 +46,46 @@ def test_layout_checksums_on_cuda():
     assert staged.checksum() == m.checksum
     staged.flats[0][17] += 1
     assert staged.checksum() != want
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 16, 1 << 30])
+def test_sampler_takes_a_sync_through_the_fused_kernel(bucket_bytes):
+    """A native sampler on CUDA applies a packed sync with the compiled check + copy kernels
+    (``VerifiedBucketCopy``): weights equal the sent ones bit for bit, a one-bit corruption is
+    refused and leaves every weight and the version as they were."""
+    from polynya.checksum import checksum_named_tensors
+    from polynya.config import SamplerConfig
+    from polynya.engines import SamplingEngine
+    from polynya.sync import StagedUpdate, SyncError, SyncManifest, apply_update, plan_buckets
+    from polynya.verified_copy import VerifiedBucketCopy
+
+    sampler = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="bfloat16", device="cuda",
+                                           num_blocks=32, block_size=8, cuda_graphs=False))
+    named = list(sampler.backend.runner.model.named_parameters())
+    g = torch.Generator(device="cuda").manual_seed(2)
+    new = [(n, (p.detach() + torch.randn(p.shape, generator=g, device="cuda") * 0.01)
+            .to(p.dtype)) for n, p in named]
+    specs = plan_buckets([(n, tuple(t.shape)) for n, t in new], 2, bucket_bytes)
+    by_name = dict(new)
+    flats = [torch.cat([by_name[n].reshape(-1) for n in s.names]) for s in specs]
+    manifest = SyncManifest(1, "torch.bfloat16", checksum_named_tensors(new), specs)
+
+    def staged(bufs):
+        out = StagedUpdate(manifest)
+        for i, f in enumerate(bufs):
+            out.put(i, f)
+        return out
+
+    before = sampler.weight_checksum()
+    bad = [f.clone() for f in flats]
+    bad[-1].view(torch.int16)[-3] ^= 1
+    with pytest.raises(SyncError, match="checksum mismatch"):
+        apply_update(sampler, staged(bad))
+    assert sampler.weight_checksum() == before and sampler.weight_version == 0
+    plans = [p for p in sampler.backend.runner._copy_plans.values()
+             if isinstance(p, VerifiedBucketCopy)]
+    assert len(plans) == 1 and plans[0].plan.kernel_ok(flats, copy=True)
+    assert apply_update(sampler, staged(flats)) == 1
+    assert sampler.weight_checksum() == manifest.checksum
+    params = dict(sampler.backend.runner.model.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in new)
