@@ -14,8 +14,9 @@ unverified path); a rejected sync leaves the engine serving its previous weights
 
 What depends only on the manifest's layout (offsets checked, digest block tables, checksum line
 prefixes) is prepared once per layout (``polynya.sync.layout.bucket_layout``); the engine gets
-the buckets as ``polynya.weights.FlatBuckets``, which the native sampler copies with one
-``_foreach_copy_`` through a plan it also keeps per layout.
+the buckets as ``polynya.weights.FlatBuckets``, which the native sampler checks and copies
+through a ``polynya.verified_copy.VerifiedBucketCopy`` it also keeps per layout (one read to
+digest and check every bucket, then one copy launch per bucket; nothing written on a mismatch).
 """
 
 from __future__ import annotations
