@@ -6,8 +6,9 @@
    digest), shares its flat weight storage (span layout: one handle per storage, no packing);
    the sampler process maps it, verifies the checksum of what it mapped and copies it into its
    parameters. Timed per phase; GB/s = weight bytes / time; target: end-to-end >= 50% of the
-   HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, and
-   the sampler's own ``load_weights`` (per-tensor copies) against the ``_foreach_copy_`` path.
+   HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, the
+   sampler's ``load_weights`` called directly, and ``spans_digest_at_step``: the trainer's
+   digest launched by ``step()`` (``prepare_checksum``) right before the sync, not in it.
 3. *RL step*: the local client, colocated on one GPU (ZeRO-2 trainer offloaded while the sampler
    generates; sampler asleep while training): generate / logprobs / train / sync seconds.
 
@@ -103,13 +104,19 @@ def hbm_copy(nbytes: int) -> dict:
     return {"bytes": nbytes, "ms": ms, "GBps": nbytes / ms / 1e6}
 
 
-def one_sync(trainer, conn, version: int, layout: str, official: bool) -> dict:
+def one_sync(trainer, conn, version: int, layout: str, official: bool, ready: bool = False) -> dict:
+    """One sync. ``ready``: the trainer's digest is launched as ``step()`` launches it, right
+    before the sync starts (back to back, nothing in between to hide it); else the manifest
+    computes the checksum itself (the sync path before ``TrainingEngine.prepare_checksum``)."""
     from polynya.sync import SharedExport, build_manifest
 
     bb = 1 << 28
     _sync()
+    if ready:
+        trainer.prepare_checksum()  # what step() does at its end; no device sync after it
     t0 = time.perf_counter()
-    manifest = build_manifest(trainer, version=version, bucket_bytes=bb, layout=layout)
+    manifest = build_manifest(trainer, version=version, bucket_bytes=bb, layout=layout,
+                              ready=ready)
     _sync()
     t1 = time.perf_counter()
     export = SharedExport.from_trainer(trainer, manifest, bb)
@@ -160,7 +167,8 @@ def bench_direct(trainer, model: str, iters: int, hbm_gbps: float) -> dict:
         for v in range(1, iters + 2):
             _sync()
             t0 = time.perf_counter()
-            m = build_manifest(trainer, version=v, bucket_bytes=1 << 28, layout="spans")
+            m = build_manifest(trainer, version=v, bucket_bytes=1 << 28, layout="spans",
+                               ready=False)
             _sync()
             t1 = time.perf_counter()
             staged = StagedUpdate(m)
@@ -225,16 +233,17 @@ def bench_ipc(iters: int, model: str) -> dict:
     nbytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters())
     out["hbm_copy"] = hbm_copy(nbytes)
     version = 0
-    for name, layout, official in [
-        ("spans", "spans", False),
-        ("spans_load_weights", "spans", True),
-        ("packed", "packed", False),
+    for name, layout, official, ready in [
+        ("spans", "spans", False, False),
+        ("spans_digest_at_step", "spans", False, True),
+        ("spans_load_weights", "spans", True, False),
+        ("packed", "packed", False, False),
     ]:
         try:
             runs = []
             for _ in range(iters + 1):  # the first one warms up (IPC open, Triton compile)
                 version += 1
-                runs.append(one_sync(trainer, parent, version, layout, official))
+                runs.append(one_sync(trainer, parent, version, layout, official, ready))
             out["runs"][name] = summarize(runs, out["hbm_copy"]["GBps"])
         except Exception:  # e.g. CUDA-IPC refused by the sandbox: keep going, report it
             out["runs"][name] = {"error": traceback.format_exc()}

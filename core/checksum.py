@@ -14,7 +14,9 @@ Fast paths give the same value without a second copy of the weights:
   place by the Triton kernels, one device -> host transfer;
 - ``checksum_packed(buckets, shapes)``: ``(names, flat)`` buckets as ``export_weights`` yields;
 - ``specs_checksum(specs, dtype, flats)``: flat buckets described by bucket specs (a weight
-  sync's manifest), with the digest plan and line prefixes cached per layout.
+  sync's manifest), with the digest plan and line prefixes cached per layout;
+- ``PendingChecksum``: the same digests launched on a side CUDA stream ahead of time (a
+  trainer's weights right after its update), collected later.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from .kernels.digest import DigestPlan, tensor_digest
 from .kernels.digest.op import MAX_TENSOR, have_triton
 
 __all__ = [
-    "DigestPlan", "cached_plan", "checksum_lines", "checksum_named_tensors", "checksum_packed",
+    "DigestPlan", "PendingChecksum", "cached_plan", "checksum_lines", "checksum_named_tensors", "checksum_packed",
     "checksum_views", "combine_signatures", "gather", "signature_prefix", "specs_checksum",
     "tensor_digest", "tensor_signature",
 ]
@@ -126,6 +128,32 @@ def checksum_packed(buckets: Iterable[tuple[Sequence[str], torch.Tensor]],
         digests.append(cached_plan(starts, sizes).digest_tensor([flat]))
         prefixes += [signature_prefix(n, flat.dtype, shapes[n]) for n in names]
     return checksum_lines(prefixes, gather(digests))
+
+
+class PendingChecksum:
+    """A checksum whose digests run on a side CUDA ``stream``, queued behind the work already on
+    the current stream, without a host sync. ``result()`` collects it (one device -> host
+    transfer); ``wait()`` makes the current stream wait for the digests (call it before the
+    digested tensors change or are freed)."""
+
+    def __init__(self, plan: DigestPlan, prefixes: Sequence[str], flats: Sequence[torch.Tensor],
+                 stream: torch.cuda.Stream):
+        stream.wait_stream(torch.cuda.current_stream(flats[0].device))
+        with torch.cuda.stream(stream):
+            self._digests = plan.digest_tensor(flats, kernel=True)
+            self._done = torch.cuda.Event()
+            self._done.record(stream)
+        self._prefixes = list(prefixes)
+        self._value: str | None = None
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self._digests.device).wait_event(self._done)
+
+    def result(self) -> str:
+        if self._value is None:
+            self.wait()
+            self._value = checksum_lines(self._prefixes, self._digests.tolist())
+        return self._value
 
 
 class _SpecDigest:

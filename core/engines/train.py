@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..checksum import PendingChecksum
 from ..config.common import resolve_dtype
 from ..config.train import TrainConfig
 from ..distributed import (
@@ -42,6 +43,7 @@ from ..distributed import (
 )
 from ..files import verify_manifest, write_manifest
 from ..losses import Normalizer, policy_loss, resolve_loss
+from ..spans import span_layout
 from ..types import RolloutBatch, TokenStats
 from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
@@ -92,6 +94,8 @@ class TrainingEngine:
         self.dtype = resolve_dtype(config.dtype)
         self._pending = 0  # forward_backward calls since the last step
         self._offloaded = False
+        self._ready = None  # (span layout, PendingChecksum) launched after the last update
+        self._digest_stream = None
         self._host: list | None = None  # ZeRO-3 master-weight host buffers, kept across offloads
         self.engine = self._build(dsu.import_deepspeed())
         self.module = self.engine.module
@@ -210,8 +214,10 @@ class TrainingEngine:
         schedule = self._sched.state_dict() if self._own_clip else None
         group_lrs = [g["lr"] for g in self._sched.optimizer.param_groups]
         self._own_norm = None
+        self._drop_checksum()
         self.engine.step()
         self._pending = 0
+        self.prepare_checksum()
         norm = self._own_norm if self._own_clip else self.engine.get_global_grad_norm()
         norm = float("nan") if norm is None else float(norm)
         skipped = int(self.engine.skipped_steps) > ds_skipped
@@ -360,6 +366,7 @@ class TrainingEngine:
         """
         self._check_onloaded()
         verify_manifest(path)
+        self._drop_checksum()
         dsu.load_checkpoint(self.engine, path, tag="polynya")
         self._pending = 0
 
@@ -376,6 +383,7 @@ class TrainingEngine:
             raise RuntimeError("offload() with gradients pending: call step() first")
         if self.config.zero_stage == 0:
             raise NotImplementedError("offload() needs ZeRO stage >= 1 (DeepSpeed's offload_states)")
+        self._drop_checksum()
         before = _allocated(self.device)
         self._host = dsu.offload_engine(self.engine, pin_memory=self.device.type == "cuda",
                                         host=self._host)
@@ -411,6 +419,42 @@ class TrainingEngine:
     def weight_checksum(self, bucket_bytes: int = 1 << 28) -> str:
         """``polynya.distributed.checksum_named_tensors`` of the full weights (all ranks call)."""
         return dsu.weights_checksum(self.module, bucket_bytes)
+
+    def prepare_checksum(self) -> None:
+        """Launch the digest of the current weights on a side CUDA stream without waiting;
+        ``step()`` calls it after every update, so the next sync's ``build_manifest`` only
+        collects it (``ready_checksum``) instead of reading the weights on the sync's path.
+        CUDA with span weights (ZeRO-1/2) only; elsewhere a no-op."""
+        self._drop_checksum()
+        if self.device.type != "cuda" or self._offloaded:
+            return
+        found = span_layout(self.module)
+        if found is None or not found[0].plan.kernel_ok(found[1]):
+            return
+        layout, spans = found
+        if self._digest_stream is None:
+            self._digest_stream = torch.cuda.Stream(self.device)
+        self._ready = (layout, PendingChecksum(layout.plan, layout.prefixes, spans,
+                                               self._digest_stream))
+
+    def ready_checksum(self) -> str | None:
+        """The checksum ``prepare_checksum`` launched, when the weights have not changed through
+        the engine since (and still lie where they did); ``None`` otherwise. Weights must change
+        only through the engine's methods: a change made behind its back makes the next sync
+        fail its checksum (``SyncError``), it never applies the wrong weights."""
+        if self._ready is None:
+            return None
+        layout, pending = self._ready
+        if layout.recheck() is None:  # a parameter moved or is gone since the launch
+            self._drop_checksum()
+            return None
+        return pending.result()
+
+    def _drop_checksum(self) -> None:
+        """Before the weights change or move: the current stream waits for a pending digest."""
+        if self._ready is not None:
+            self._ready[1].wait()
+            self._ready = None
 
 
 def _allocated(device: torch.device) -> float:

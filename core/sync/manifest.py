@@ -141,7 +141,8 @@ def flat_spans(module: torch.nn.Module) -> list[tuple[torch.Tensor, BucketSpec]]
 
 
 def build_manifest(
-    trainer, *, version: int, bucket_bytes: int, layout: str = "packed", checksum: str | None = None
+    trainer, *, version: int, bucket_bytes: int, layout: str = "packed", checksum: str | None = None,
+    ready: bool = True,
 ) -> SyncManifest:
     """The manifest of ``trainer``'s current weights (a ``TrainingEngine`` or any object with
     ``module``, ``export_weights`` and ``weight_checksum``).
@@ -149,9 +150,14 @@ def build_manifest(
     ``layout="packed"``: buckets as ``export_weights(bucket_bytes)`` packs them (every trainer
     rank must call this under ZeRO-3). ``layout="spans"``: the trainer's own flat storages, no
     packing (falls back to packed when the weights are not views of flat buffers).
+    ``ready``: take the checksum the trainer launched right after its last update
+    (``TrainingEngine.ready_checksum``, off the sync's path) when it has one; else (or with
+    ``ready=False``) it is computed here. The checksum does not depend on the layout.
     """
     if layout not in ("packed", "spans"):
         raise ValueError(f"layout must be 'packed' or 'spans', got {layout!r}")
+    if checksum is None and ready and callable(getattr(trainer, "ready_checksum", None)):
+        checksum = trainer.ready_checksum()
     found = span_layout(trainer.module) if layout == "spans" else None
     if found is not None and found[0].dtype is not None:
         spans_layout, spans = found

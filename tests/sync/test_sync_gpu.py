@@ -89,3 +89,37 @@ def test_sampler_takes_a_sync_through_the_fused_kernel(bucket_bytes):
     assert sampler.weight_checksum() == manifest.checksum
     params = dict(sampler.backend.runner.model.named_parameters())
     assert all(torch.equal(params[n], t) for n, t in new)
+
+
+def test_trainer_digest_launched_by_step_is_the_checksum():
+    """A ZeRO-2 bf16 trainer on CUDA: ``step()`` launches the weight digest on a side stream;
+    the next manifest takes it, and it equals ``weight_checksum()`` computed afresh, after
+    every step; an offload drops it (the manifest then computes the checksum itself)."""
+    from polynya import RolloutBatch
+    from polynya.config import TrainConfig
+    from polynya.engines import TrainingEngine
+    from polynya.sync import build_manifest
+
+    engine = TrainingEngine(TrainConfig("tiny:qwen3", dtype="bfloat16", zero_stage=2, lr=1e-2,
+                                        device="cuda"))
+    vocab = engine.module.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    batch = RolloutBatch([torch.randint(0, vocab, (12,), generator=g).tolist()] * 2,
+                         [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(2)],
+                         advantages=torch.tensor([1.0, -1.0]))
+    assert engine.ready_checksum() is None
+    seen = []
+    for v in range(2):
+        engine.forward_backward(batch)
+        engine.step()
+        ready = engine.ready_checksum()
+        assert ready is not None and ready == engine.weight_checksum()
+        assert build_manifest(engine, version=v + 1, bucket_bytes=1 << 20,
+                              layout="spans").checksum == ready
+        seen.append(ready)
+    assert seen[0] != seen[1]
+    engine.offload()
+    engine.onload()
+    assert engine.ready_checksum() is None
+    assert build_manifest(engine, version=3, bucket_bytes=1 << 20,
+                          layout="packed").checksum == seen[1]
