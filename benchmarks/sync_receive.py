@@ -13,6 +13,7 @@ each timed wall clock with the device synchronised (median of ``iters`` after wa
 - ``check`` / ``copy``: the new path's two passes alone; ``copy_digest``: one fused pass
   (copy + digest + finite count) into a staging buffer (what a double-buffered receiver
   would pay); ``trainer_digest``: the sender's digest of the same bytes (``DigestPlan``);
+  ``check_8warps`` / ``copy_8warps``: the two passes with 8 warps per program (default 4);
 - ``hbm_copy``: ``dst.copy_(src)`` of the same bytes (the reference bandwidth).
 
 No DeepSpeed, no second process: ``python benchmarks/bench_sync.py --receive-only``.
@@ -118,6 +119,8 @@ def _bench_layout(params: dict[str, torch.Tensor], kind: str, iters: int, hbm_gb
     fused = CopyPlan([(s.starts(), s.sizes(), [st[o:o + n] for o, n in zip(s.starts(), s.sizes())])
                       for s, st in zip(specs, staging)])
     digest = DigestPlan([(s.starts(), s.sizes()) for s in specs])
+    wide = CopyPlan([(s.starts(), s.sizes(), [params[n].detach().view(-1) for n in s.names])
+                     for s in specs], num_warps=8)  # the new path's passes at 8 warps
 
     def old():
         checked_pairs(fb, shapes, checksum=checksum)
@@ -131,6 +134,8 @@ def _bench_layout(params: dict[str, torch.Tensor], kind: str, iters: int, hbm_gb
         "copy": lambda: new.plan.copy(flats),
         "copy_digest": lambda: fused.copy(flats, digest=True),
         "trainer_digest": lambda: digest.digest_tensor(flats),
+        "check_8warps": lambda: wide.check(flats),
+        "copy_8warps": lambda: wide.copy(flats),
     }
     row: dict = {"buckets": len(specs)}
     runs: dict[str, list[float]] = {"old": [], "new": []}
@@ -138,7 +143,7 @@ def _bench_layout(params: dict[str, torch.Tensor], kind: str, iters: int, hbm_gb
         runs[name].append(_wall_ms(arms[name], 2, iters))
     for name in ("old", "new"):
         row[name + "_ms"] = min(runs[name])
-    for name in ("check", "copy", "copy_digest", "trainer_digest"):
+    for name in ("check", "copy", "copy_digest", "trainer_digest", "check_8warps", "copy_8warps"):
         row[name + "_ms"] = _wall_ms(arms[name], 2, iters)
     for name in arms:
         row[name + "_GBps"] = nbytes / row[name + "_ms"] / 1e6
@@ -163,7 +168,8 @@ def receive_table(res: dict) -> list[dict]:
     rows = []
     for kind in ("spans", "packed"):
         row = res.get(kind) or {}
-        for arm in ("old", "new", "check", "copy", "copy_digest", "trainer_digest"):
+        for arm in ("old", "new", "check", "copy", "copy_digest", "trainer_digest",
+                    "check_8warps", "copy_8warps"):
             if arm + "_ms" in row:
                 rows.append({"layout": f"{kind} ({row['buckets']} buckets)", "arm": arm,
                              "ms": f"{row[arm + '_ms']:.3f}", "GBps": f"{row[arm + '_GBps']:.0f}",

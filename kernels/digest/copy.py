@@ -36,6 +36,7 @@ from .op import MAX_TENSOR, have_triton
 EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000,
             torch.float64: 0x7FF0000000000000}
 VECTOR_BYTES = 16  # widest load/store the launcher asks the compiler to assume
+NUM_WARPS = 4  # per program of BLOCK elements (bench_sync's receive arm also times 8)
 
 
 def exponent_mask(dtype: torch.dtype) -> int:
@@ -48,7 +49,9 @@ class CopyPlan:
     goes to ``dsts[k]``, a contiguous tensor of that many elements). Holds the destinations (a
     plan must be dropped when they move). ``dsts`` may be ``None`` (check only)."""
 
-    def __init__(self, groups: Sequence[tuple[Sequence[int], Sequence[int], Sequence | None]]):
+    def __init__(self, groups: Sequence[tuple[Sequence[int], Sequence[int], Sequence | None]], *,
+                 num_warps: int = NUM_WARPS):
+        self.num_warps = int(num_warps)
         self.starts = [tuple(int(s) for s in st) for st, _, _ in groups]
         self.lengths = [tuple(int(n) for n in ln) for _, ln, _ in groups]
         self.dsts = [None if d is None else [t.detach() for t in d] for _, _, d in groups]
@@ -211,7 +214,8 @@ class CopyPlan:
                 DIGEST=digest, COPY=copy, EXP=exponent_mask(flat.dtype) if digest else 0,
                 ALIGN=align, VMASK=ref.value_mask(flat.element_size()), GAMMA=ref.GAMMA,
                 KEY=ref.KEY, M1=ref.M1, M2=ref.M2, S1=s1, S2=s2, S3=s3, K1=ref.shift_mask(s1),
-                K2=ref.shift_mask(s2), K3=ref.shift_mask(s3), BLOCK=op.BLOCK)
+                K2=ref.shift_mask(s2), K3=ref.shift_mask(s3), BLOCK=op.BLOCK,
+                num_warps=self.num_warps)
         if not digest:
             return None
         sums = torch.empty(2 * self.num_tensors, dtype=torch.int64, device=dev)
