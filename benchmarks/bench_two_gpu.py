@@ -105,10 +105,17 @@ def sampler_main(conn, model: str, port: int) -> None:
                 prompts, params = arg
                 out = engine.generate(prompts, params)
                 conn.send(("generated", (out, time.perf_counter() - t0)))
-            elif cmd == "sync":
-                version = apply_update(engine, recv_weights(group, arg, "cuda"))
+            elif cmd == "sync":  # phases: receive (waits for the trainer's sends), verify + apply
+                staged = recv_weights(group, arg, "cuda")
                 torch.cuda.synchronize()
-                conn.send(("synced", (version, engine.weight_checksum(), time.perf_counter() - t0)))
+                t1 = time.perf_counter()
+                version = apply_update(engine, staged)
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                checksum = engine.weight_checksum()  # the bench's own check, not part of the sync
+                conn.send(("synced", (version, checksum, {
+                    "recv_ms": (t1 - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3,
+                    "check_ms": (time.perf_counter() - t2) * 1e3})))
         group.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -165,10 +172,11 @@ def run_split(model, port, steps, shape, overlap) -> dict:
         t1 = time.perf_counter()
         conn.send(("sync", manifest))
         send_weights(group, trainer, manifest, BUCKET)
-        got_version, checksum, recv_s = _expect(conn, "synced")
-        total = time.perf_counter() - t0
+        got_version, checksum, phases = _expect(conn, "synced")
+        total_ms = (time.perf_counter() - t0) * 1e3 - phases["check_ms"]  # without the bench's check
         return {"version": got_version, "verified": checksum == trainer.weight_checksum(),
-                "manifest_ms": (t1 - t0) * 1e3, "sync_ms": total * 1e3, "recv_apply_ms": recv_s * 1e3}
+                "manifest_ms": (t1 - t0) * 1e3, "sync_ms": total_ms,
+                "recv_apply_ms": phases["recv_ms"] + phases["apply_ms"], **phases}
 
     first = sync(1)  # the sampler starts from the trainer's weights (version 1)
     rows = []
@@ -382,6 +390,10 @@ def report(res: dict) -> None:
         gbps = res["split"]["weight_bytes"] / sync_ms / 1e6
         print(f"sync {gbps:.1f} GB/s = {gbps / res['copy']['p2p']['GBps']:.0%} of p2p "
               f"({res['copy']['p2p']['GBps']:.1f} GB/s)")
+        warm = res["split"]["steps"][1:]
+        print("split sync phases (median ms, warm): " + ", ".join(
+            f"{k[:-3]} {median([s[k] for s in warm]):.2f}"
+            for k in ("manifest_ms", "recv_ms", "apply_ms", "check_ms") if k in warm[0]))
     for k in ("dp1", "dp2"):
         if "steps" in res.get(k, {}):
             print(k, [(round(s["loss"], 5), round(s["grad_norm"], 4), round(s["ms"], 1))
