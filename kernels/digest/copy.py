@@ -63,7 +63,8 @@ class CopyPlan:
         self.num_tensors = sum(len(ln) for ln in self.lengths)
         self.extents = [max((s + n for s, n in zip(st, ln)), default=0)
                         for st, ln in zip(self.starts, self.lengths)]
-        self._device: dict[torch.device, tuple] = {}
+        self._device: dict[tuple, tuple] = {}  # (device, dtypes) -> launch tables
+        self._dst_ok: dict[tuple, bool] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ which path
@@ -81,10 +82,14 @@ class CopyPlan:
         if any(n >= MAX_TENSOR for ln in self.lengths for n in ln):
             return False
         if copy:
-            for f, d in zip(flats, self.dsts):
-                if d is None or not all(t.device == dev and t.is_contiguous()
-                                        and t.dtype == f.dtype for t in d):
-                    return False
+            key = (dev, tuple(f.dtype for f in flats))
+            ok = self._dst_ok.get(key)
+            if ok is None:  # the destinations are fixed: checked once per device and dtypes
+                ok = all(d is not None and all(t.device == dev and t.is_contiguous()
+                                               and t.dtype == f.dtype for t in d)
+                         for f, d in zip(flats, self.dsts))
+                self._dst_ok[key] = ok
+            return ok
         return True
 
     def _check_flats(self, flats: Sequence[torch.Tensor]) -> None:
