@@ -4,21 +4,23 @@ A weight sync receives flat buckets and must (1) prove that they hash to the tra
 and hold only finite values, then (2) copy them into the receiver's parameters. ``CopyPlan``
 does both with ``_copy_digest_kernel`` (``kernel.py``): one launch per flat buffer covers every
 tensor in it through a table of ``(block -> tensor)``, ``(source offset, destination offset,
-length)`` built once per layout, plus one launch that sums each tensor's partials (digest and
-non-finite count)::
+length)`` in 64-bit words, built once per layout, plus one launch that sums each tensor's
+partials (digest and NaN/inf count)::
 
     plan = CopyPlan([(starts, lengths, dsts)])        # once per layout; dsts: contiguous tensors
-    digests, bad = plan.check(flats)                  # one read: digests, non-finite counts
+    digests, bad = plan.check(flats)                  # one read: digests, NaN/inf counts
     plan.copy(flats)                                  # one launch per flat: the bytes into dsts
     digests, bad = plan.copy(flats, digest=True)      # one read: copy + digest + finite check
 
-``check`` and ``copy(digest=True)`` return int64 tensors on the device (no host sync). The
-digests are bit-identical to ``reference.py`` (the same words and a wrapping sum). Elsewhere
-(CPU tensors unless ``op.KERNEL_ON_CPU``, no Triton) the same results come from
-``reference.py`` and ``Tensor.copy_``.
-Destinations are addressed relative to the lowest one (one pointer argument), so every
-destination must be on the sources' device with the sources' element size; ``fits`` says
-whether a set of destinations can be planned.
+``check`` and ``copy(digest=True)`` return int64 tensors on the device (no host sync); a
+count is zero iff the tensor is finite (the kernel counts words holding a NaN/inf, torch
+counts values). The digests are bit-identical to ``reference.py``. The kernel reads a tensor
+in place when its bytes start and end on the 8-byte grid of an aligned buffer (and its
+destination is 8-byte aligned): every weight of the usual model shapes. Other tensors take
+torch on the device (``digest_tensor_reference``, ``Tensor.copy_``), as does everything on
+CPU tensors (unless ``op.KERNEL_ON_CPU``) or without Triton. Destinations are addressed
+relative to the lowest one (one pointer argument), so they must be on the sources' device in
+the sources' dtype.
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ class CopyPlan:
         dev = flats[0].device
         if not all((f.is_cuda or op.KERNEL_ON_CPU) and f.device == dev and f.dim() == 1
                    and f.is_contiguous() and f.numel() >= e and f.element_size() in ref.BITS
+                   and f.data_ptr() % op.WORD == 0 and f.untyped_storage().data_ptr() % op.WORD == 0
                    for f, e in zip(flats, self.extents)):
             return False
         if any(n >= MAX_TENSOR for ln in self.lengths for n in ln):
@@ -98,6 +101,12 @@ class CopyPlan:
         for f, e in zip(flats, self.extents):
             if f.numel() < e:
                 raise ValueError(f"a flat buffer of {f.numel()} elements; the plan needs {e}")
+
+    def kernel_share(self, flats: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """``(tensors the kernel reads as 64-bit words in place, tensors off the 8-byte grid
+        that take the torch path)`` for buffers like ``flats`` on the kernel path."""
+        tables = self._tables(flats[0].device, flats)
+        return self.num_tensors - len(tables[5]), len(tables[5])
 
     # ------------------------------------------------------------------ public calls
     def check(self, flats: Sequence[torch.Tensor], *, kernel: bool | None = None
@@ -134,18 +143,21 @@ class CopyPlan:
             for k, (s, n) in enumerate(zip(st, ln)):
                 src = flat[s:s + n]
                 digests.append(ref.digest_reference(ref.bits_view(src)))
-                bad.append(int((~torch.isfinite(src)).sum()) if src.is_floating_point() else 0)
+                bad.append(_non_finite(src))
                 if copy:
                     dst = self.dsts[g][k]
                     with torch.no_grad():
                         dst.view(-1).copy_(src)
-        return torch.tensor(digests, dtype=torch.int64), torch.tensor(bad, dtype=torch.int64)
+        return (torch.tensor(digests, dtype=torch.int64),
+                torch.tensor([int(b) for b in bad], dtype=torch.int64))
 
     # ------------------------------------------------------------------ Triton path
     def _tables(self, device: torch.device, flats: Sequence[torch.Tensor]) -> tuple:
         """Per group ``(blk_tensor, blk_start, src_off, dst_off, length, dst base, partial
-        offset, blocks, align)`` and the per-tensor segment tables (digest partials first,
-        non-finite partials after them); made once per device."""
+        offset, blocks, align)`` over its word-aligned tensors (offsets and lengths in 64-bit
+        words; the destination too), the per-tensor segment tables (digest partials first,
+        non-finite partials after them), the global indices of the kernel's tensors and
+        ``(index, group, k)`` of the others (torch path); made once per device and dtypes."""
         key = (device, tuple(f.dtype for f in flats))
         tables = self._device.get(key)
         if tables is not None:
@@ -154,36 +166,48 @@ class CopyPlan:
         def upload(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device)
 
+        word = op.WORD
         per_group, seg_first, seg_count, offset = [], [], [], 0
+        kernel_index, others, index = [], [], 0
         for g, (st, ln) in enumerate(zip(self.starts, self.lengths)):
             offset += offset % 2
-            elem = flats[g].element_size()
-            n_blocks = [max(1, -(-n // op.BLOCK)) for n in ln]
+            es, dsts = flats[g].element_size(), self.dsts[g]
+            dst_ok = bool(dsts) and all(t.device == device and t.dtype == flats[g].dtype
+                                        for t in dsts)
+            members = [k for k, (s, n) in enumerate(zip(st, ln))
+                       if (s * es) % word == 0 and (n * es) % word == 0
+                       and (not dst_ok or dsts[k].data_ptr() % word == 0)]
+            base = min((dsts[k] for k in members), key=lambda t: t.data_ptr(),
+                       default=None) if dst_ok else None
+            chosen = set(members)
+            for k in range(len(ln)):  # off the 8-byte grid: the torch path
+                if k in chosen:
+                    kernel_index.append(index + k)
+                else:
+                    others.append((index + k, g, k))
+            index += len(ln)
+            w_st = [st[k] * es // word for k in members]
+            w_ln = [ln[k] * es // word for k in members]
+            w_dst = [(dsts[k].data_ptr() - base.data_ptr()) // word if base is not None else 0
+                     for k in members]
+            align = math.gcd(VECTOR_BYTES // word, *w_st, *w_ln, *w_dst)
+            if base is not None and base.data_ptr() % VECTOR_BYTES:
+                align = 1
+            n_blocks = [max(1, -(-n // op.BLOCK)) for n in w_ln]
             blk_tensor = [k for k, nb in enumerate(n_blocks) for _ in range(nb)]
             blk_start = [b * op.BLOCK for nb in n_blocks for b in range(nb)]
-            dst_base, dst_off = None, [0] * len(ln)
-            dsts = self.dsts[g]
-            if dsts and all(t.device == device and t.dtype == flats[g].dtype for t in dsts):
-                dst_base = min(dsts, key=lambda t: t.data_ptr())
-                dst_off = [(t.data_ptr() - dst_base.data_ptr()) // elem for t in dsts]
-                if any((t.data_ptr() - dst_base.data_ptr()) % elem for t in dsts):
-                    dst_base = None  # misaligned destination: the copy takes the torch path
-            align = max(1, VECTOR_BYTES // elem)  # the source's own alignment: per call
-            values = list(st) + list(ln) + (dst_off if dst_base is not None else [])
-            align = math.gcd(align, *values) if values else align
-            if dst_base is not None and dst_base.data_ptr() % VECTOR_BYTES:
-                align = 1
             group_off = offset
             for nb in n_blocks:
                 seg_first.append(offset)
                 seg_count.append(nb)
                 offset += nb
-            per_group.append((upload(blk_tensor), upload(blk_start), upload(list(st)),
-                              upload(dst_off), upload(list(ln)), dst_base, group_off,
-                              len(blk_tensor), align))
+            per_group.append((upload(blk_tensor), upload(blk_start), upload(w_st), upload(w_dst),
+                              upload(w_ln), base, group_off, len(blk_tensor), align))
         total = offset + offset % 2
         seg_first = seg_first + [f + total for f in seg_first]
-        tables = (per_group, upload(seg_first), upload(seg_count + seg_count), total)
+        every = kernel_index == list(range(self.num_tensors))
+        tables = (per_group, upload(seg_first), upload(seg_count + seg_count), total,
+                  None if every else upload(kernel_index), others)
         with self._lock:
             self._device.setdefault(key, tables)
         return self._device[key]
@@ -198,33 +222,70 @@ class CopyPlan:
     def _launch(self, flats, dev, *, copy: bool, digest: bool):
         from .kernel import _copy_digest_kernel, _segment_sum_kernel
 
-        per_group, seg_first, seg_count, total = self._tables(dev, flats)
+        per_group, seg_first, seg_count, total, kernel_index, others = self._tables(dev, flats)
         if copy and any(g[5] is None and g[7] for g in per_group):
-            raise ValueError("a destination is not aligned to its element size; copy with "
-                             "kernel=False")
+            raise ValueError("a destination is not 8-byte aligned; copy with kernel=False")
         partial = torch.zeros(2 * total if digest else 2, dtype=torch.int64, device=dev)
         s1, s2, s3 = ref.SHIFTS
-        for g, (flat, tab) in enumerate(zip(flats, per_group)):
+        for flat, tab in zip(flats, per_group):
             blk_tensor, blk_start, src_off, dst_off, length, dst_base, off, nb, align = tab
             if not nb:
                 continue
-            bits_t = ref.BITS[flat.element_size()]
             if flat.data_ptr() % VECTOR_BYTES:
                 align = 1  # the offsets' alignment only helps from an aligned buffer
-            bits = flat.view(bits_t)
-            dst = dst_base.view(-1).view(bits_t) if (copy and dst_base is not None) else bits
+            words = op.word_view(flat)
+            dst = op.word_view(dst_base.view(-1)) if (copy and dst_base is not None) else words
+            expw, ones, high = finite_lanes(flat.dtype) if digest else (0, 0, 0)
             _copy_digest_kernel[(nb,)](
-                bits, dst, blk_tensor, blk_start, src_off, dst_off, length,
+                words, dst, blk_tensor, blk_start, src_off, dst_off, length,
                 *((partial[off:], partial[total + off:]) if digest else (partial, partial)),
-                DIGEST=digest, COPY=copy, EXP=exponent_mask(flat.dtype) if digest else 0,
-                ALIGN=align, VMASK=ref.value_mask(flat.element_size()), GAMMA=ref.GAMMA,
-                KEY=ref.KEY, M1=ref.M1, M2=ref.M2, S1=s1, S2=s2, S3=s3, K1=ref.shift_mask(s1),
-                K2=ref.shift_mask(s2), K3=ref.shift_mask(s3), BLOCK=op.BLOCK,
-                num_warps=self.num_warps)
+                DIGEST=digest, COPY=copy, EXPW=expw, ONES=ones, HIGH=high, ALIGN=align,
+                GAMMA=ref.GAMMA, KEY=ref.KEY, M1=ref.M1, M2=ref.M2, S1=s1, S2=s2, S3=s3,
+                K1=ref.shift_mask(s1), K2=ref.shift_mask(s2), K3=ref.shift_mask(s3),
+                BLOCK=op.BLOCK, num_warps=self.num_warps)
+        if copy:
+            with torch.no_grad():
+                for _, g, k in others:  # tensors off the 8-byte grid: torch copies them
+                    s, n = self.starts[g][k], self.lengths[g][k]
+                    self.dsts[g][k].view(-1).copy_(flats[g][s:s + n])
         if not digest:
             return None
-        sums = torch.empty(2 * self.num_tensors, dtype=torch.int64, device=dev)
-        if self.num_tensors:
-            _segment_sum_kernel[(2 * self.num_tensors,)](partial, seg_first, seg_count, sums,
-                                                         RBLOCK=op.RBLOCK)
-        return sums[:self.num_tensors], sums[self.num_tensors:]
+        count = len(seg_count) // 2
+        sums = torch.empty(2 * count, dtype=torch.int64, device=dev)
+        if count:
+            _segment_sum_kernel[(2 * count,)](partial, seg_first, seg_count, sums,
+                                              RBLOCK=op.RBLOCK)
+        if kernel_index is None:
+            return sums[:count], sums[count:]
+        digests = torch.zeros(self.num_tensors, dtype=torch.int64, device=dev)
+        bad = torch.zeros(self.num_tensors, dtype=torch.int64, device=dev)
+        if count:
+            digests[kernel_index] = sums[:count]
+            bad[kernel_index] = sums[count:]
+        for index, g, k in others:
+            s, n = self.starts[g][k], self.lengths[g][k]
+            src = flats[g][s:s + n]
+            digests[index] = ref.digest_tensor_reference(ref.bits_view(src))
+            bad[index] = _non_finite(src)
+        return digests, bad
+
+
+def _non_finite(t: torch.Tensor) -> torch.Tensor | int:
+    """How many values of ``t`` are NaN or inf (a device tensor for floating ``t``, else 0)."""
+    return (~torch.isfinite(t)).sum() if t.is_floating_point() else 0
+
+
+def finite_lanes(dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(EXPW, ONES, HIGH)`` for the kernel's NaN/inf test on 64-bit words of ``dtype``: the
+    exponent mask in every lane, a 1 in every lane, the top bit of every lane (a lane holds a
+    NaN/inf iff ``(w & EXPW) ^ EXPW`` has a zero lane, found with the classic
+    ``(x - ONES) & ~x & HIGH`` test). ``(0, 0, 0)``: not checked (integer dtypes)."""
+    exp = EXPONENT.get(dtype, 0)
+    if not exp:
+        return 0, 0, 0
+    bits = 8 * torch.empty((), dtype=dtype).element_size()
+    lanes = 64 // bits
+    expw = sum(exp << (bits * i) for i in range(lanes))
+    ones = sum(1 << (bits * i) for i in range(lanes))
+    high = sum(1 << (bits * i + bits - 1) for i in range(lanes))
+    return tuple(ref._signed(v) for v in (expw, ones, high))

@@ -1,10 +1,12 @@
 """Triton kernels of the weight digest (``reference.py`` defines it).
 
-``_digest_blocks_kernel``: one program per block of ``BLOCK`` elements of one tensor; mixes
-each element with its position (SplitMix64 finaliser, int64 arithmetic wrapping like torch's)
-and writes the block's sum. ``_segment_sum_kernel``: one program per tensor, adds its blocks'
-partial sums (no atomics). Both read the weights once; sums wrap modulo ``2**64``, so any
-block order gives the reference's bits.
+Both read a tensor as 64-bit words (its raw bytes, little-endian; the launchers pass an int64
+view of the flat buffer and word offsets). ``_digest_blocks_kernel``: one program per block of
+``BLOCK`` words of one tensor; mixes each word with its position (SplitMix64 finaliser, int64
+arithmetic wrapping like torch's) and writes the block's sum. ``_segment_sum_kernel``: one
+program per tensor, adds its blocks' partial sums (no atomics). ``_copy_digest_kernel``: the
+same words from one read, optionally copied to a destination and checked for NaN/inf. Sums
+wrap modulo ``2**64``, so any block order gives the reference's bits.
 """
 import triton
 import triton.language as tl
@@ -50,36 +52,35 @@ def _segment_sum_kernel(partial_ptr, first_ptr, count_ptr, out_ptr, RBLOCK: tl.c
 @triton.jit
 def _copy_digest_kernel(src_ptr, dst_ptr, blk_tensor_ptr, blk_start_ptr, src_off_ptr, dst_off_ptr,
                         len_ptr, partial_ptr, bad_ptr,
-                        DIGEST: tl.constexpr, COPY: tl.constexpr, EXP: tl.constexpr,
-                        ALIGN: tl.constexpr, VMASK: tl.constexpr, GAMMA: tl.constexpr,
-                        KEY: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
-                        S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
+                        DIGEST: tl.constexpr, COPY: tl.constexpr, EXPW: tl.constexpr,
+                        ONES: tl.constexpr, HIGH: tl.constexpr, ALIGN: tl.constexpr,
+                        GAMMA: tl.constexpr, KEY: tl.constexpr, M1: tl.constexpr,
+                        M2: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
                         K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
                         BLOCK: tl.constexpr):
-    """One program per block of ``BLOCK`` elements of one tensor of a flat source: one read of
-    the block, then (each optional) its copy to ``dst_ptr + dst_off[t]``, its count of
-    non-finite values (``EXP``: the dtype's exponent mask, 0 = off) and its digest partial sum
-    (the same words as ``_digest_blocks_kernel``). Offsets and lengths are multiples of
-    ``ALIGN`` elements (checked by the launcher), so loads and stores vectorise."""
+    """One program per block of ``BLOCK`` 64-bit words of one tensor of a flat source: one
+    read of the block, then (each optional) its copy to ``dst_ptr + dst_off[t]``, its count of
+    words holding a NaN/inf (``EXPW``: the exponent mask in every lane, 0 = off; a lane is
+    non-finite iff ``(w & EXPW) ^ EXPW`` is zero there, found with ``(x - ONES) & ~x & HIGH``)
+    and its digest partial sum (the words of ``_digest_blocks_kernel``). Offsets and lengths
+    are multiples of ``ALIGN`` words (checked by the launcher), so loads and stores vectorise."""
     pid = tl.program_id(0)
     t = tl.load(blk_tensor_ptr + pid)
     start = tl.multiple_of(tl.load(blk_start_ptr + pid).to(tl.int32), BLOCK)
     n = tl.multiple_of(tl.load(len_ptr + t).to(tl.int32), ALIGN)
     src_base = tl.multiple_of(tl.load(src_off_ptr + t), ALIGN)
-    offs = start + tl.arange(0, BLOCK)  # int32: tensors are < 2**31 elements (checked)
+    offs = start + tl.arange(0, BLOCK)  # int32: tensors are < 2**31 words (checked)
     mask = offs < n
-    raw = tl.load(src_ptr + src_base + offs.to(tl.int64), mask=mask, other=0)
+    w = tl.load(src_ptr + src_base + offs.to(tl.int64), mask=mask, other=0)
     if COPY:
         dst_base = tl.multiple_of(tl.load(dst_off_ptr + t), ALIGN)
-        tl.store(dst_ptr + dst_base + offs.to(tl.int64), raw, mask=mask)
-    if EXP != 0:
-        bad = ((raw & EXP) == EXP) & mask  # exponent all ones: inf or NaN
+        tl.store(dst_ptr + dst_base + offs.to(tl.int64), w, mask=mask)
+    if EXPW != 0:
+        x = (w & EXPW) ^ EXPW
+        bad = (((x - ONES) & ~x & HIGH) != 0) & mask
         tl.store(bad_ptr + pid, tl.sum(bad.to(tl.int64), axis=0))
     if DIGEST:
-        v = raw.to(tl.int64)
-        if VMASK != 0:
-            v = v & VMASK  # zero-extend the element's bits
-        z = (offs.to(tl.int64) * GAMMA + KEY) ^ v
+        z = (offs.to(tl.int64) * GAMMA + KEY) ^ w
         z = (z ^ ((z >> S1) & K1)) * M1
         z = (z ^ ((z >> S2) & K2)) * M2
         z = z ^ ((z >> S3) & K3)

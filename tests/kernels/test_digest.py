@@ -5,7 +5,8 @@ suffer: a swap of two values (8191 apart too: the old ``sum bits * (pos % 8191 +
 accepted it), ``+k/-k`` pairs, a value moved (a run shifted by one), every single-bit flip of
 an element; each test also shows the old digest is fooled by its case where it was, so the
 tests can fail. Agreement: torch reference == a Python big-integer oracle == the Triton kernels
-(under ``TRITON_INTERPRET=1`` in a child process on CPU; compiled on a GPU).
+(under ``TRITON_INTERPRET=1`` in a child process on CPU; compiled on a GPU), for tensors on
+the 8-byte grid (read as words in place) and off it (torch on the device).
 """
 import os
 import sys
@@ -168,7 +169,10 @@ def _interp():
     import polynya.kernels.digest.op as op
 
     op.RBLOCK = 4  # several iterations of the per-tensor sum
+    op.BLOCK = 256  # several blocks (of 64-bit words) per tensor at interpreter sizes
+    # tensors off the 8-byte grid (odd starts / sizes: torch on the device) and on it (kernel)
     check_kernel("cpu", 21000, [0, 4096, 4097, 11000, 20999], [4096, 1, 6903, 9999, 1])
+    check_kernel("cpu", 21000, [0, 4096, 8200, 12000, 20000], [4096, 4000, 3792, 8000, 1000])
     print("INTERP OK")
 
 
@@ -177,6 +181,8 @@ def test_kernels_on_gpu():
     n = 3_000_017
     check_kernel("cuda", n, [0, 4096, 100_000, 1_000_001, 2_999_000],
                  [4096, 95_904, 900_001, 1_998_999, 1017])
+    check_kernel("cuda", n, [0, 4096, 100_000, 1_000_000, 2_999_000],
+                 [4096, 95_904, 900_000, 1_999_000, 1000])
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["interp"]:

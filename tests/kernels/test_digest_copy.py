@@ -26,20 +26,27 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def layout(lens: list[int], seed: int, gaps: bool = True) -> tuple[list[int], int]:
-    """Starts of ``lens`` in a flat buffer (random gaps when ``gaps``) and the buffer size."""
+    """Starts of ``lens`` in a flat buffer and the buffer size: each tensor starts on the
+    8-element grid (random gaps of 0-24 elements) except one in seven, which starts one element
+    off it (the kernel reads tensors on the grid, torch the others)."""
     g = torch.Generator().manual_seed(seed)
     starts, pos = [], 0
-    for n in lens:
-        pos += int(torch.randint(0, 9, (), generator=g)) if gaps else 0
+    for k, n in enumerate(lens):
+        pos = -(-pos // 8) * 8
+        if gaps:
+            pos += 8 * int(torch.randint(0, 4, (), generator=g)) + (k % 7 == 3)
         starts.append(pos)
         pos += n
     return starts, pos + (3 if gaps else 0)
 
 
 def random_lens(count: int, seed: int, block: int) -> list[int]:
+    """Tensor sizes in elements: one 64-bit word, whole blocks of words for 2-byte elements and
+    around them, odd sizes (off the 8-byte grid), and random multiples of 8."""
     g = torch.Generator().manual_seed(seed)
-    edge = [1, block, block + 1, 2 * block - 1, 7]
-    rest = torch.randint(1, 3 * block, (count - len(edge),), generator=g).tolist()
+    edge = [1, 7, 8, 4 * block, 4 * block + 8, 8 * block - 8]
+    rest = (torch.randint(1, 12 * block // 8, (count - len(edge),), generator=g) * 8).tolist()
+    rest = [n + 3 if i % 5 == 4 else n for i, n in enumerate(rest)]
     lens = edge + rest
     return [lens[i] for i in torch.randperm(len(lens), generator=g).tolist()]
 
@@ -64,12 +71,16 @@ def check_plan(device: str, count: int, block: int, kernel: bool) -> None:
         dsts.append(dst)
     plan = CopyPlan(groups)
     assert plan.kernel_ok(flats, copy=True) == kernel
+    if kernel:  # both paths inside the kernel path: words in place, and torch off the grid
+        in_place, off_grid = plan.kernel_share(flats)
+        assert in_place > 2 * off_grid > 0
     want_d = [tensor_digest(f[s:s + n]) for f, (st, ln, _) in zip(flats, groups)
               for s, n in zip(st, ln)]
     want_b = [int((~torch.isfinite(f[s:s + n])).sum()) for f, (st, ln, _) in zip(flats, groups)
               for s, n in zip(st, ln)]
+    want_b = [n > 0 for n in want_b]  # the kernel counts words holding a NaN/inf
     d, b = plan.check(flats, kernel=kernel)
-    assert d.tolist() == want_d and b.tolist() == want_b
+    assert d.tolist() == want_d and [n > 0 for n in b.tolist()] == want_b
     assert all(bool((t == 7).all()) for ds in dsts for t in ds)  # check writes nothing
     assert plan.copy(flats, kernel=kernel) is None
     for f, (st, ln, _), ds in zip(flats, groups, dsts):
@@ -78,7 +89,7 @@ def check_plan(device: str, count: int, block: int, kernel: bool) -> None:
         for t in ds:
             t.fill_(-1.0)
     d, b = plan.copy(flats, digest=True, kernel=kernel)
-    assert d.tolist() == want_d and b.tolist() == want_b
+    assert d.tolist() == want_d and [n > 0 for n in b.tolist()] == want_b
     for f, (st, ln, _), ds in zip(flats, groups, dsts):
         assert all(same_bits(t, f[s:s + n]) for t, s, n in zip(ds, st, ln))
 
@@ -141,6 +152,24 @@ def check_verified_load(device: str, count: int, block: int) -> None:
                    for m, v in pairs if m == n)
 
 
+def check_lanes(dtype: torch.dtype) -> None:
+    """A NaN or inf in any lane of a 64-bit word (and in the lone word of a 1-word tensor) is
+    counted; finite extremes (max, min, subnormals, -0.0) are not."""
+    info = torch.finfo(dtype)
+    per_word = 8 // torch.empty((), dtype=dtype).element_size()
+    finite = torch.tensor([info.max, -info.max, info.tiny / 4, -0.0, 1.0, info.min,
+                           info.smallest_normal, 3.0], dtype=dtype)
+    for lane in range(per_word):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            flat = finite.clone()
+            flat[lane] = value
+            plan = CopyPlan([([0, per_word], [per_word, 8 - per_word], None)])
+            _, bad = plan.check([flat], kernel=True)
+            assert bad.tolist()[0] > 0 and bad.tolist()[1] == 0, (dtype, lane, value)
+    _, bad = CopyPlan([([0], [8], None)]).check([finite], kernel=True)
+    assert bad.tolist() == [0]
+
+
 def test_reference_paths():
     check_plan("cpu", 9, 64, kernel=False)
     check_verified_load("cpu", 10, 64)
@@ -178,10 +207,12 @@ def _interp():
     from polynya.kernels.digest import op
 
     op.KERNEL_ON_CPU = True
-    op.BLOCK = 256  # many blocks per tensor at interpreter-friendly sizes
+    op.BLOCK = 64  # many blocks (of 64-bit words) per tensor at interpreter-friendly sizes
     op.RBLOCK = 4  # several iterations of the per-tensor sum
     check_plan("cpu", 24, op.BLOCK, kernel=True)
     check_verified_load("cpu", 16, op.BLOCK)
+    for dtype in DTYPES:  # NaN / inf in every lane of a word are found
+        check_lanes(dtype)
     print("INTERP OK")
 
 
