@@ -10,7 +10,10 @@ receives their values. ``_run`` drives a plan with ``ray.get`` (sync API) and ``
 ``await`` (async API), both bounded by ``timeout_s``; a dead actor or a timeout raises
 ``EngineError`` at the client instead of hanging. Weight sync: colocated = the trainer ranks'
 CUDA-IPC / shared-memory buckets, each replica reading the ones of its own GPU; split = a
-broadcast group (trainer ranks + every receiver) set up on the first sync.
+broadcast group (trainer ranks + every receiver) set up on the first sync, and again on the sync
+after one that failed (a member lost mid-sync raises ``SyncPeerLost`` in every other member
+within ``SyncGroup``'s ``peer_timeout_s`` and tears the group down; the version does not move).
+A dead actor is not replaced: the next sync's group set-up reports it (``EngineError``).
 """
 
 from __future__ import annotations
@@ -205,10 +208,14 @@ class RayClient(ClientLifecycle):
             if not self._group_ready:
                 yield from self._plan_group(receivers)
             n = len(self.trainers)
-            yield (
-                [t.send_weights.remote(manifest, bb, n) for t in self.trainers]
-                + [r.receive_broadcast.remote(manifest, n) for r in receivers]
-            )
+            try:
+                yield (
+                    [t.send_weights.remote(manifest, bb, n) for t in self.trainers]
+                    + [r.receive_broadcast.remote(manifest, n) for r in receivers]
+                )
+            except BaseException:  # a lost member tore the group down (SyncPeerLost, bounded):
+                self._group_ready = False  # the next sync makes a new one on a new port
+                raise
         self.handover.synced(plan)
         return {
             "version": manifest.version,

@@ -70,6 +70,14 @@ def _set_rank_env(rank: int, world: int, addr: str, port: int) -> None:
     )
 
 
+def _replace_group(old: SyncGroup | None, host, port, rank, world, device, timeout_s) -> SyncGroup:
+    """A new sync group for this actor (the client makes one after a failed sync: a lost
+    member tears the old one down, ``SyncPeerLost``); an old one still up is closed first."""
+    if old is not None:
+        old.close()
+    return SyncGroup(host, port, rank=rank, world_size=world, device=device, timeout_s=timeout_s)
+
+
 class WeightReceiver:
     """Receives syncs into ``engine`` (sampler or log-prob engine) for an actor."""
 
@@ -78,9 +86,7 @@ class WeightReceiver:
         self.group: SyncGroup | None = None
 
     def init_group(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        self.group = SyncGroup(
-            host, port, rank=rank, world_size=world, device=self.device, timeout_s=timeout_s
-        )
+        self.group = _replace_group(self.group, host, port, rank, world, self.device, timeout_s)
 
     def receive_shared(self, manifest: SyncManifest, handles: list) -> int:
         opened = open_shared(manifest, handles, device=self.device)
@@ -170,9 +176,7 @@ class TrainerWorker:
     def init_sync_group(
         self, host: str, port: int, rank: int, world: int, timeout_s: float
     ) -> None:
-        self._group = SyncGroup(
-            host, port, rank=rank, world_size=world, device=self.device, timeout_s=timeout_s
-        )
+        self._group = _replace_group(self._group, host, port, rank, world, self.device, timeout_s)
 
     def send_weights(self, manifest: SyncManifest, bucket_bytes: int, num_senders: int) -> int:
         if self._group is None:

@@ -11,17 +11,23 @@
   serving its previous version.
 - ``shared``: colocated transport — CUDA-IPC of flat buckets (POSIX shared memory on CPU), one
   handle per bucket (``SharedExport`` / ``open_shared``).
-- ``broadcast``: split transport — ``SyncGroup`` (NCCL / gloo, its own store) with
-  ``send_weights`` / ``recv_weights``; trainer ranks share the sending, packing overlaps sending.
+- ``group``: ``SyncGroup`` — the split transport's own process group (NCCL / gloo, its own
+  store) with bounded waits: a member that dies, stalls or gives up is detected by heartbeats
+  (``liveness``) within ``peer_timeout_s`` and the group is torn down, never a hang.
+- ``broadcast``: split transport — ``send_weights`` / ``recv_weights`` over a ``SyncGroup``;
+  trainer ranks share the sending, packing overlaps sending; ``SyncPeerLost`` on a lost member.
 """
 
-from .broadcast import SyncGroup, recv_weights, send_weights
+from .broadcast import recv_weights, send_weights
+from .group import SyncGroup
+from .liveness import SyncPeerLost
 from .manifest import BucketSpec, SyncError, SyncManifest, build_manifest, plan_buckets
 from .shared import BucketHandle, SharedExport, open_shared
 from .staging import StagedUpdate, apply_update
 
 __all__ = [
     "SyncGroup",
+    "SyncPeerLost",
     "recv_weights",
     "send_weights",
     "BucketSpec",
