@@ -77,7 +77,8 @@ class WeightTransfer:
                 self.group.close()
                 self.group = None
             try:
-                self.group = SyncGroup(host, port, rank=offset, world_size=world, device=self.device)
+                self.group = SyncGroup(host, port, rank=offset, world_size=world,
+                                       device=self.device, heartbeat=False)  # outside trainer
             except Exception as exc:  # unreachable host, no trainer listening, timeout
                 raise RuntimeError(
                     f"could not join the weight-transfer group at {host}:{port} as rank {offset} "

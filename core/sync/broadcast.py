@@ -151,7 +151,7 @@ def _lost(group: SyncGroup, exc: PeerFailure, version: int, n: int, at: int | No
             "no partial update is returned: the engine keeps its previous weights and version")
     return SyncPeerLost(
         f"weight sync of version {version} failed on rank {group.rank} ({role}) at {where}: "
-        f"{who} lost: {exc.reason}. The sync group is torn down and nothing waits on it; {kept}. "
+        f"{who} lost: {exc.reason.rstrip('.')}. The sync group is torn down and nothing waits on it; {kept}. "
         "To recover, make a new SyncGroup on a new port with the members that are alive or "
         "restarted, and send the trainer's current weights again.",
         ranks=exc.ranks, version=version, bucket=at,

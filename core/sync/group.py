@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import is_loopback
-from .liveness import PeerFailure, PeerMonitor
+from .liveness import NoMonitor, PeerFailure, PeerMonitor
 from .manifest import SyncError
 
 _ENV_LOCK = threading.Lock()
@@ -48,7 +48,9 @@ _CHECK_S = 0.02  # how often a wait looks at the heartbeats and the flag
 
 class SyncGroup:
     """A process group of its own over a ``TCPStore`` (rank 0 hosts the store); see the module
-    docstring for ``timeout_s`` (no progress) and ``peer_timeout_s`` (no heartbeat)."""
+    docstring for ``timeout_s`` (no progress) and ``peer_timeout_s`` (no heartbeat).
+    ``heartbeat=False`` for a member whose peers are not polynya (an outside trainer on vLLM's
+    weight-transfer routes never beats): its waits are bounded by ``timeout_s`` alone."""
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class SyncGroup:
         device: torch.device | str,
         timeout_s: float = 300.0,
         peer_timeout_s: float = 30.0,
+        heartbeat: bool = True,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside a sync group of {world_size}")
@@ -98,7 +101,7 @@ class SyncGroup:
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         self.monitor = PeerMonitor(host, port, rank=rank, world=world_size,
-                                   peer_timeout_s=peer_timeout_s)
+                                   peer_timeout_s=peer_timeout_s) if heartbeat else NoMonitor()
 
     # ------------------------------------------------------------------ collectives
     def check_usable(self) -> None:
@@ -168,6 +171,11 @@ class SyncGroup:
         self.monitor.close()
         _bury(self.pg)
         self.pg = self.store = None
+
+    def __del__(self):  # a group dropped without close(): its heartbeat must not outlive it
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor.close()
 
     def close(self) -> None:
         """Orderly shutdown of a healthy group (every member calls it)."""

@@ -192,3 +192,29 @@ class PeerMonitor:
         self._stop.set()
         if join and self._thread is not threading.current_thread():
             self._thread.join(self.peer_timeout_s + 1)
+
+
+class NoMonitor:
+    """Stands in for ``PeerMonitor`` in a group without heartbeats (``SyncGroup(heartbeat=
+    False)``): nobody is ever found lost, waits are bounded by ``timeout_s`` alone."""
+
+    interval_s = 0.0
+
+    @contextlib.contextmanager
+    def watch(self):
+        yield self
+
+    def lost(self) -> None:
+        return None
+
+    def failure(self) -> None:
+        return None
+
+    def suspects(self) -> tuple[int, ...]:
+        return ()
+
+    def fail(self, reason: str, ranks: tuple[int, ...] = ()) -> None:
+        pass
+
+    def close(self, join: bool = False) -> None:
+        pass
