@@ -5,24 +5,26 @@ group, over a ``TCPStore`` that rank 0 hosts (listening on the given ``host`` on
 loopback host gloo's own listener is on loopback too, so a group on one machine opens nothing on
 the network).
 
-Failure is bounded. Every member beats into the store (``PeerMonitor``); ``wait(work)`` polls a
-collective instead of blocking on it and gives up with ``PeerFailure`` when
+Failure is bounded. Every member beats into the store (``PeerMonitor``, one beat per interval
+= ``peer_timeout_s / 5``, at most 1 s); ``wait(work)`` polls a collective instead of blocking on
+it and gives up with ``PeerFailure`` when
 
-- a member has not beaten for ``peer_timeout_s`` (default 30 s: killed, ``SIGSTOP``-ed, cut off),
-- another member raised the group's failure flag (it gave up first: this member stops within
-  about ``peer_timeout_s / 5``, at most 1 s),
+- a member has not beaten for ``peer_timeout_s`` (default 30 s: killed, ``SIGSTOP``-ed, cut off):
+  raised within ``peer_timeout_s`` + one interval of its last beat;
+- another member raised the group's failure flag (it gave up first): within one interval;
+- the backend reported an error (gloo: a closed connection, seen at once; the failed peer is
+  then named from the heartbeats, within ~3 intervals);
 - the collective made no progress for ``timeout_s`` (default 300 s) although everyone beats (a
-  member that never entered the sync), or the backend reported an error (gloo: a closed
-  connection, seen at once; the failed peer is then named from the heartbeats).
+  member that never entered the sync; gloo's own operation timeout is ``timeout_s`` + 5 s, so
+  this check fires first).
 
 ``abort(reason)`` then tears the group down without waiting on anything: it raises the flag,
 aborts the NCCL communicator (in-flight kernels exit; ``ProcessGroupNCCL.abort`` never ends the
 process) and never destroys the backend (gloo cannot cancel a queued operation, and destroying
-the group would wait for each to reach gloo's own ``timeout_s``; they end on their own). The old
-port stays bound, so a new group takes a new port. The NCCL group is made with a
-watchdog timeout longer than these bounds and, unless the user set
-``TORCH_NCCL_ASYNC_ERROR_HANDLING``, in its clean-up-only mode (2): the watchdog never ends the
-process for this group.
+the group would wait for each to reach gloo's own timeout; they end on their own). The old port
+stays bound, so a new group takes a new port. The NCCL group is made with a watchdog timeout
+longer than these bounds and, unless the user set ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, in its
+clean-up-only mode (2): the watchdog never ends the process for this group.
 """
 
 from __future__ import annotations
@@ -93,13 +95,15 @@ class SyncGroup:
             opts._timeout = datetime.timedelta(seconds=2 * timeout_s + peer_timeout_s + 60)
             with _nccl_cleanup_only():
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        elif is_loopback(host):  # a group on this host: gloo's pair listener on loopback too
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-        else:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        else:  # gloo's own operation timeout a little later than ours: ours names the cause
+            late = datetime.timedelta(seconds=timeout_s + 5)
+            if is_loopback(host):  # a group on this host: gloo's pair listener on loopback too
+                opts = dist.ProcessGroupGloo._Options()
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+                opts._timeout = late
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+            else:
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, late)
         self.monitor = PeerMonitor(host, port, rank=rank, world=world_size,
                                    peer_timeout_s=peer_timeout_s) if heartbeat else NoMonitor()
 

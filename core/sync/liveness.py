@@ -54,9 +54,10 @@ class SyncPeerLost(SyncError):
     ``bucket`` this member had reached (``None``: the receipt confirmation after every bucket).
     """
 
-    def __init__(self, message: str, *, ranks: tuple[int, ...], version: int, bucket: int | None):
-        super().__init__(message)
-        self.ranks, self.version, self.bucket = ranks, version, bucket
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = (), version: int = -1,
+                 bucket: int | None = None):
+        super().__init__(message)  # (defaults: unpickling — Ray — rebuilds from the message)
+        self.ranks, self.version, self.bucket = tuple(ranks), version, bucket
 
 
 class PeerFailure(Exception):

@@ -108,7 +108,8 @@ def receive_into(sampler, port, rank, world, manifest):
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_receiver_lost_mid_sync_then_restarted_receiver_resyncs(ctx, trainer, how):  # noqa: F811
     """Trainer (rank 0) + an in-process sampler (rank 1) + a receiver process (rank 2) that
-    dies / stops when bucket 1 arrives."""
+    dies / stops when bucket 1 arrives; then (kill) a new receiver process and the sampler
+    join a new group and take the trainer's current weights."""
     manifest = build_manifest(trainer, version=VERSION, bucket_bytes=BUCKET)
     assert len(manifest.buckets) > 3
     before = trainer_state(trainer)
@@ -148,6 +149,8 @@ def test_receiver_lost_mid_sync_then_restarted_receiver_resyncs(ctx, trainer, ho
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
     assert proc.exitcode == -signal.SIGKILL
+    if how == "stop":
+        return  # the restart below is the same after either failure: run it once
 
     # a restarted receiver (new process) and the surviving sampler join a new group
     port = free_port()
@@ -196,3 +199,72 @@ def test_sender_killed_mid_sync_receiver_keeps_its_version(ctx):
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
     assert proc.exitcode == -signal.SIGKILL
+
+
+def test_receiver_that_cannot_stage_keeps_the_group_in_step(trainer, monkeypatch):  # noqa: F811
+    """A receiver failing locally (out of memory while staging bucket 2) still confirms: the
+    sender gets a ``SyncError`` naming it (not a lost peer), nothing is applied, and the same
+    group then carries the next sync."""
+    from polynya.sync import StagedUpdate
+
+    manifest = build_manifest(trainer, version=VERSION, bucket_bytes=BUCKET)
+    sampler = make_sampler()
+    kept = sampler.weight_checksum()
+    put, failures = StagedUpdate.put, []
+
+    def put_once_oom(self, index, flat):
+        if index == 2 and not failures:
+            failures.append(index)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        put(self, index, flat)
+
+    monkeypatch.setattr(StagedUpdate, "put", put_once_oom)
+    port = free_port()
+    box: dict = {}
+
+    def receiver():
+        g = group(port, 1, 2)
+        for attempt in range(2):
+            try:
+                box[attempt] = apply_update(sampler, recv_weights(g, manifest, "cpu"))
+            except Exception as exc:
+                box[attempt] = exc
+        g.close()
+
+    thread = threading.Thread(target=receiver, daemon=True)
+    thread.start()
+    sender = group(port, 0, 2)
+    with pytest.raises(SyncError, match=r"rank\(s\) \[1\] could not take version 5") as err:
+        send_weights(sender, trainer, manifest, BUCKET)
+    assert not isinstance(err.value, SyncPeerLost)
+    assert send_weights(sender, trainer, manifest, BUCKET) == manifest.nbytes  # same group
+    sender.close()
+    thread.join(30)
+    assert isinstance(box[0], SyncError) and "out of memory" in str(box[0])
+    assert box[1] == VERSION and sampler.weight_checksum() == trainer.weight_checksum() != kept
+
+
+def test_member_alive_but_absent_times_out_and_errors_pickle(trainer):  # noqa: F811
+    """A member that beats but never enters the sync: the sender gives up after ``timeout_s``
+    (no peer named). ``SyncPeerLost`` survives pickling (Ray carries it to the driver)."""
+    import pickle
+
+    manifest = build_manifest(trainer, version=VERSION, bucket_bytes=BUCKET)
+    port = free_port()
+    members = {}
+    joined = threading.Thread(target=lambda: members.setdefault(
+        1, SyncGroup("127.0.0.1", port, rank=1, world_size=2, device="cpu", timeout_s=1.5,
+                     peer_timeout_s=PEER_TIMEOUT)), daemon=True)
+    joined.start()
+    sender = SyncGroup("127.0.0.1", port, rank=0, world_size=2, device="cpu", timeout_s=1.5,
+                       peer_timeout_s=PEER_TIMEOUT)
+    joined.join(30)
+    t0 = time.monotonic()
+    with pytest.raises(SyncPeerLost, match="made no progress for 1.5 s") as err:
+        send_weights(sender, trainer, manifest, BUCKET)
+    assert time.monotonic() - t0 < 1.5 + SLACK
+    assert err.value.ranks == () and err.value.version == VERSION
+    back = pickle.loads(pickle.dumps(err.value))
+    assert isinstance(back, SyncPeerLost) and str(back) == str(err.value)
+    assert (back.ranks, back.version, back.bucket) == (err.value.ranks, VERSION, err.value.bucket)
+    members[1].close()
