@@ -17,6 +17,8 @@ machine); they run the same engines and sync code (``polynya.sync``) the Ray tra
    that staleness causes (mean |sampler log-prob - trainer log-prob| per token, vs (1)'s gap).
 3. *Data parallel*: ZeRO-2 on 2 ranks (NCCL) against 1 rank on the same global batch of whole
    prompt groups: losses and grad norms of 3 steps, step time, scaling.
+4. *Failure* (kill / stop the sampler or the trainer mid-sync, resync): its own script,
+   ``benchmarks/probe_sync_failure.py``.
 
     python benchmarks/bench_two_gpu.py --out benchmarks/results          # needs 2 GPUs
 """
