@@ -37,8 +37,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_two_gpu import _on_gpu, free_port, grpo_batch, make_prompts  # noqa: E402
-from common import environment, median, save  # noqa: E402
+from bench_two_gpu import _on_gpu, free_port, grpo_batch, make_prompts
+from common import environment, median, save
 
 MODEL = "random:qwen3-0.6b"
 BUCKET = 256 << 20

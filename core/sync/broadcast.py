@@ -55,7 +55,7 @@ def send_weights(
         raise ValueError("broadcast sync needs a packed manifest (build_manifest(layout='packed'))")
     group.check_usable()
     n, version = len(manifest.buckets), manifest.version
-    src_of = lambda i: i % num_senders  # noqa: E731
+    src_of = lambda i: i % num_senders
     exported = iter(trainer.export_weights(bucket_bytes))
     inflight: list = []  # (index, work, flat): at most the bucket on the wire and the next
     sent = count = 0

@@ -109,12 +109,14 @@ class SyncGroup:
 
     # ------------------------------------------------------------------ collectives
     def check_usable(self) -> None:
+        """``SyncError`` once the group was torn down (``abort``)."""
         if self.broken is not None:
             raise SyncError(f"this sync group was torn down ({self.broken}); make a new "
                             "SyncGroup on a new port")
 
     def broadcast(self, tensor: torch.Tensor, root: int):
         """Asynchronous broadcast; returns the ``Work`` to ``wait`` on."""
+        self.check_usable()
         return self.pg.broadcast(tensor, root)
 
     def wait(self, work) -> None:

@@ -33,7 +33,7 @@ from .manifest import SyncError
 
 BEAT_PREFIX = "polynya_sync_beat"
 FLAG = "failed"
-_RUNNING: "weakref.WeakSet[PeerMonitor]" = weakref.WeakSet()
+_RUNNING: weakref.WeakSet[PeerMonitor] = weakref.WeakSet()
 
 
 @atexit.register

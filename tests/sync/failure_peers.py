@@ -53,7 +53,6 @@ def trainer(conn, port: int, peer_timeout_s: float, bucket_bytes: int, die_at: i
     """Rank 0 of a group of 2: send version 1, train one step, then send version 2 and die when
     the export reaches bucket ``die_at``. Sends each manifest before sending its weights."""
     import torch
-
     from polynya import RolloutBatch
     from polynya.config import TrainConfig
     from polynya.engines import TrainingEngine

@@ -20,7 +20,6 @@ import time
 
 import pytest
 import torch
-
 from polynya import SamplingParams
 from polynya.distributed import free_port
 from polynya.sync import (
@@ -34,7 +33,7 @@ from polynya.sync import (
 )
 
 from . import failure_peers as peers
-from .test_sync import BUCKET, make_sampler, trainer  # noqa: F401  (module fixture)
+from .test_sync import BUCKET, make_sampler, trainer
 
 PEER_TIMEOUT = 2.0  # heartbeat every 0.4 s
 SLACK = 2.5  # a loaded 2-core CI machine
@@ -106,7 +105,7 @@ def receive_into(sampler, port, rank, world, manifest):
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_receiver_lost_mid_sync_then_restarted_receiver_resyncs(ctx, trainer, how):  # noqa: F811
+def test_receiver_lost_mid_sync_then_restarted_receiver_resyncs(ctx, trainer, how):
     """Trainer (rank 0) + an in-process sampler (rank 1) + a receiver process (rank 2) that
     dies / stops when bucket 1 arrives; then (kill) a new receiver process and the sampler
     join a new group and take the trainer's current weights."""
@@ -201,7 +200,7 @@ def test_sender_killed_mid_sync_receiver_keeps_its_version(ctx):
     assert proc.exitcode == -signal.SIGKILL
 
 
-def test_receiver_that_cannot_stage_keeps_the_group_in_step(trainer, monkeypatch):  # noqa: F811
+def test_receiver_that_cannot_stage_keeps_the_group_in_step(trainer, monkeypatch):
     """A receiver failing locally (out of memory while staging bucket 2) still confirms: the
     sender gets a ``SyncError`` naming it (not a lost peer), nothing is applied, and the same
     group then carries the next sync."""
@@ -244,7 +243,7 @@ def test_receiver_that_cannot_stage_keeps_the_group_in_step(trainer, monkeypatch
     assert box[1] == VERSION and sampler.weight_checksum() == trainer.weight_checksum() != kept
 
 
-def test_member_alive_but_absent_times_out_and_errors_pickle(trainer):  # noqa: F811
+def test_member_alive_but_absent_times_out_and_errors_pickle(trainer):
     """A member that beats but never enters the sync: the sender gives up after ``timeout_s``
     (no peer named). ``SyncPeerLost`` survives pickling (Ray carries it to the driver)."""
     import pickle
