@@ -22,7 +22,14 @@ the version and the bucket it had reached) instead of hanging, and the group is 
 trainer's weights, optimizer and version are untouched (sending only reads them); a receiver
 never returns a partial update, so its engine keeps serving its previous version. To recover,
 make a new ``SyncGroup`` on a new port with the members that are alive (a restarted sampler
-joins with version 0) and send the trainer's current weights again: ``resync`` does both.
+joins with version 0) and send the trainer's current weights again, under a version newer than
+any survivor serves — the same calls as the first sync::
+
+    group = SyncGroup(host, new_port, rank=r, world_size=T + R, device=dev)  # every member
+    send_weights(group, trainer, build_manifest(trainer, version=v + 1, ...), bucket_bytes)
+
+(``RayClient`` does this on the sync after a failed one: a fresh port from the trainer, every
+actor's ``init_sync_group`` closes its old group, and the version is never reused.)
 """
 
 from __future__ import annotations
