@@ -13,7 +13,7 @@ it and gives up with ``PeerFailure`` when
   raised within ``peer_timeout_s`` + one interval of its last beat;
 - another member raised the group's failure flag (it gave up first): within one interval;
 - the backend reported an error (gloo: a closed connection, seen at once; the failed peer is
-  then named from the heartbeats, within ~3 intervals);
+  then named from the heartbeats, within ~4 intervals);
 - the collective made no progress for ``timeout_s`` (default 300 s) although everyone beats (a
   member that never entered the sync; gloo's own operation timeout is ``timeout_s`` + 5 s, so
   this check fires first).

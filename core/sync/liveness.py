@@ -165,11 +165,11 @@ class PeerMonitor:
 
     def suspects(self) -> tuple[int, ...]:
         """After a collective failed: the members whose counter does not move over the next
-        ~3 intervals (a dead process never beats again; a live one beats every interval)."""
+        ~4 intervals (a dead process never beats again; a live one beats every interval)."""
         first: dict[int, int] = {}
         alive: set[int] = set()
         with self.watch():
-            deadline = time.monotonic() + min(self.peer_timeout_s, 3.5 * self.interval_s)
+            deadline = time.monotonic() + min(self.peer_timeout_s, 4 * self.interval_s)
             while time.monotonic() < deadline and len(alive) < self.world - 1:
                 time.sleep(self.interval_s / 4)
                 with self._lock:
