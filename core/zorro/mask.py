@@ -9,16 +9,20 @@ exactly as in its naive row.
 
 ``ZorroMask`` carries the forest and hands each layer the form its path needs, built once per
 window and cached for the batch: a dense ``[R, 1, L, L]`` bool (CPU), a FlexAttention
-``BlockMask`` (GPU), or the split plan (GPU, full-attention layers; ``polynya.zorro.attention``).
+``BlockMask`` (GPU), the split plan (GPU, full-attention layers; ``polynya.zorro.attention``),
+or, for a forest of leaves only (the packed naive layout, or a batch that shares nothing), the
+segment boundaries of varlen attention (``segments`` / ``bounds`` / ``varlen_plan``).
 It is a ``BlockMask`` only so that transformers passes it to the attention untouched, as it does
 every 4-D mask, whatever mask function the model would build for the layer.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..kernels.zorro import MAX_INNER, plan_split, unsupported_reason
+from ..kernels.zorro import (MAX_INNER, plan_split, segment_bounds, unsupported_reason,
+                             varlen_unsupported_reason)
 from ..model_features import AttentionFeatures
 
 FLEX_BLOCK = 128
@@ -31,7 +35,7 @@ class ZorroMask(BlockMask):
     Args:
         tin, tout: ``[R, L]`` int32 preorder intervals of each token's node.
         nodes: the packed rows' node table (split attention plans from it) or None.
-        attention: ``"auto"`` / ``"split"`` / ``"flex"`` (GPU path choice).
+        attention: ``"auto"`` / ``"split"`` / ``"flex"`` / ``"varlen"`` (GPU path choice).
         position_ids: ``[R, L]`` positions (needed by windowed layers).
         features: the model's ``AttentionFeatures`` (per-layer windows; None = all full).
     """
@@ -40,9 +44,15 @@ class ZorroMask(BlockMask):
                  position_ids: torch.Tensor | None = None, features: AttentionFeatures | None = None):
         self.tin, self.tout, self.nodes, self.attention = tin, tout, nodes, attention
         self.position_ids, self.features = position_ids, features
+        self.segments = nodes is not None and bool((nodes[:, 2] == nodes[:, 1]).all())
+        if attention == "varlen" and not self.segments:
+            raise ValueError("zorro_attention='varlen' needs rows of separate samples (nothing "
+                             "shared: zorro=False, or a batch without shared prompts); use 'auto'")
         self._pays = nodes is not None and (attention == "split" or
                                             (attention == "auto" and _split_pays(nodes)))
         self._plan = None
+        self._bounds: np.ndarray | None = None
+        self._cu = None  # (cu_seqlens on the device, longest segment)
         self._flex: dict = {}   # window -> BlockMask
         self._dense: dict = {}  # window -> [R, 1, L, L] bool
         self._why: dict = {}    # unsupported_reason per (device, dtype, heads, head dim)
@@ -82,6 +92,33 @@ class ZorroMask(BlockMask):
             self._plan = plan_split(self.nodes, rows * length, self.tin.device)
         return self._plan
 
+    def bounds(self) -> np.ndarray:
+        """Host ``[S + 1]`` flat boundaries of the segments (``segments`` only; padding between
+        samples forms segments of its own, none crosses a row)."""
+        if self._bounds is None:
+            rows, length = self.tin.shape
+            self._bounds = segment_bounds(self.nodes, rows * length, length)
+        return self._bounds
+
+    def varlen_plan(self, query: torch.Tensor, key: torch.Tensor):
+        """``(cu_seqlens, max_len)`` when this batch takes varlen attention with these inputs,
+        else None; ``ValueError`` when ``"varlen"`` was asked for and the kernel cannot take
+        them. (Windowed and soft-capped layers never ask: they run FlexAttention.)"""
+        if not self.segments or self.attention not in ("auto", "varlen"):
+            return None
+        sig = ("varlen", query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+        if sig not in self._why:
+            self._why[sig] = varlen_unsupported_reason(query, key)
+        if self._why[sig] is not None:
+            if self.attention == "varlen":
+                raise ValueError(f"zorro_attention='varlen' cannot run here: {self._why[sig]}; "
+                                 "use 'auto' or 'flex'")
+            return None
+        if self._cu is None:
+            b = self.bounds()
+            self._cu = (torch.from_numpy(b).to(self.tin.device, torch.int32), int(np.diff(b).max()))
+        return self._cu
+
     def flex_mask(self, window: int | None = None) -> BlockMask:
         if window not in self._flex:
             self._flex[window] = interval_block_mask(self.tin, self.tout, FLEX_BLOCK,
@@ -89,7 +126,8 @@ class ZorroMask(BlockMask):
         return self._flex[window]
 
     def __repr__(self) -> str:
-        path = "split" if self._pays else "flex"
+        path = ("varlen" if self.segments and self.attention in ("auto", "varlen")
+                else "split" if self._pays else "flex")
         return f"ZorroMask(shape={self.shape}, path={path}, attention={self.attention!r})"
 
 
