@@ -28,8 +28,8 @@ sample its own causal segment, no padding, as verl's remove-padding runs it) or 
 that shares nothing — needs no mask at all: on GPU its full-attention layers run one
 FlashAttention-2 varlen call over the segment boundaries (``polynya.kernels.zorro.varlen``;
 ``"auto"`` or ``"varlen"``, bf16 / fp16), its windowed and soft-capped layers FlexAttention as
-above; on CPU each segment runs ``eager_attention`` on its own (cost of the padded layout, not
-of a dense mask over all packed tokens).
+above; on CPU each segment runs SDPA (``eager_attention`` when soft-capped) on its own (cost of
+the padded layout, not of a dense mask over all packed tokens).
 
 The visibility rule (see ``tree.py`` and ``mask.py``): key ``j`` is visible from query ``i``
 iff ``tin[j] <= tin[i] and tout[i] <= tout[j] and j <= i`` (and, in a layer with window ``W``,
@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -159,12 +160,18 @@ def _segments_eager(query, key, value, bounds, scale: float, window: int | None,
     """CPU attention of packed segments: each segment causal on its own (``bounds`` flat over
     ``[R * L]``, none crossing a row). ``[R, H, L, D]`` in, ``[R, L, H, D]`` out."""
     rows, heads, length, dim = query.shape
+    gqa = heads != key.shape[1]
     outs = []
     for s, e in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         r, a, n = s // length, s % length, e - s
-        part = (lambda x: x[r:r + 1, :, a:a + n])
-        outs.append(eager_attention(part(query), part(key), part(value),
-                                    causal_mask(n, n, query.device, window), scale, softcap))
+        q, k, v = (x[r:r + 1, :, a:a + n] for x in (query, key, value))
+        if softcap is not None:
+            outs.append(eager_attention(q, k, v, causal_mask(n, n, query.device, window), scale, softcap))
+        elif window is not None:
+            outs.append(F.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_mask(n, n, query.device, window), scale=scale, enable_gqa=gqa))
+        else:
+            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa))
     return torch.cat(outs, 2).view(heads, rows, length, dim).permute(1, 2, 0, 3).contiguous()
 
 
