@@ -6,11 +6,14 @@ same process, once per arm:
 
 - ``naive`` — the baseline every speedup is measured against: ``zorro=False`` in the packed
   layout (all samples back to back without padding, each its own causal segment, prompts
-  repeated per sample; FlashAttention-2 varlen — what verl's remove-padding runs);
+  repeated per sample — what verl's remove-padding runs) with ``auto`` attention: one
+  FlashAttention-2 varlen call per layer, or one cuDNN call over the padded batch of samples
+  when their lengths are near-equal (``polynya.zorro.mask._leaf_batch_pays``);
 - ``padded`` — ``zorro=False, naive_layout="padded"``: one right-padded row per sample under
   SDPA (the previous baseline), reported as an extra column;
-- ``naive-flex`` / ``naive-split`` (optional) — the packed naive layout through FlexAttention's
-  document mask / cuDNN over a padded batch of samples;
+- ``naive-varlen`` / ``naive-split`` / ``naive-flex`` (optional) — the packed naive layout
+  forced through FlashAttention-2 varlen / cuDNN over the padded samples / FlexAttention's
+  document mask (to check ``auto``'s pick);
 - ``auto`` / ``split`` / ``flex`` — ZoRRo (``split``: cuDNN call per prompt + varlen responses +
   LSE merge; ``flex``: FlexAttention block mask); the first one listed is the headline.
 
@@ -45,6 +48,7 @@ SHAPES = [(4096, 512, 8), (2048, 512, 8), (1024, 1024, 8), (256, 512, 8), (4096,
 
 
 NAIVE_ARMS = {"naive": dict(naive_layout="packed"), "padded": dict(naive_layout="padded"),
+              "naive-varlen": dict(naive_layout="packed", zorro_attention="varlen"),
               "naive-flex": dict(naive_layout="packed", zorro_attention="flex"),
               "naive-split": dict(naive_layout="packed", zorro_attention="split")}
 ZORRO_ARMS = ("auto", "split", "flex")
@@ -129,8 +133,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--shapes", default=",".join(f"{p}/{r}/{g}" for p, r, g in SHAPES))
     ap.add_argument("--arms", default="naive,padded,split,flex",
-                    help="'naive' (packed varlen) first, then any of padded, naive-flex, "
-                         "naive-split, and one or more ZoRRo paths: auto, split, flex")
+                    help="'naive' (packed, auto attention) first, then any of padded, "
+                         "naive-varlen, naive-split, naive-flex, and one or more ZoRRo paths: "
+                         "auto, split, flex")
     ap.add_argument("--ragged", type=float, default=1.0,
                     help="response lengths uniform in [RAGGED*R, R] (1: all R)")
     ap.add_argument("--fresh", type=int, default=0,
@@ -181,7 +186,7 @@ def main() -> None:
         print(row, flush=True)
         # saved after every shape: a run cut by a time limit keeps what it measured
         save(dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16", arms=arms,
-                  ragged=args.ragged, naive="packed varlen (naive_layout='packed')",
+                  ragged=args.ragged, naive="packed (naive_layout='packed', auto attention)",
                   cudnn_avoid_recompile=os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
                   gradient_checkpointing=True, complete=len(rows) == len(shapes), rows=rows),
              args.out, name)

@@ -5,7 +5,7 @@ optionally the entropy of the predictive distribution) under ``model`` at a give
 With ``zorro=True`` the batch's shared prefixes are computed once (``polynya.zorro``); with
 ``zorro=False`` every sample is computed on its own, prompt included, in one of two layouts:
 ``"packed"`` — all samples back to back without padding, each its own causal segment with its
-own positions (verl's remove-padding; FlashAttention-2 varlen on GPU), the strongest baseline a
+own positions (verl's remove-padding; FlashAttention-2 varlen or cuDNN on GPU), the strongest baseline a
 user runs without polynya — or ``"padded"`` — one right-padded row per sample under the model's
 own attention (the plain reference, and the only layout for attention features the packed one
 does not implement, e.g. gpt-oss's sinks). ``"auto"`` (default) is packed where it can honour
@@ -125,8 +125,9 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         max_tokens_per_row: packing budget per row of the packed layouts (ZoRRo: deduplicated
             tokens; packed naive: prompt + response tokens); None: one row; groups never split.
         chunk_size: tokens per LM-head chunk (default: ~256 MiB of logits).
-        zorro_attention: GPU attention of the packed layouts: ``"auto"`` (FlashAttention-2
-            varlen for rows that share nothing, split cuDNN calls per shared prefix when the
+        zorro_attention: GPU attention of the packed layouts: ``"auto"`` (rows that share
+            nothing: FlashAttention-2 varlen, or cuDNN over the padded samples when their
+            lengths are near-equal; shared prefixes: split cuDNN calls per prefix when the
             kernels can take the model and it pays, else FlexAttention), ``"split"``, ``"flex"``
             or ``"varlen"`` (``polynya.zorro.attention``); CPU runs a dense mask + SDPA (ZoRRo)
             or each segment on its own (packed naive).

@@ -25,10 +25,12 @@ the model passes) included:
 
 A forest of leaves only — the packed naive layout (``compute_logprobs(..., zorro=False)``, every
 sample its own causal segment, no padding, as verl's remove-padding runs it) or a ZoRRo batch
-that shares nothing — needs no mask at all: on GPU its full-attention layers run one
-FlashAttention-2 varlen call over the segment boundaries (``polynya.kernels.zorro.varlen``;
-``"auto"`` or ``"varlen"``, bf16 / fp16), its windowed and soft-capped layers FlexAttention as
-above; on CPU each segment runs SDPA (``eager_attention`` when soft-capped) on its own (cost of
+that shares nothing — needs no mask at all: on GPU its full-attention layers run either one
+FlashAttention-2 varlen call over the segment boundaries (``polynya.kernels.zorro.varlen``:
+no work on padding) or split attention's cuDNN call over the padded batch of segments (faster
+per FLOP on Hopper; ``_leaf_batch_pays`` picks it when the lengths are near-equal, so padding
+costs less than cuDNN gains), ``"varlen"`` / ``"split"`` force one (bf16 / fp16); its windowed
+and soft-capped layers FlexAttention as above; on CPU each segment runs SDPA (``eager_attention`` when soft-capped) on its own (cost of
 the padded layout, not of a dense mask over all packed tokens).
 
 The visibility rule (see ``tree.py`` and ``mask.py``): key ``j`` is visible from query ``i``
@@ -60,10 +62,10 @@ from ..config.common import check_zorro_attention
 from ..eager_attention import causal_mask, eager_attention
 from ..kernels.zorro import MAX_INNER, split_attention, varlen_attention
 from ..model_features import SOFTCAP, WINDOWS, AttentionFeatures
-from .mask import FLEX_BLOCK, ZorroMask, _split_pays, dense_mask, interval_block_mask
+from .mask import FLEX_BLOCK, ZorroMask, _leaf_batch_pays, _split_pays, dense_mask, interval_block_mask
 
-__all__ = ["FLEX_BLOCK", "MAX_INNER", "NAME", "ZORRO_SUPPORTS", "ZorroMask", "_split_pays",
-           "dense_mask", "interval_block_mask", "polynya_attention_forward",
+__all__ = ["FLEX_BLOCK", "MAX_INNER", "NAME", "ZORRO_SUPPORTS", "ZorroMask", "_leaf_batch_pays",
+           "_split_pays", "dense_mask", "interval_block_mask", "polynya_attention_forward",
            "use_zorro_attention", "zorro_mask"]
 
 NAME = "polynya"
@@ -143,13 +145,13 @@ def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if window is None and softcap is None:
         b, hq, length, d = query.shape
         flat = (lambda x: x.transpose(1, 2).reshape(b * length, x.shape[1], d))
-        varlen = attention_mask.varlen_plan(query, key)
-        if varlen is not None:
-            out = varlen_attention(flat(query), flat(key), flat(value), *varlen, scale)
-            return out.view(b, length, hq, d), None
         plan = attention_mask.split_plan(query, key)
         if plan is not None:
             out = split_attention(flat(query), flat(key), flat(value), plan, scale)
+            return out.view(b, length, hq, d), None
+        varlen = attention_mask.varlen_plan(query, key)
+        if varlen is not None:
+            out = varlen_attention(flat(query), flat(key), flat(value), *varlen, scale)
             return out.view(b, length, hq, d), None
     out = _flex(query, key, value, attention_mask.flex_mask(window), scale, softcap)
     return out.transpose(1, 2).contiguous(), None

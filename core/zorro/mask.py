@@ -23,10 +23,12 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ..kernels.zorro import (MAX_INNER, plan_split, segment_bounds, unsupported_reason,
                              varlen_unsupported_reason)
+from ..kernels.zorro.plan import LEAF_MULTIPLE
 from ..model_features import AttentionFeatures
 
 FLEX_BLOCK = 128
 SPLIT_MIN_SHARE = 1.5  # auto: split when shared-prefix work >= this x the responses' own work
+CUDNN_OVER_FA2 = 1.3   # auto, segments only: cuDNN's padded batch when its work <= this x varlen's
 
 
 class ZorroMask(BlockMask):
@@ -48,8 +50,9 @@ class ZorroMask(BlockMask):
         if attention == "varlen" and not self.segments:
             raise ValueError("zorro_attention='varlen' needs rows of separate samples (nothing "
                              "shared: zorro=False, or a batch without shared prompts); use 'auto'")
+        pays = _leaf_batch_pays if self.segments else _split_pays
         self._pays = nodes is not None and (attention == "split" or
-                                            (attention == "auto" and _split_pays(nodes)))
+                                            (attention == "auto" and pays(nodes)))
         self._plan = None
         self._bounds: np.ndarray | None = None
         self._cu = None  # (cu_seqlens on the device, longest segment)
@@ -126,8 +129,8 @@ class ZorroMask(BlockMask):
         return self._flex[window]
 
     def __repr__(self) -> str:
-        path = ("varlen" if self.segments and self.attention in ("auto", "varlen")
-                else "split" if self._pays else "flex")
+        path = ("split" if self._pays else
+                "varlen" if self.segments and self.attention in ("auto", "varlen") else "flex")
         return f"ZorroMask(shape={self.shape}, path={path}, attention={self.attention!r})"
 
 
@@ -148,6 +151,23 @@ def _split_pays(nodes) -> bool:
     shared = ((stop - start) * (end - start))[inner].sum()
     own = ((end - start) ** 2 / 2)[~inner].sum()
     return bool(shared >= SPLIT_MIN_SHARE * own)
+
+
+def _leaf_batch_pays(nodes) -> bool:
+    """Whether ``auto`` should run a forest of leaves only (packed samples) as split attention's
+    one cuDNN call over the padded batch of segments rather than as FlashAttention-2 varlen.
+
+    Measured on the H200 (BENCHMARKS.md, ``probe_cudnn_split.py``): 8 x 512 causal, cuDNN batched
+    0.225 ms fwd + bwd vs FlashAttention-2 varlen 0.326 ms (1.45x); the padded batch also pays
+    the gathers into it and the copy out (``CUDNN_OVER_FA2`` = 1.3 leaves them a margin). So:
+    cuDNN when ``leaves x padded_len^2 <= CUDNN_OVER_FA2 x sum(len^2)`` (near-equal lengths),
+    FlashAttention-2 varlen when lengths are ragged enough that padding would cost more.
+    """
+    lens = (nodes[:, 1] - nodes[:, 0]).astype(float)
+    if not lens.size:
+        return False
+    padded = -(-lens.max() // LEAF_MULTIPLE) * LEAF_MULTIPLE
+    return bool(lens.size * padded ** 2 <= CUDNN_OVER_FA2 * (lens ** 2).sum())
 
 
 def _visible(q_tin, q_tout, q_idx, k_tin, k_tout, k_idx, q_pos=None, k_pos=None, window=None):
