@@ -5,7 +5,12 @@ Random-init Qwen3-0.6B-shaped model, bf16, gradient checkpointing, one micro-bat
 For each P/R/G shape (``--groups`` prompts x G responses):
 
 - *bare*: ``compute_logprobs`` + backward on a plain HF model (what ``bench_zorro.py`` times),
-  naive vs ZoRRo -> the bare speedup, measured right before the engines on the same batch;
+  naive vs ZoRRo -> the bare speedup, measured right before the engines on the same batch
+  (plus the padded naive layout, ``bare_padded_ms``, for reference);
+
+"Naive" is ``zorro=False`` in the packed layout (samples back to back without padding,
+FlashAttention-2 varlen: verl's remove-padding), in the bare arm and in the engines (the
+``TrainConfig.naive_layout="auto"`` default).
 - *engine*: ``TrainingEngine.forward_backward`` + ``step`` (GRPO loss, AdamW) under ZeRO-2 and
   ZeRO-3, naive vs ZoRRo -> the engine speedup; target: >= 90% of the bare speedup.
 
@@ -90,10 +95,10 @@ def bare_model(model_spec: str):
     return model.train()
 
 
-def bare_step(model, batch, zorro: bool):
+def bare_step(model, batch, zorro: bool, naive_layout: str = "packed"):
     """What bench_zorro.py times: compute_logprobs + backward, no optimizer."""
     def fn():
-        st = polynya.compute_logprobs(model, batch, zorro=zorro)
+        st = polynya.compute_logprobs(model, batch, zorro=zorro, naive_layout=naive_layout)
         adv = batch.advantages.to(st.logprobs.device)[:, None]
         (-(st.logprobs * adv).sum() / st.mask.sum()).backward()
         model.zero_grad(set_to_none=True)
@@ -144,8 +149,10 @@ def shape_rows(model, engines: dict, shape, groups: int, iters: int) -> list[dic
     mcfg = model.config
     batch = make_batch(P, R, G, groups, mcfg.vocab_size, seed=P + R + G)
     bare = {z: timed(bare_step(model, batch, z), iters) for z in (False, True)}
+    padded = timed(bare_step(model, batch, False, "padded"), iters)[0]
     name = f"P{P}/R{R}/G{G}"
-    print(f"bare {name}: naive {bare[False][0]*1e3:.0f} ms, zorro {bare[True][0]*1e3:.0f} ms", flush=True)
+    print(f"bare {name}: naive packed {bare[False][0]*1e3:.0f} ms, padded {padded*1e3:.0f} ms, "
+          f"zorro {bare[True][0]*1e3:.0f} ms", flush=True)
     bare_speedup = bare[False][0] / bare[True][0]
     fz, fn_ = (model_flops(mcfg, P, R, G, groups, z) for z in (True, False))
     sample_tokens = groups * G * (P + R)
@@ -159,6 +166,7 @@ def shape_rows(model, engines: dict, shape, groups: int, iters: int) -> list[dic
         rows.append(dict(stage=stage, shape=name, naive_ms=round(tn * 1e3, 1), zorro_ms=round(tz * 1e3, 1),
                          speedup=round(speedup, 2), bare_naive_ms=round(bare[False][0] * 1e3, 1),
                          bare_zorro_ms=round(bare[True][0] * 1e3, 1), bare_speedup=round(bare_speedup, 2),
+                         bare_padded_ms=round(padded * 1e3, 1),
                          kept=round(speedup / bare_speedup, 3),
                          naive_tok_s=round(sample_tokens / tn), zorro_tok_s=round(sample_tokens / tz),
                          naive_mfu=round(fn_ / tn / H200_BF16_FLOPS, 3), zorro_mfu=round(fz / tz / H200_BF16_FLOPS, 3),
@@ -253,6 +261,7 @@ def main() -> None:
     print(markdown_table(rows, [("stage", "ZeRO"), ("shape", "P/R/G"), ("naive_ms", "naive ms"),
                                 ("zorro_ms", "ZoRRo ms"), ("speedup", "speedup"),
                                 ("bare_naive_ms", "bare naive ms"), ("bare_zorro_ms", "bare ZoRRo ms"),
+                                ("bare_padded_ms", "bare padded ms"),
                                 ("bare_speedup", "bare speedup"), ("kept", "kept"),
                                 ("naive_tok_s", "naive tok/s"), ("zorro_tok_s", "ZoRRo tok/s"),
                                 ("naive_mfu", "naive MFU"), ("zorro_mfu", "ZoRRo MFU"),

@@ -17,6 +17,9 @@ sampling parameters — the *direct* generate of the same shape — so the recip
 can be compared with it (``generate / direct``). The difference is the colocated hand-over
 (trainer offload, sampler wake) and anything else the phase pays outside the sampler.
 ``--budget-s`` stops before starting an arm that would not fit (the table shows what ran).
+The ZoRRo-off arm's engines run ``zorro=False`` in ``--naive-layout`` (default ``auto``: packed
+samples without padding, FlashAttention-2 varlen, as verl's remove-padding; ``padded`` gives the
+previous one-row-per-sample baseline for reference).
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ def compose_recipe(args, on: bool, out: str):
                  f"run.group_size={args.group_size}", f"run.max_new_tokens={args.max_new_tokens}",
                  f"run.out_dir={out}/{'on' if on else 'off'}", "run.resume=false", "run.progress=false",
                  f"client.zorro_train={on}", f"client.fca={on}",
+                 f"client.train.naive_layout={args.naive_layout}",
+                 f"client.logprob.naive_layout={args.naive_layout}",
                  "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true"]
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         return compose("config", overrides=overrides)
@@ -172,6 +177,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--direct-calls", type=int, default=3, help="direct generate calls (first one not counted)")
+    ap.add_argument("--naive-layout", default="auto", choices=("auto", "packed", "padded"),
+                    help="layout of the ZoRRo-off arm's engines (auto: packed varlen on GPU)")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()

@@ -1,13 +1,30 @@
 """ZoRRo Train vs naive: forward+backward step time and peak memory on one GPU.
 
 Random-init Qwen3-0.6B-shaped model, bf16, gradient checkpointing on. For each P/R/G shape one
-batch of ``--groups`` prompts x G responses goes through ``compute_logprobs`` + backward, with
-``zorro=False`` (one row per sample, SDPA causal) and ``zorro=True`` with each ZoRRo attention
-path (``split``: cuDNN call per prompt + varlen responses + LSE merge; ``flex``: FlexAttention
-block mask) in the same process. Reports median step time, speedup of each path, peak memory
-(total and above the weights+grads baseline) and the ideal token ratio G(P+R)/(P+GR).
+batch of ``--groups`` prompts x G responses goes through ``compute_logprobs`` + backward in the
+same process, once per arm:
+
+- ``naive`` — the baseline every speedup is measured against: ``zorro=False`` in the packed
+  layout (all samples back to back without padding, each its own causal segment, prompts
+  repeated per sample — what verl's remove-padding runs) with ``auto`` attention: one
+  FlashAttention-2 varlen call per layer, or one cuDNN call over the padded batch of samples
+  when their lengths are near-equal (``polynya.zorro.mask._leaf_batch_pays``);
+- ``padded`` — ``zorro=False, naive_layout="padded"``: one right-padded row per sample under
+  SDPA (the previous baseline), reported as an extra column;
+- ``naive-varlen`` / ``naive-split`` / ``naive-flex`` (optional) — the packed naive layout
+  forced through FlashAttention-2 varlen / cuDNN over the padded samples / FlexAttention's
+  document mask (to check ``auto``'s pick);
+- ``auto`` / ``split`` / ``flex`` — ZoRRo (``split``: cuDNN call per prompt + varlen responses +
+  LSE merge; ``flex``: FlexAttention block mask); the first one listed is the headline.
+
+Reports median step time, speedup of each path over ``naive``, peak memory (total and above
+the weights+grads baseline) and the ideal token ratio G(P+R)/(P+GR). ``--ragged F`` draws
+response lengths uniformly from [F*R, R] (RL-like; the padded arm then pays for padding).
+``--fresh N`` instead runs N steps per arm with new lengths every step (what RL brings: new
+shapes, plans and compiles) and reports every step's time, not only the median.
 
     python benchmarks/bench_zorro.py --groups 4 --out benchmarks/results
+    python benchmarks/bench_zorro.py --groups 4 --shapes 256/512/8 --fresh 20
 """
 from __future__ import annotations
 
@@ -30,22 +47,33 @@ from polynya.models import load_model  # noqa: E402
 SHAPES = [(4096, 512, 8), (2048, 512, 8), (1024, 1024, 8), (256, 512, 8), (4096, 512, 16)]
 
 
-def make_batch(P: int, R: int, G: int, groups: int, vocab: int, seed: int) -> polynya.RolloutBatch:
+NAIVE_ARMS = {"naive": dict(naive_layout="packed"), "padded": dict(naive_layout="padded"),
+              "naive-varlen": dict(naive_layout="packed", zorro_attention="varlen"),
+              "naive-flex": dict(naive_layout="packed", zorro_attention="flex"),
+              "naive-split": dict(naive_layout="packed", zorro_attention="split")}
+ZORRO_ARMS = ("auto", "split", "flex")
+
+
+def make_batch(P: int, R: int, G: int, groups: int, vocab: int, seed: int,
+               ragged: float = 1.0) -> polynya.RolloutBatch:
+    """``groups`` prompts of P tokens x G responses of R tokens (``ragged < 1``: uniform lengths
+    in [ragged * R, R])."""
     rng = random.Random(seed)
     prompts, responses = [], []
     for _ in range(groups):
         prompt = [rng.randrange(vocab) for _ in range(P)]
         for _ in range(G):
             prompts.append(prompt)
-            responses.append([rng.randrange(vocab) for _ in range(R)])
+            n = R if ragged >= 1 else rng.randint(max(1, int(ragged * R)), R)
+            responses.append([rng.randrange(vocab) for _ in range(n)])
     adv = torch.randn(len(prompts))
     return polynya.RolloutBatch(prompts, responses, advantages=adv)
 
 
 def step_fn(model, batch, arm: str):
     def run():
-        if arm == "naive":
-            stats = polynya.compute_logprobs(model, batch, zorro=False)
+        if arm in NAIVE_ARMS:
+            stats = polynya.compute_logprobs(model, batch, zorro=False, **NAIVE_ARMS[arm])
         else:
             stats = polynya.compute_logprobs(model, batch, zorro=True, zorro_attention=arm)
         loss = -(stats.logprobs * batch.advantages.to(stats.logprobs.device)[:, None]).sum() / stats.mask.sum()
@@ -77,14 +105,17 @@ def measure(model, batch, arm: str, iters: int):
     return median(times), peak, peak - base
 
 
-def measure_fresh(model, P: int, R: int, G: int, groups: int, arm: str, steps: int) -> list[float]:
-    """Step times (ms, host wall incl. sync) when every step brings new lengths, as in RL: the
-    prompt and response lengths shrink by a few tokens per step (first sight of each shape)."""
+def measure_fresh(model, P: int, R: int, G: int, groups: int, arm: str, steps: int,
+                  ragged: float = 1.0) -> list[float]:
+    """Step times (ms, host wall incl. sync) when every step brings new lengths, as in RL: step
+    ``i`` takes prompts of ``P - (37 i mod (P/2 + 1))`` and responses of ``R - (29 i mod (R/2 +
+    1))`` tokens (distinct for well over 20 steps: first sight of each shape)."""
     import time
 
     times = []
     for i in range(steps + 1):
-        batch = make_batch(P - 37 * i, R - 5 * i, G, groups, model.config.vocab_size, seed=i)
+        p, r = P - (37 * i) % (P // 2 + 1), R - (29 * i) % (R // 2 + 1)
+        batch = make_batch(p, r, G, groups, model.config.vocab_size, seed=i, ragged=ragged)
         fn = step_fn(model, batch, arm)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -101,64 +132,93 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--shapes", default=",".join(f"{p}/{r}/{g}" for p, r, g in SHAPES))
-    ap.add_argument("--arms", default="naive,split,flex", help="naive first; ZoRRo paths after")
+    ap.add_argument("--arms", default="naive,padded,split,flex",
+                    help="'naive' (packed, auto attention) first, then any of padded, "
+                         "naive-varlen, naive-split, naive-flex, and one or more ZoRRo paths: "
+                         "auto, split, flex")
+    ap.add_argument("--ragged", type=float, default=1.0,
+                    help="response lengths uniform in [RAGGED*R, R] (1: all R)")
     ap.add_argument("--fresh", type=int, default=0,
-                    help="instead: N steps per ZoRRo arm with new lengths every step (RL-like)")
+                    help="instead: N steps per arm with new lengths every step (RL-like)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
+    arms = args.arms.split(",")
+    zorro_arms = [a for a in arms if a in ZORRO_ARMS]
+    if (arms[0] != "naive" or not zorro_arms or not set(arms) <= set(NAIVE_ARMS) | set(ZORRO_ARMS)
+            or len(set(arms)) != len(arms)):
+        raise SystemExit(f"--arms: 'naive' first, then any of {sorted(NAIVE_ARMS)[1:]} and one or "
+                         f"more of {ZORRO_ARMS}, each once")
     model = load_model(args.model, dtype="bfloat16", device="cuda")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     rows = []
     shapes = args.shapes.split(",")
-    arms = args.arms.split(",")
-    if arms[0] != "naive" or len(arms) < 2 or not set(arms[1:]) <= {"auto", "split", "flex"}:
-        raise SystemExit("--arms: 'naive' first, then one or more of auto, split, flex")
     name = "bench_zorro" if args.groups == 1 else f"bench_zorro_g{args.groups}"
     if args.fresh:
-        for shape in shapes:
-            P, R, G = map(int, shape.split("/"))
-            for arm in arms[1:]:
-                ts = measure_fresh(model, P, R, G, args.groups, arm, args.fresh)
-                print(f"fresh lengths every step, P{P}/R{R}/G{G} x{args.groups}, {arm}: median "
-                      f"{median(ts):.1f} ms, steps {[round(t) for t in ts]}", flush=True)
+        fresh_runs(model, args, shapes, arms, name)
         return
     for shape in shapes:
         P, R, G = map(int, shape.split("/"))
-        batch = make_batch(P, R, G, args.groups, model.config.vocab_size, seed=P + R + G)
+        batch = make_batch(P, R, G, args.groups, model.config.vocab_size, seed=P + R + G,
+                           ragged=args.ragged)
         res = {}
         for arm in arms:
             model.zero_grad(set_to_none=True)
             res[arm] = measure(model, batch, arm, args.iters)
-        (tn, pn, dn), (tz, pz, dz) = res["naive"], res[arms[1]]
+        (tn, pn, dn), (tz, pz, dz) = res["naive"], res[zorro_arms[0]]
         fz = model_flops(model.config, P, R, G, args.groups, True)
         fn_ = model_flops(model.config, P, R, G, args.groups, False)
-        row = dict(shape=f"P{P}/R{R}/G{G}", path=arms[1], naive_ms=round(tn, 1), zorro_ms=round(tz, 1),
+        row = dict(shape=f"P{P}/R{R}/G{G}", path=zorro_arms[0], naive_ms=round(tn, 1), zorro_ms=round(tz, 1),
                    speedup=round(tn / tz, 2), ideal=round(G * (P + R) / (P + G * R), 2),
                    flop_ratio=round(fn_ / fz, 2),
                    naive_peak_gb=round(pn / 2**30, 2), zorro_peak_gb=round(pz / 2**30, 2),
                    mem_ratio=round(pz / pn, 3), step_mem_ratio=round(dz / dn, 3),
                    naive_mfu=round(fn_ / (tn / 1e3) / H200_BF16_FLOPS, 3),
                    zorro_mfu=round(fz / (tz / 1e3) / H200_BF16_FLOPS, 3))
-        for arm in arms[2:]:  # the other ZoRRo paths, same batch
+        others = [a for a in arms[1:] if a != zorro_arms[0]]
+        for arm in others:  # the other naive layouts and ZoRRo paths, same batch
             row[f"{arm}_ms"] = round(res[arm][0], 1)
-            row[f"{arm}_speedup"] = round(tn / res[arm][0], 2)
+            row[f"{arm}_speedup"] = round(tn / res[arm][0], 2)  # > 1: faster than naive
+        if "padded" in res:
+            row["zorro_vs_padded"] = round(res["padded"][0] / tz, 2)
         rows.append(row)
         print(row, flush=True)
         # saved after every shape: a run cut by a time limit keeps what it measured
         save(dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16", arms=arms,
+                  ragged=args.ragged, naive="packed (naive_layout='packed', auto attention)",
                   cudnn_avoid_recompile=os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
                   gradient_checkpointing=True, complete=len(rows) == len(shapes), rows=rows),
              args.out, name)
-    plot(dict(environment(), model=args.model, groups=args.groups, arms=arms, rows=rows),
+    plot(dict(environment(), model=args.model, groups=args.groups, arms=[arms[0], *zorro_arms], rows=rows),
          os.path.join(args.out, f"{name}.png"))
-    others = [(f"{a}_{k}", f"{a} {t}") for a in arms[2:] for k, t in (("ms", "ms"), ("speedup", "speedup"))]
-    print(markdown_table(rows, [("shape", "P/R/G"), ("naive_ms", "naive ms"), ("zorro_ms", f"ZoRRo {arms[1]} ms"),
+    others = [(f"{a}_{k}", f"{a} {t}") for a in arms[1:] if a != zorro_arms[0]
+              for k, t in (("ms", "ms"), ("speedup", "speedup"))]
+    others += [("zorro_vs_padded", "ZoRRo vs padded")] if "padded" in arms else []
+    print(markdown_table(rows, [("shape", "P/R/G"), ("naive_ms", "naive packed ms"), ("zorro_ms", f"ZoRRo {zorro_arms[0]} ms"),
                                 ("speedup", "speedup"), *others, ("ideal", "ideal"), ("flop_ratio", "FLOP ratio"),
                                 ("naive_peak_gb", "naive peak GB"), ("zorro_peak_gb", "ZoRRo peak GB"),
                                 ("mem_ratio", "peak ratio"), ("step_mem_ratio", "step-mem ratio"),
                                 ("naive_mfu", "naive MFU"), ("zorro_mfu", "ZoRRo MFU")]))
+
+
+def fresh_runs(model, args, shapes: list[str], arms: list[str], name: str) -> None:
+    """``--fresh``: every arm, N steps with new lengths each; every step's time saved and printed."""
+    runs = []
+    for shape in shapes:
+        P, R, G = map(int, shape.split("/"))
+        for arm in arms:
+            ts = measure_fresh(model, P, R, G, args.groups, arm, args.fresh, args.ragged)
+            runs.append(dict(shape=f"P{P}/R{R}/G{G}", arm=arm, median_ms=round(median(ts), 1),
+                             first_ms=round(ts[0], 1), max_ms=round(max(ts), 1),
+                             steps_ms=[round(t, 1) for t in ts]))
+            print(f"fresh lengths every step, P{P}/R{R}/G{G} x{args.groups}, {arm}: median "
+                  f"{median(ts):.1f} ms, steps {[round(t) for t in ts]}", flush=True)
+            save(dict(environment(), model=args.model, groups=args.groups, dtype="bfloat16",
+                      ragged=args.ragged, steps=args.fresh, lengths="P - (37 i mod (P/2+1)), R - (29 i mod (R/2+1)) at step i",
+                      gradient_checkpointing=True, runs=runs), args.out, f"{name}_fresh")
+    print(markdown_table(runs, [("shape", "P/R/G"), ("arm", "arm"), ("median_ms", "median ms"),
+                                ("first_ms", "first ms"), ("max_ms", "max ms")]))
 
 
 def plot(results: dict, path: str) -> None:

@@ -3,7 +3,13 @@
 ``compute_logprobs(model, batch)`` returns, for each response token, its log-probability (and
 optionally the entropy of the predictive distribution) under ``model`` at a given temperature.
 With ``zorro=True`` the batch's shared prefixes are computed once (``polynya.zorro``); with
-``zorro=False`` every sample is its own right-padded row (the plain reference). Both paths then
+``zorro=False`` every sample is computed on its own, prompt included, in one of two layouts:
+``"packed"`` — all samples back to back without padding, each its own causal segment with its
+own positions (verl's remove-padding; FlashAttention-2 varlen or cuDNN on GPU), the strongest baseline a
+user runs without polynya — or ``"padded"`` — one right-padded row per sample under the model's
+own attention (the plain reference, and the only layout for attention features the packed one
+does not implement, e.g. gpt-oss's sinks). ``"auto"`` (default) is packed where it can honour
+the model, else padded. All paths then
 share the same head: the hidden states that predict response tokens are gathered and pushed
 through the LM head in chunks of tokens (``polynya.head``), each chunk recomputed in the
 backward pass, so the full ``[tokens, vocab]`` logits never exist at once.
@@ -19,7 +25,10 @@ from .head import token_stats
 from .model_features import AttentionFeatures, attention_features, model_name
 from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
+from .config.common import check_naive_layout
 from .zorro.attention import FLEX_BLOCK, ZORRO_SUPPORTS, use_zorro_attention, zorro_mask
+
+PACKED_SUPPORTS = ZORRO_SUPPORTS  # the packed naive layout runs the same attention hook
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -50,21 +59,35 @@ def check_inputs(model: torch.nn.Module, batch: RolloutBatch, temperature: float
                                  "truncate it")
 
 
-def check_model(model: torch.nn.Module, *, zorro: bool, train: bool = False) -> AttentionFeatures:
+def check_model(model: torch.nn.Module, *, zorro: bool, train: bool = False,
+                naive_layout: str = "auto") -> AttentionFeatures:
     """The model's attention features; ``ValueError`` (naming the model, the feature and the
-    alternative) when ZoRRo cannot honour one, or when training would drop a loss the model's
-    config asks for. Engines call it at load time; ``compute_logprobs`` on every call."""
+    alternative) when ZoRRo (or, with ``zorro=False``, a forced ``naive_layout="packed"``) cannot
+    honour one, or when training would drop a loss the model's config asks for. Engines call it
+    at load time; ``compute_logprobs`` on every call."""
+    check_naive_layout(naive_layout, "compute_logprobs")
     feats = attention_features(model)
     name = model_name(model)
     if zorro:
         feats.require("ZoRRo Train", name, supported=ZORRO_SUPPORTS,
                       alternative="call compute_logprobs(..., zorro=False) (TrainConfig / "
                                   "LogProbConfig zorro=False) for this model")
+    elif naive_layout == "packed":
+        feats.require("The packed naive layout", name, supported=PACKED_SUPPORTS,
+                      alternative="use naive_layout='padded' (or 'auto') for this model")
     if train and feats.router_aux_loss:
         raise ValueError(f"{name} sets output_router_logits=True (the MoE router load-balancing "
                          f"loss, coefficient {feats.router_aux_loss_coef}), which polynya's "
                          "losses do not add; set output_router_logits=False to train without it")
     return feats
+
+
+def naive_layout_for(feats: AttentionFeatures, naive_layout: str) -> str:
+    """The layout ``zorro=False`` runs: ``"auto"`` is packed unless the model has an attention
+    feature the packed layout does not implement (then padded: both are exact)."""
+    if naive_layout != "auto":
+        return naive_layout
+    return "packed" if all(f in PACKED_SUPPORTS for f in feats.needs()) else "padded"
 
 
 def _naive_inputs(batch: RolloutBatch, pad_id: int):
@@ -90,20 +113,27 @@ def _naive_inputs(batch: RolloutBatch, pad_id: int):
 def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool = True,
                      entropy: bool = False, temperature: float = 1.0,
                      max_tokens_per_row: int | None = None, chunk_size: int | None = None,
-                     zorro_attention: str = "auto") -> TokenStats:
+                     zorro_attention: str = "auto", naive_layout: str = "auto") -> TokenStats:
     """Per-token log-probs (and entropy) of each sample's response under ``model``.
 
     Args:
         model: an HF causal LM (under DeepSpeed pass ``engine.module``).
         batch: the samples; rows come back in this order.
-        zorro: compute shared prefixes once (exact); False runs one row per sample.
+        zorro: compute shared prefixes once (exact); False computes every sample on its own.
         entropy: also return the entropy of each predictive distribution.
         temperature: logits are divided by it (per call).
-        max_tokens_per_row: ZoRRo packing budget per row (None: one row); groups never split.
+        max_tokens_per_row: packing budget per row of the packed layouts (ZoRRo: deduplicated
+            tokens; packed naive: prompt + response tokens); None: one row; groups never split.
         chunk_size: tokens per LM-head chunk (default: ~256 MiB of logits).
-        zorro_attention: GPU attention of the ZoRRo layout: ``"auto"`` (split cuDNN calls per
-            shared prefix when the kernels can take the model, else FlexAttention), ``"split"``
-            or ``"flex"`` (``polynya.zorro.attention``); CPU always runs a dense mask + SDPA.
+        zorro_attention: GPU attention of the packed layouts: ``"auto"`` (rows that share
+            nothing: FlashAttention-2 varlen, or cuDNN over the padded samples when their
+            lengths are near-equal; shared prefixes: split cuDNN calls per prefix when the
+            kernels can take the model and it pays, else FlexAttention), ``"split"``, ``"flex"``
+            or ``"varlen"`` (``polynya.zorro.attention``); CPU runs a dense mask + SDPA (ZoRRo)
+            or each segment on its own (packed naive).
+        naive_layout: with ``zorro=False``: ``"packed"`` (samples back to back, no padding),
+            ``"padded"`` (one right-padded row per sample) or ``"auto"`` (packed unless the
+            model needs an attention feature only the padded layout runs, e.g. sinks).
     Returns:
         ``TokenStats`` with ``logprobs`` / ``entropy`` ``[B, Rmax]`` float32 and ``mask``
         ``[B, Rmax]``; differentiable w.r.t. the model's parameters.
@@ -112,10 +142,10 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
     device = _device(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     base = model.base_model
-    feats = check_model(model, zorro=zorro)
-    if zorro:
+    feats = check_model(model, zorro=zorro, naive_layout=naive_layout)
+    if zorro or naive_layout_for(feats, naive_layout) == "packed":
         use_zorro_attention(model)
-        rows = pack_rows(batch, max_tokens_per_row=max_tokens_per_row,
+        rows = pack_rows(batch, max_tokens_per_row=max_tokens_per_row, share=zorro,
                          pad_multiple=FLEX_BLOCK if device.type == "cuda" else 1, pad_id=pad_id).to(device)
         mask = zorro_mask(rows.tin, rows.tout, rows.nodes, zorro_attention, rows.position_ids, feats)
         hidden = base(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=mask,

@@ -23,12 +23,18 @@ def check_model_spec(model: object, owner: str) -> None:
         raise ValueError(f"{owner}.model must be a non-empty string (HF id, local path, or 'tiny:qwen3'), got {model!r}")
 
 
-ZORRO_ATTENTION = ("auto", "split", "flex")  # GPU attention paths of polynya.zorro.attention
+ZORRO_ATTENTION = ("auto", "split", "flex", "varlen")  # GPU attention paths of polynya.zorro.attention
+NAIVE_LAYOUT = ("auto", "packed", "padded")  # zorro=False layouts of polynya.compute_logprobs
 
 
 def check_zorro_attention(value: object, owner: str) -> None:
     if value not in ZORRO_ATTENTION:
         raise ValueError(f"{owner}.zorro_attention must be one of {ZORRO_ATTENTION}, got {value!r}")
+
+
+def check_naive_layout(value: object, owner: str) -> None:
+    if value not in NAIVE_LAYOUT:
+        raise ValueError(f"{owner}.naive_layout must be one of {NAIVE_LAYOUT}, got {value!r}")
 
 
 def check_positive(value: object, name: str, *, allow_zero: bool = False, integer: bool = False) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import check_model_spec, check_positive, check_zorro_attention, resolve_dtype
+from .common import check_model_spec, check_naive_layout, check_positive, check_zorro_attention, resolve_dtype
 from .train import (
     ENGINE_DTYPES,
     _check_bool,
@@ -30,9 +30,11 @@ class LogProbConfig:
         model: HF id, local path, ``tiny:<family>`` or ``random:<shape>`` (``polynya.models``).
         dtype: ``"bfloat16"`` or ``"float32"``.
         zero_stage: 0 (full copy on each rank) or 3 (weights sharded, gathered layer by layer).
-        zorro: compute each shared prompt once; False = one row per sample.
-        zorro_attention: GPU attention of the ZoRRo layout, ``"auto"`` / ``"split"`` / ``"flex"``
-            (``polynya.compute_logprobs``).
+        zorro: compute each shared prompt once; False = every sample on its own.
+        zorro_attention: GPU attention of the packed layouts, ``"auto"`` / ``"split"`` /
+            ``"flex"`` / ``"varlen"`` (``polynya.compute_logprobs``).
+        naive_layout: layout with ``zorro=False``: ``"auto"`` / ``"packed"`` (samples back to
+            back without padding) / ``"padded"`` (one row per sample) (``compute_logprobs``).
         temperature: default temperature of ``compute_logprobs``.
         micro_batch_tokens: token budget of a forward micro-batch (whole prompt groups).
         max_tokens_per_row: ZoRRo packing budget per row (None: one row per micro-batch).
@@ -46,6 +48,7 @@ class LogProbConfig:
     zero_stage: int = 0
     zorro: bool = True
     zorro_attention: str = "auto"
+    naive_layout: str = "auto"
     temperature: float = 1.0
     micro_batch_tokens: int = 32768
     max_tokens_per_row: int | None = None
@@ -59,6 +62,7 @@ class LogProbConfig:
         check_zero_stage(self.zero_stage, "LogProbConfig", allowed=(0, 3))
         _check_bool(self.zorro, "LogProbConfig.zorro")
         check_zorro_attention(self.zorro_attention, "LogProbConfig")
+        check_naive_layout(self.naive_layout, "LogProbConfig")
         check_positive(self.temperature, "LogProbConfig.temperature")
         check_positive(self.micro_batch_tokens, "LogProbConfig.micro_batch_tokens", integer=True)
         if self.max_tokens_per_row is not None:

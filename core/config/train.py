@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import check_model_spec, check_positive, check_zorro_attention, resolve_dtype
+from .common import check_model_spec, check_naive_layout, check_positive, check_zorro_attention, resolve_dtype
 
 LOSSES = ("ppo", "grpo", "dapo", "dr_grpo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -159,9 +159,11 @@ class TrainConfig:
             state) or ``"float32"``.
         zero_stage: DeepSpeed ZeRO stage 0-3.
         lr: peak learning rate.
-        zorro: compute each shared prompt once (ZoRRo Train); False = one row per sample.
-        zorro_attention: GPU attention of the ZoRRo layout, ``"auto"`` / ``"split"`` / ``"flex"``
-            (``polynya.compute_logprobs``).
+        zorro: compute each shared prompt once (ZoRRo Train); False = every sample on its own.
+        zorro_attention: GPU attention of the packed layouts, ``"auto"`` / ``"split"`` /
+            ``"flex"`` / ``"varlen"`` (``polynya.compute_logprobs``).
+        naive_layout: layout with ``zorro=False``: ``"auto"`` / ``"packed"`` (samples back to
+            back without padding) / ``"padded"`` (one row per sample) (``compute_logprobs``).
         loss: ``"ppo"``, ``"grpo"``, ``"dapo"``, ``"dr_grpo"`` or ``"gspo"``.
         seed: model init (random specs) and torch seed.
         optim: AdamW / schedule / clipping (``OptimConfig``).
@@ -184,6 +186,7 @@ class TrainConfig:
     lr: float = 1e-6
     zorro: bool = True
     zorro_attention: str = "auto"
+    naive_layout: str = "auto"
     loss: str = "grpo"
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -204,6 +207,7 @@ class TrainConfig:
         check_positive(self.lr, "TrainConfig.lr", allow_zero=True)
         _check_bool(self.zorro, "TrainConfig.zorro")
         check_zorro_attention(self.zorro_attention, "TrainConfig")
+        check_naive_layout(self.naive_layout, "TrainConfig")
         if self.loss not in LOSSES:
             raise ValueError(f"TrainConfig.loss must be one of {LOSSES}, got {self.loss!r}")
         _check_seed(self.seed, "TrainConfig.seed")

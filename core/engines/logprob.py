@@ -49,7 +49,7 @@ def sharded_logprobs(owner, batch: RolloutBatch, *, entropy: bool, temperature: 
         for rows, real in plan:
             st = compute_logprobs(owner.module, batch.select(rows), zorro=cfg.zorro, entropy=entropy,
                                   temperature=temperature, max_tokens_per_row=cfg.max_tokens_per_row,
-                                  zorro_attention=cfg.zorro_attention)
+                                  zorro_attention=cfg.zorro_attention, naive_layout=cfg.naive_layout)
             if not real:
                 continue
             idx = torch.tensor(rows, device=owner.device)
@@ -77,7 +77,7 @@ class LogProbEngine:
         self.rank, self.world_size = dsu.init_deepspeed(self.device)
         deepspeed = dsu.import_deepspeed()
         model = load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed)
-        check_model(model, zorro=config.zorro)  # refuse before DeepSpeed starts
+        check_model(model, zorro=config.zorro, naive_layout=config.naive_layout)  # refuse before DeepSpeed starts
         model.requires_grad_(False)
         ds_cfg = dsu.ds_config(zero_stage=config.zero_stage, dtype=resolve_dtype(config.dtype),
                                train=False, overrides=config.deepspeed,

@@ -108,7 +108,7 @@ class TrainingEngine:
         cfg = self.config
         torch.manual_seed(cfg.seed)
         model = load_model(cfg.model, dtype=cfg.dtype, device=self.device, seed=cfg.seed)
-        check_model(model, zorro=cfg.zorro, train=True)  # refuse before DeepSpeed starts
+        check_model(model, zorro=cfg.zorro, train=True, naive_layout=cfg.naive_layout)  # refuse before DeepSpeed starts
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.optim.betas,
@@ -308,7 +308,8 @@ class TrainingEngine:
             return compute_logprobs(self.module, batch, zorro=self.config.zorro, entropy=entropy,
                                     temperature=self.config.temperature if temperature is None else temperature,
                                     max_tokens_per_row=self.config.max_tokens_per_row,
-                                    zorro_attention=self.config.zorro_attention)
+                                    zorro_attention=self.config.zorro_attention,
+                                    naive_layout=self.config.naive_layout)
 
     def compute_logprobs(self, batch: RolloutBatch, *, entropy: bool = False,
                          temperature: float | None = None) -> TokenStats:

@@ -23,6 +23,16 @@ the model passes) included:
   prefixes, at most ``MAX_INNER`` shared nodes), FlexAttention otherwise (fp32, short prompts
   with long responses, deep multi-turn forests); ``"split"`` / ``"flex"`` force one.
 
+A forest of leaves only — the packed naive layout (``compute_logprobs(..., zorro=False)``, every
+sample its own causal segment, no padding, as verl's remove-padding runs it) or a ZoRRo batch
+that shares nothing — needs no mask at all: on GPU its full-attention layers run either one
+FlashAttention-2 varlen call over the segment boundaries (``polynya.kernels.zorro.varlen``:
+no work on padding) or split attention's cuDNN call over the padded batch of segments (faster
+per FLOP on Hopper; ``_leaf_batch_pays`` picks it when the lengths are near-equal, so padding
+costs less than cuDNN gains), ``"varlen"`` / ``"split"`` force one (bf16 / fp16); its windowed
+and soft-capped layers FlexAttention as above; on CPU each segment runs SDPA (``eager_attention`` when soft-capped) on its own (cost of
+the padded layout, not of a dense mask over all packed tokens).
+
 The visibility rule (see ``tree.py`` and ``mask.py``): key ``j`` is visible from query ``i``
 iff ``tin[j] <= tin[i] and tout[i] <= tout[j] and j <= i`` (and, in a layer with window ``W``,
 ``pos[i] - pos[j] < W``). Attention sinks (gpt-oss) are refused at load time
@@ -42,6 +52,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -49,12 +60,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..config.common import check_zorro_attention
 from ..eager_attention import causal_mask, eager_attention
-from ..kernels.zorro import MAX_INNER, split_attention
+from ..kernels.zorro import MAX_INNER, split_attention, varlen_attention
 from ..model_features import SOFTCAP, WINDOWS, AttentionFeatures
-from .mask import FLEX_BLOCK, ZorroMask, _split_pays, dense_mask, interval_block_mask
+from .mask import FLEX_BLOCK, ZorroMask, _leaf_batch_pays, _split_pays, dense_mask, interval_block_mask
 
-__all__ = ["FLEX_BLOCK", "MAX_INNER", "NAME", "ZORRO_SUPPORTS", "ZorroMask", "_split_pays",
-           "dense_mask", "interval_block_mask", "polynya_attention_forward",
+__all__ = ["FLEX_BLOCK", "MAX_INNER", "NAME", "ZORRO_SUPPORTS", "ZorroMask", "_leaf_batch_pays",
+           "_split_pays", "dense_mask", "interval_block_mask", "polynya_attention_forward",
            "use_zorro_attention", "zorro_mask"]
 
 NAME = "polynya"
@@ -124,20 +135,46 @@ def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     softcap = kwargs.get("softcap")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.device.type != "cuda":
+        if attention_mask.segments:
+            return _segments_eager(query, key, value, attention_mask.bounds(), scale, window, softcap), None
         mask = attention_mask.dense(window)
         if softcap is None:
             return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
                                           scaling=scale)
         return eager_attention(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
     if window is None and softcap is None:
+        b, hq, length, d = query.shape
+        flat = (lambda x: x.transpose(1, 2).reshape(b * length, x.shape[1], d))
         plan = attention_mask.split_plan(query, key)
         if plan is not None:
-            b, hq, length, d = query.shape
-            flat = (lambda x: x.transpose(1, 2).reshape(b * length, x.shape[1], d))
             out = split_attention(flat(query), flat(key), flat(value), plan, scale)
+            return out.view(b, length, hq, d), None
+        varlen = attention_mask.varlen_plan(query, key)
+        if varlen is not None:
+            out = varlen_attention(flat(query), flat(key), flat(value), *varlen, scale)
             return out.view(b, length, hq, d), None
     out = _flex(query, key, value, attention_mask.flex_mask(window), scale, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _segments_eager(query, key, value, bounds, scale: float, window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """CPU attention of packed segments: each segment causal on its own (``bounds`` flat over
+    ``[R * L]``, none crossing a row). ``[R, H, L, D]`` in, ``[R, L, H, D]`` out."""
+    rows, heads, length, dim = query.shape
+    gqa = heads != key.shape[1]
+    outs = []
+    for s, e in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        r, a, n = s // length, s % length, e - s
+        q, k, v = (x[r:r + 1, :, a:a + n] for x in (query, key, value))
+        if softcap is not None:
+            outs.append(eager_attention(q, k, v, causal_mask(n, n, query.device, window), scale, softcap))
+        elif window is not None:
+            outs.append(F.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_mask(n, n, query.device, window), scale=scale, enable_gqa=gqa))
+        else:
+            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa))
+    return torch.cat(outs, 2).view(heads, rows, length, dim).permute(1, 2, 0, 3).contiguous()
 
 
 AttentionInterface.register(NAME, polynya_attention_forward)
@@ -161,15 +198,16 @@ def zorro_mask(tin: torch.Tensor, tout: torch.Tensor, nodes=None, attention: str
 
     Args:
         tin, tout: ``[R, L]`` int32 preorder intervals of each token's node.
-        nodes: ``PackedRows.nodes`` (the split plan's input); None = FlexAttention only. The
-            split plan and the FlexAttention block masks are built lazily, by the first layer.
-        attention: ``"auto"`` / ``"split"`` / ``"flex"`` (module docstring); CPU ignores it.
+        nodes: ``PackedRows.nodes`` (the split / varlen plans' input); None = FlexAttention only.
+            Plans and FlexAttention block masks are built lazily, by the first layer.
+        attention: ``"auto"`` / ``"split"`` / ``"flex"`` / ``"varlen"`` (module docstring); CPU
+            ignores it.
         position_ids: ``[R, L]`` the tokens' positions; features: the model's
             ``AttentionFeatures`` (per-layer windows). Both needed for windowed models.
     """
     check_zorro_attention(attention, "compute_logprobs")
-    if attention == "split" and nodes is None and tin.device.type == "cuda":
-        raise ValueError("zorro_attention='split' needs the packed rows' node table")
+    if attention in ("split", "varlen") and nodes is None and tin.device.type == "cuda":
+        raise ValueError(f"zorro_attention={attention!r} needs the packed rows' node table")
     if features is not None and features.windowed and position_ids is None:
         raise ValueError("a model with sliding-window layers needs the rows' position_ids")
     return ZorroMask(tin, tout, nodes, attention, position_ids, features)

@@ -9,20 +9,26 @@ exactly as in its naive row.
 
 ``ZorroMask`` carries the forest and hands each layer the form its path needs, built once per
 window and cached for the batch: a dense ``[R, 1, L, L]`` bool (CPU), a FlexAttention
-``BlockMask`` (GPU), or the split plan (GPU, full-attention layers; ``polynya.zorro.attention``).
+``BlockMask`` (GPU), the split plan (GPU, full-attention layers; ``polynya.zorro.attention``),
+or, for a forest of leaves only (the packed naive layout, or a batch that shares nothing), the
+segment boundaries of varlen attention (``segments`` / ``bounds`` / ``varlen_plan``).
 It is a ``BlockMask`` only so that transformers passes it to the attention untouched, as it does
 every 4-D mask, whatever mask function the model would build for the layer.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..kernels.zorro import MAX_INNER, plan_split, unsupported_reason
+from ..kernels.zorro import (MAX_INNER, plan_split, segment_bounds, unsupported_reason,
+                             varlen_unsupported_reason)
+from ..kernels.zorro.plan import LEAF_MULTIPLE
 from ..model_features import AttentionFeatures
 
 FLEX_BLOCK = 128
 SPLIT_MIN_SHARE = 1.5  # auto: split when shared-prefix work >= this x the responses' own work
+CUDNN_OVER_FA2 = 1.3   # auto, segments only: cuDNN's padded batch when its work <= this x varlen's
 
 
 class ZorroMask(BlockMask):
@@ -31,7 +37,7 @@ class ZorroMask(BlockMask):
     Args:
         tin, tout: ``[R, L]`` int32 preorder intervals of each token's node.
         nodes: the packed rows' node table (split attention plans from it) or None.
-        attention: ``"auto"`` / ``"split"`` / ``"flex"`` (GPU path choice).
+        attention: ``"auto"`` / ``"split"`` / ``"flex"`` / ``"varlen"`` (GPU path choice).
         position_ids: ``[R, L]`` positions (needed by windowed layers).
         features: the model's ``AttentionFeatures`` (per-layer windows; None = all full).
     """
@@ -40,9 +46,16 @@ class ZorroMask(BlockMask):
                  position_ids: torch.Tensor | None = None, features: AttentionFeatures | None = None):
         self.tin, self.tout, self.nodes, self.attention = tin, tout, nodes, attention
         self.position_ids, self.features = position_ids, features
+        self.segments = nodes is not None and bool((nodes[:, 2] == nodes[:, 1]).all())
+        if attention == "varlen" and not self.segments:
+            raise ValueError("zorro_attention='varlen' needs rows of separate samples (nothing "
+                             "shared: zorro=False, or a batch without shared prompts); use 'auto'")
+        pays = _leaf_batch_pays if self.segments else _split_pays
         self._pays = nodes is not None and (attention == "split" or
-                                            (attention == "auto" and _split_pays(nodes)))
+                                            (attention == "auto" and pays(nodes)))
         self._plan = None
+        self._bounds: np.ndarray | None = None
+        self._cu = None  # (cu_seqlens on the device, longest segment)
         self._flex: dict = {}   # window -> BlockMask
         self._dense: dict = {}  # window -> [R, 1, L, L] bool
         self._why: dict = {}    # unsupported_reason per (device, dtype, heads, head dim)
@@ -82,6 +95,33 @@ class ZorroMask(BlockMask):
             self._plan = plan_split(self.nodes, rows * length, self.tin.device)
         return self._plan
 
+    def bounds(self) -> np.ndarray:
+        """Host ``[S + 1]`` flat boundaries of the segments (``segments`` only; padding between
+        samples forms segments of its own, none crosses a row)."""
+        if self._bounds is None:
+            rows, length = self.tin.shape
+            self._bounds = segment_bounds(self.nodes, rows * length, length)
+        return self._bounds
+
+    def varlen_plan(self, query: torch.Tensor, key: torch.Tensor):
+        """``(cu_seqlens, max_len)`` when this batch takes varlen attention with these inputs,
+        else None; ``ValueError`` when ``"varlen"`` was asked for and the kernel cannot take
+        them. (Windowed and soft-capped layers never ask: they run FlexAttention.)"""
+        if not self.segments or self.attention not in ("auto", "varlen"):
+            return None
+        sig = ("varlen", query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+        if sig not in self._why:
+            self._why[sig] = varlen_unsupported_reason(query, key)
+        if self._why[sig] is not None:
+            if self.attention == "varlen":
+                raise ValueError(f"zorro_attention='varlen' cannot run here: {self._why[sig]}; "
+                                 "use 'auto' or 'flex'")
+            return None
+        if self._cu is None:
+            b = self.bounds()
+            self._cu = (torch.from_numpy(b).to(self.tin.device, torch.int32), int(np.diff(b).max()))
+        return self._cu
+
     def flex_mask(self, window: int | None = None) -> BlockMask:
         if window not in self._flex:
             self._flex[window] = interval_block_mask(self.tin, self.tout, FLEX_BLOCK,
@@ -89,7 +129,8 @@ class ZorroMask(BlockMask):
         return self._flex[window]
 
     def __repr__(self) -> str:
-        path = "split" if self._pays else "flex"
+        path = ("split" if self._pays else
+                "varlen" if self.segments and self.attention in ("auto", "varlen") else "flex")
         return f"ZorroMask(shape={self.shape}, path={path}, attention={self.attention!r})"
 
 
@@ -110,6 +151,23 @@ def _split_pays(nodes) -> bool:
     shared = ((stop - start) * (end - start))[inner].sum()
     own = ((end - start) ** 2 / 2)[~inner].sum()
     return bool(shared >= SPLIT_MIN_SHARE * own)
+
+
+def _leaf_batch_pays(nodes) -> bool:
+    """Whether ``auto`` should run a forest of leaves only (packed samples) as split attention's
+    one cuDNN call over the padded batch of segments rather than as FlashAttention-2 varlen.
+
+    Measured on the H200 (BENCHMARKS.md, ``probe_cudnn_split.py``): 8 x 512 causal, cuDNN batched
+    0.225 ms fwd + bwd vs FlashAttention-2 varlen 0.326 ms (1.45x); the padded batch also pays
+    the gathers into it and the copy out (``CUDNN_OVER_FA2`` = 1.3 leaves them a margin). So:
+    cuDNN when ``leaves x padded_len^2 <= CUDNN_OVER_FA2 x sum(len^2)`` (near-equal lengths),
+    FlashAttention-2 varlen when lengths are ragged enough that padding would cost more.
+    """
+    lens = (nodes[:, 1] - nodes[:, 0]).astype(float)
+    if not lens.size:
+        return False
+    padded = -(-lens.max() // LEAF_MULTIPLE) * LEAF_MULTIPLE
+    return bool(lens.size * padded ** 2 <= CUDNN_OVER_FA2 * (lens ** 2).sum())
 
 
 def _visible(q_tin, q_tout, q_idx, k_tin, k_tout, k_idx, q_pos=None, k_pos=None, window=None):

@@ -6,6 +6,10 @@ shared prefix once, every response behind it, true RoPE positions. Without
 most that many deduplicated tokens by ``batching.split_batch`` (a prefix shared by groups in
 different rows is repeated in each row; a group over budget gets a row of its own). Rows are
 right-padded to a common length.
+
+``share=False`` gives the packed *naive* layout: the same rows, but every sample its own causal
+segment (``tree.separate_forest``; its prompt repeated per sample, nothing shared), rows cut by
+prompt + response tokens — what a framework's remove-padding path runs.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 
 from ..types import RolloutBatch
 from .batching import split_batch
-from .tree import Forest, build_forest
+from .tree import Forest, build_forest, separate_forest
 
 PAD_TIN = np.iinfo(np.int32).max  # padding tokens see only earlier padding (never real tokens)
 
@@ -51,10 +55,13 @@ class PackedRows:
 
 
 def pack_rows(batch: RolloutBatch, *, max_tokens_per_row: int | None = None, pad_multiple: int = 1,
-              pad_id: int = 0) -> PackedRows:
-    """Lay the batch out in rows (see module docstring): one prefix forest per row."""
-    parts = split_batch(batch, max_tokens_per_row) if max_tokens_per_row is not None else [list(range(len(batch)))]
-    forests = [build_forest([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in part])
+              pad_id: int = 0, share: bool = True) -> PackedRows:
+    """Lay the batch out in rows (see module docstring): one prefix forest per row; with
+    ``share=False`` one causal segment per sample (nothing shared)."""
+    parts = (split_batch(batch, max_tokens_per_row, zorro=share) if max_tokens_per_row is not None
+             else [list(range(len(batch)))])
+    build = build_forest if share else separate_forest
+    forests = [build([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in part])
                for part in parts]
     length = max(f.num_tokens for f in forests)
     length = -(-length // pad_multiple) * pad_multiple

@@ -7,6 +7,9 @@ laid out in depth-first preorder, so a node's ancestors always precede it, and "
 from i" is the O(1) test ``tin[j] <= tin[i] and tout[i] <= tout[j] and j <= i`` on the
 preorder interval ``[tin, tout]`` of the nodes holding the two tokens.
 
+``separate_forest`` is the same layout with nothing shared: every sequence is a root node of its
+own (the packed naive layout — one causal segment per sample, as verl's remove-padding runs).
+
 The build sorts the sequences (adjacent sequences then share the longest prefixes), takes the
 longest common prefix of neighbours with numpy, and turns the sorted list into a radix tree with
 a stack — O(total tokens) array work plus O(samples) Python steps.
@@ -126,3 +129,18 @@ def build_forest(seqs: list[np.ndarray]) -> Forest:
                                           for k in reversed(path)]))
     return Forest(tokens, depth, node_of, node_offset, node_len, node_parent, node_tout,
                   node_root, sample_pos, sample_root)
+
+
+def separate_forest(seqs: list[np.ndarray]) -> Forest:
+    """Every non-empty sequence its own root leaf, in input order (nothing shared)."""
+    n = len(seqs)
+    node_len = np.array([s.size for s in seqs], dtype=np.int64)
+    node_offset = np.concatenate([[0], np.cumsum(node_len)[:-1]]).astype(np.int64) if n else node_len
+    nodes = np.arange(n, dtype=np.int64)
+    return Forest(tokens=np.concatenate(seqs) if n else np.zeros(0, np.int64),
+                  depth=np.concatenate([np.arange(s.size) for s in seqs]) if n else np.zeros(0, np.int64),
+                  node_of=np.repeat(nodes, node_len), node_offset=node_offset, node_len=node_len,
+                  node_parent=np.full(n, -1, dtype=np.int64), node_tout=nodes.copy(),
+                  node_root=nodes.copy(),
+                  sample_pos=[node_offset[i] + np.arange(node_len[i]) for i in range(n)],
+                  sample_root=nodes.copy())

@@ -63,13 +63,15 @@ def test_bf16_error_within_twice_torch_bf16_error(family):
     ref_model = load_model(family, seed=5)
     bf16_model = load_model(family, seed=5, dtype="bfloat16")
     batch = random_batch(rng, ref_model.config.vocab_size, groups=4, max_group=6)
-    ref = compute_logprobs(ref_model, batch, zorro=False, entropy=True)
-    naive = compute_logprobs(bf16_model, batch, zorro=False, entropy=True)
+    ref = compute_logprobs(ref_model, batch, zorro=False, naive_layout="padded", entropy=True)
+    naive = compute_logprobs(bf16_model, batch, zorro=False, naive_layout="padded", entropy=True)
     z = compute_logprobs(bf16_model, batch, zorro=True, entropy=True)
+    packed = compute_logprobs(bf16_model, batch, zorro=False, naive_layout="packed", entropy=True)
     for field in ("logprobs", "entropy"):
-        r, n, c = (getattr(s, field)[ref.mask] for s in (ref, naive, z))
-        assert torch.isfinite(c).all()
+        r, n, c, p = (getattr(s, field)[ref.mask] for s in (ref, naive, z, packed))
+        assert torch.isfinite(c).all() and torch.isfinite(p).all()
         assert (c - r).abs().max() <= 2 * (n - r).abs().max() + 1e-3, field
+        assert (p - r).abs().max() <= 2 * (n - r).abs().max() + 1e-3, field
 
 
 def test_temperature_is_applied_per_call():

@@ -55,17 +55,20 @@ def test_zorro_equals_transformers_eager(family):
     model = load_model(spec, seed=3)
     batch = window_batch(len(family), model.config.vocab_size)
     assert max(p.size + r.size for p, r in zip(batch.prompts, batch.responses)) > 2 * TINY_SLIDING_WINDOW
-    naive, g_naive = _stats_and_grads(ref, batch, zorro=False)
-    z, g_zorro = _stats_and_grads(model, batch, zorro=True, max_tokens_per_row=48, chunk_size=11)
-    assert torch.equal(z.mask, naive.mask)
-    torch.testing.assert_close(z.logprobs, naive.logprobs, atol=1e-5, rtol=0)
-    torch.testing.assert_close(z.entropy, naive.entropy, atol=1e-5, rtol=0)
-    assert g_naive.keys() == g_zorro.keys() and len(g_naive) > 0
-    for name, g in g_naive.items():
-        rel = (g_zorro[name] - g).norm() / g.norm().clamp_min(1e-12)
-        assert rel < 1e-4, f"{family} {name}: relative grad error {rel:.2e}"
-    # the same (switched) model's naive path still equals transformers' eager
-    again = compute_logprobs(model, batch, zorro=False, entropy=True)
+    naive, g_naive = _stats_and_grads(ref, batch, zorro=False, naive_layout="padded")
+    assert ref.config._attn_implementation == "eager"  # the reference stayed transformers' own
+    for kw in (dict(zorro=True, max_tokens_per_row=48), dict(zorro=False, naive_layout="packed"),
+               dict(zorro=False, naive_layout="packed", max_tokens_per_row=40)):
+        z, g_zorro = _stats_and_grads(model, batch, chunk_size=11, **kw)
+        assert torch.equal(z.mask, naive.mask)
+        torch.testing.assert_close(z.logprobs, naive.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(z.entropy, naive.entropy, atol=1e-5, rtol=0)
+        assert g_naive.keys() == g_zorro.keys() and len(g_naive) > 0
+        for name, g in g_naive.items():
+            rel = (g_zorro[name] - g).norm() / g.norm().clamp_min(1e-12)
+            assert rel < 1e-4, f"{family} {kw} {name}: relative grad error {rel:.2e}"
+    # the same (switched) model's padded naive path still equals transformers' eager
+    again = compute_logprobs(model, batch, zorro=False, naive_layout="padded", entropy=True)
     torch.testing.assert_close(again.logprobs, naive.logprobs, atol=1e-5, rtol=0)
 
 
@@ -82,9 +85,9 @@ def test_ignoring_the_feature_would_show(case):
     model = load_model(spec, seed=3, attn_implementation="eager")
     batch = window_batch(1, model.config.vocab_size)
     with torch.no_grad():
-        base = compute_logprobs(model, batch, zorro=False).logprobs
+        base = compute_logprobs(model, batch, zorro=False, naive_layout="padded").logprobs
         plain = load_model(spec, seed=3, attn_implementation="eager", **WITHOUT[case])
-        moved = compute_logprobs(plain, batch, zorro=False).logprobs
+        moved = compute_logprobs(plain, batch, zorro=False, naive_layout="padded").logprobs
     assert (base - moved).abs().max() > 1e-3
 
 
@@ -97,8 +100,13 @@ def test_unsupported_family_is_refused_and_naive_still_runs(family):
         compute_logprobs(model, batch, zorro=True)
     assert str(err.value) == REFUSED[family]
     assert model.config._attn_implementation == before  # nothing switched
-    naive = compute_logprobs(model, batch, zorro=False, entropy=True)
+    naive = compute_logprobs(model, batch, zorro=False, entropy=True)  # auto: padded
     assert torch.isfinite(naive.logprobs[naive.mask]).all()
+    assert model.config._attn_implementation == before
+    with pytest.raises(ValueError, match="packed naive layout does not implement .* use "
+                                         "naive_layout='padded'"):
+        compute_logprobs(model, batch, zorro=False, naive_layout="packed")
+    assert model.config._attn_implementation == before
 
 
 def test_features_are_read_from_transformers_layer_types():
@@ -139,7 +147,9 @@ def test_engines_refuse_at_load_what_they_cannot_honour():
     with pytest.raises(ValueError) as err:
         check_model(oss, zorro=True)
     assert str(err.value) == REFUSED["gpt-oss"]
-    assert check_model(oss, zorro=False).sinks  # the naive path runs transformers' own attention
+    assert check_model(oss, zorro=False).sinks  # auto: the padded naive path runs transformers' own
+    with pytest.raises(ValueError, match="attention sinks"):
+        check_model(oss, zorro=False, naive_layout="packed")
     moe = load_model("tiny:qwen3-moe", seed=0, output_router_logits=True)
     assert check_model(moe, zorro=True).router_aux_loss  # log-probs: no loss involved
     with pytest.raises(ValueError, match="output_router_logits=True .* set output_router_logits=False"):
@@ -153,7 +163,7 @@ def test_naive_path_equals_the_full_hf_model(family):
     the log-softmax of transformers' full forward, sample by sample."""
     model = load_model(f"tiny:{family}", seed=5, attn_implementation="eager")
     batch = window_batch(4, model.config.vocab_size, groups=2)
-    st = compute_logprobs(model, batch, zorro=False, temperature=0.7)
+    st = compute_logprobs(model, batch, zorro=False, naive_layout="padded", temperature=0.7)
     for i, (p, r) in enumerate(zip(batch.prompts, batch.responses)):
         ids = torch.tensor([list(p) + list(r)])
         with torch.no_grad():

@@ -4,7 +4,9 @@ fp32: ZoRRo (FlexAttention with windowed ``mask_mod`` / soft-cap ``score_mod``) 
 eager naive path, 2e-5. bf16: ZoRRo through each GPU path (``split`` for full-attention layers
 — windowed and soft-capped layers always take FlexAttention — and ``flex``) against an fp32
 eager reference, no further off than bf16 eager naive is (STYLE.md's rule, as in
-``test_logprobs_gpu.py``). Windows are widened past FlexAttention's 128-token blocks so that
+``test_logprobs_gpu.py``); the packed naive layout (``zorro=False, naive_layout="packed"``:
+FlashAttention-2 varlen for full-attention layers, FlexAttention for windowed / soft-capped
+ones) under the same two checks. Windows are widened past FlexAttention's 128-token blocks so that
 full, partial and skipped blocks all occur.
 """
 import random
@@ -51,22 +53,25 @@ def _run(model, batch, **kw):
 def test_zorro_equals_eager_fp32_cuda(family):
     ref, model = _load(family, "float32", "eager"), _load(family, "float32")
     batch = long_batch(1, model.config.vocab_size)
-    (n, gn), (z, gz) = _run(ref, batch, zorro=False), _run(model, batch, zorro=True,
-                                                           max_tokens_per_row=1500)
-    torch.testing.assert_close(z.logprobs, n.logprobs, atol=2e-5, rtol=0)
-    torch.testing.assert_close(z.entropy, n.entropy, atol=2e-5, rtol=0)
-    for k, g in gn.items():
-        assert (gz[k] - g).norm() / g.norm().clamp_min(1e-12) < 1e-4, k
+    n, gn = _run(ref, batch, zorro=False, naive_layout="padded")
+    for kw in (dict(zorro=True, max_tokens_per_row=1500), dict(zorro=False, naive_layout="packed")):
+        z, gz = _run(model, batch, **kw)
+        torch.testing.assert_close(z.logprobs, n.logprobs, atol=2e-5, rtol=0)
+        torch.testing.assert_close(z.entropy, n.entropy, atol=2e-5, rtol=0)
+        for k, g in gn.items():
+            assert (gz[k] - g).norm() / g.norm().clamp_min(1e-12) < 1e-4, (kw, k)
 
 
-@pytest.mark.parametrize("attention", ["split", "flex"])
+@pytest.mark.parametrize("attention", ["split", "flex", "packed naive"])
 @pytest.mark.parametrize("family", ZORRO_FAMILIES)
 def test_zorro_bf16_rule(family, attention):
     ref, low_naive, low = (_load(family, "float32", "eager"), _load(family, "bfloat16", "eager"),
                            _load(family, "bfloat16"))
     batch = long_batch(2, ref.config.vocab_size)
-    runs = [_run(ref, batch, zorro=False), _run(low_naive, batch, zorro=False),
-            _run(low, batch, zorro=True, zorro_attention=attention)]
+    kw = (dict(zorro=False, naive_layout="packed") if attention == "packed naive"
+          else dict(zorro=True, zorro_attention=attention))
+    runs = [_run(ref, batch, zorro=False, naive_layout="padded"),
+            _run(low_naive, batch, zorro=False, naive_layout="padded"), _run(low, batch, **kw)]
     (r, gr), (n, gn), (z, gz) = runs
     for field in ("logprobs", "entropy"):
         a, b, c = (getattr(s, field)[r.mask].float() for s in (r, n, z))
