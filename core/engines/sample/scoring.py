@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from polynya.types import TokenSeq, as_token_array
 
 LOGITS_CHUNK_BYTES = 1 << 28  # fp32 logits per chunk of positions (256 MiB)

@@ -4,9 +4,9 @@ random sequences packed over several forwards; the KV cache is left untouched.""
 from __future__ import annotations
 
 import numpy as np
+import polynya
 import pytest
 import torch
-import polynya
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
 from polynya.models import TINY_SLIDING_WINDOW, load_model
@@ -81,11 +81,11 @@ def test_bad_requests_are_refused_and_change_nothing():
     engine = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu", block_size=4,
                                           num_blocks=8, seed=0))
     before = engine.stats()
-    for bad, msg in [(dict(sequences=[[1, 2], [3, 512]]), "outside"), (dict(sequences=[[]]), "empty"),
-                     (dict(sequences=[[1, 2]], top_k=-2), "prompt_logprobs"),
-                     (dict(sequences=[[1, 2]], top_k=True), "prompt_logprobs"),
-                     (dict(sequences=[[1, 2]], temperature=-1.0), "temperature"),
-                     (dict(sequences=[list(range(33))]), "window")]:
+    for bad, msg in [({"sequences": [[1, 2], [3, 512]]}, "outside"), ({"sequences": [[]]}, "empty"),
+                     ({"sequences": [[1, 2]], "top_k": -2}, "prompt_logprobs"),
+                     ({"sequences": [[1, 2]], "top_k": True}, "prompt_logprobs"),
+                     ({"sequences": [[1, 2]], "temperature": -1.0}, "temperature"),
+                     ({"sequences": [list(range(33))]}, "window")]:
         kw = {"top_k": 1, **bad}
         with pytest.raises(ValueError, match=msg):
             engine.prompt_logprobs(kw.pop("sequences"), **kw)
