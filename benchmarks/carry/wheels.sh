@@ -7,7 +7,8 @@
 # requirement that a listed version satisfies is skipped. The wheels are packed, largest first,
 # into .whl-NAME-1, .whl-NAME-2, ... (each under CARRY_BUDGET_MIB, default 64 MiB less the
 # working tree and 2 MiB of margin), all ignored through git's info/exclude; a single wheel larger
-# than the budget is cut into .partNN pieces, one folder each, joined with `cat` on the machine.
+# than the budget is cut into .partNN pieces, one folder each, joined with `cat` on the machine
+# and checked against the .sha256 file written beside its first piece.
 set -euo pipefail
 
 _norm() { tr 'A-Z_.' 'a-z--' <<<"$1"; }
@@ -58,9 +59,12 @@ EOF
   while read -r size f; do
     if (( size > budget )); then
       split -b "$budget" -d -a 2 "$f" "$f.part"
+      local first=$((n + 1))
       for p in "$f".part*; do
         n=$((n + 1)); mkdir -p ".whl-$name-$n"; mv "$p" ".whl-$name-$n/"; used[$n]=$(stat -c %s ".whl-$name-$n/$(basename "$p")")
       done
+      # the joined wheel's digest, checked on the machine (`sha256sum -c` where it is joined)
+      (cd "$(dirname "$f")" && sha256sum "$(basename "$f")") > ".whl-$name-$first/$(basename "$f").sha256"
       rm "$f"
       continue
     fi
