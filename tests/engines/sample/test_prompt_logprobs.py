@@ -9,6 +9,7 @@ import pytest
 import torch
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
+from polynya.engines.sample import scoring
 from polynya.models import TINY_SLIDING_WINDOW, load_model
 
 LENGTHS = [1, 2, 7, 13, 3, 2 * TINY_SLIDING_WINDOW + 5]  # one past the sliding window (gemma2)
@@ -26,7 +27,8 @@ def _hf_reference(model, seq: list[int], temperature: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])
-def test_scores_equal_hf_forward_and_compute_logprobs(family):
+def test_scores_equal_hf_forward_and_compute_logprobs(family, monkeypatch):
+    monkeypatch.setattr(scoring, "LOGITS_CHUNK_BYTES", 16 * 4 * 512)  # head chunks of 16 positions
     spec = f"tiny:{family}"
     engine = SamplingEngine(SamplerConfig(spec, dtype="float32", device="cpu", block_size=4,
                                           num_blocks=64, max_num_batched_tokens=24, seed=0))
@@ -95,3 +97,24 @@ def test_bad_requests_are_refused_and_change_nothing():
         engine.prompt_logprobs([[1, 2, 3]], top_k=1)
     engine.wake()
     assert engine.prompt_logprobs([[1, 2, 3]], top_k=1)[0].logprobs.shape == (2,)
+
+
+@pytest.mark.gpu
+def test_scores_on_cuda_equal_compute_logprobs():
+    """Random Qwen3-0.6B shape, fp32 on CUDA (flash-free SDPA, the head in chunks of a 151k
+    vocabulary): scores equal ``compute_logprobs`` of the same weights on the same GPU."""
+    spec = "random:qwen3-0.6b"
+    engine = SamplingEngine(SamplerConfig(spec, dtype="float32", device="cuda", kv_cache_memory_gb=1, seed=0,
+                                          max_num_batched_tokens=700))
+    model = load_model(spec, dtype=torch.float32, device="cuda", seed=0)
+    g = np.random.default_rng(5)
+    seqs = [g.integers(100, 150000, size=n).tolist() for n in (37, 300, 129, 513)]
+    out = engine.prompt_logprobs(seqs, top_k=8, temperature=0.9)
+    batch = polynya.RolloutBatch([s[:1] for s in seqs], [s[1:] for s in seqs])
+    with torch.no_grad():
+        ref = polynya.compute_logprobs(model, batch, zorro=False, temperature=0.9).logprobs.cpu()
+        for i, (seq, got) in enumerate(zip(seqs, out)):
+            torch.testing.assert_close(got.logprobs, ref[i, :len(seq) - 1], atol=2e-4, rtol=0)
+            logits = model(torch.tensor([seq], device="cuda")).logits[0, :-1].float()
+            top = torch.log_softmax(logits / 0.9, dim=-1).topk(8, dim=-1).values.cpu()
+            torch.testing.assert_close(got.top_logprobs, top, atol=2e-4, rtol=0)
