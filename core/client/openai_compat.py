@@ -87,15 +87,22 @@ def prompt_logprobs_k(body: dict, params: SamplingParams) -> int | None:
 
 def prompt_logprobs_json(scores, seq: list[int], as_ids: bool, tokenizer) -> list[dict | None]:
     """vLLM's per-prompt ``prompt_logprobs`` list for one ``PromptLogprobs`` of ``seq``."""
+    names: dict[int, str] = {}  # each token decoded once per answer
+
+    def name(t: int) -> str:
+        if t not in names:
+            names[t] = _token_name(t, as_ids, tokenizer)
+        return names[t]
+
     out: list[dict | None] = [None]
     top_ids, top_lps = scores.top_ids.tolist(), scores.top_logprobs.tolist()
     for pos, (lp, rank, ids, lps) in enumerate(zip(scores.logprobs.tolist(), scores.ranks.tolist(),
                                                    top_ids, top_lps), start=1):
-        entry = {str(t): {"logprob": v, "rank": r, "decoded_token": _token_name(t, as_ids, tokenizer)}
+        entry = {str(t): {"logprob": v, "rank": r, "decoded_token": name(t)}
                  for r, (t, v) in enumerate(zip(ids, lps), start=1)}
         tok = seq[pos]
         if str(tok) not in entry:
-            entry[str(tok)] = {"logprob": lp, "rank": rank, "decoded_token": _token_name(tok, as_ids, tokenizer)}
+            entry[str(tok)] = {"logprob": lp, "rank": rank, "decoded_token": name(tok)}
         out.append(entry)
     return out
 
