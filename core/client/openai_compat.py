@@ -246,8 +246,9 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
         if k is not None and score is None:
             raise NotImplementedError("prompt_logprobs: this server's client cannot score prompts "
                                       "(served with comm_protocol='local' and the native sampler)")
-        groups = await generate(prompts, params)
+        # scores first: a backend that cannot score refuses before anything is generated
         scores = None if k is None else await score(prompts, k, params.temperature)
+        groups = await generate(prompts, params)
         return completion_response(body, prompts, groups, tokenizer, model, want_lp, scores)
 
     @app.post("/v1/chat/completions")
