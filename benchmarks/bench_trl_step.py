@@ -22,8 +22,10 @@ pick in ``GRPOConfig`` — ``dynamic`` (HF ``generate``, TRL's default), ``stati
 (``cache_implementation="static"``; TRL always sets ``disable_compile=True``, and
 ``generation_kwargs`` cannot undo it, so it runs without torch.compile) and ``cb``
 (``use_transformers_continuous_batching=True``: transformers' paged ``generate_batch``). The
-polynya arm's speed-up is against the fastest TRL arm that ran; an arm that fails is recorded
-with its error and the others still run.
+polynya arm runs first, then the TRL arms in ``--trl-arms`` order; its speed-up is against the
+fastest TRL arm that ran; an arm that fails is recorded with its error and the others still run;
+the JSON is rewritten after every arm (``complete: false`` until the end), so a run cut short by
+a time limit keeps what it measured.
 
 Results: ``<--out>/bench_trl_step.json`` and ``.png`` (step ms per shape, fastest TRL arm vs
 polynya).
@@ -165,7 +167,7 @@ def main() -> None:
     ap.add_argument("--long-prompt-tokens", type=int, default=3000)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--trl-arms", default="dynamic,static,cb",
+    ap.add_argument("--trl-arms", default="static,dynamic,cb",
                     help=f"TRL generation settings to run, of {sorted(TRL_ARMS)}; speed-ups are against "
                          "the fastest that ran")
     ap.add_argument("--kv-cache-gb", type=float, default=16.0)
@@ -187,9 +189,19 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--trl-arms: unknown {unknown}; choose from {sorted(TRL_ARMS)}")
     rows, best = [], []
+
+    def checkpoint(complete: bool) -> str:  # after every arm: a timed-out run keeps what it measured
+        return save(dict(environment(), **vars(args), complete=complete, rows=rows), args.out, "bench_trl_step")
+
     for shape in args.shapes.split(","):
-        base = [try_arm(arm, shape, args, model_dir, tok, cuda) for arm in trl_arms]
         ours = run_arm("polynya", shape, args, model_dir, tok, cuda)
+        rows.append(ours)
+        checkpoint(False)
+        base = []
+        for arm in trl_arms:
+            base.append(try_arm(arm, shape, args, model_dir, tok, cuda))
+            rows.append(base[-1])
+            checkpoint(False)
         ran = [r for r in base if "error" not in r]
         if ran:
             fastest = min(ran, key=lambda r: r["step_ms"])
@@ -199,9 +211,8 @@ def main() -> None:
             for r in ran:
                 r["polynya_speedup"] = round(r["step_ms"] / ours["step_ms"], 2)
             best.append((shape, fastest["step_ms"], ours["step_ms"]))
-        rows += base + [ours]
-        print(base + [ours], flush=True)
-    path = save(dict(environment(), **vars(args), rows=rows), args.out, "bench_trl_step")
+        print([ours] + base, flush=True)
+    path = checkpoint(True)
     if best:
         paired_bars(path.replace(".json", ".png"), [b[0] for b in best], [b[1] for b in best],
                     "fastest TRL arm", [b[2] for b in best], "polynya adapter", "GRPO step ms")
