@@ -184,3 +184,23 @@ def test_reset_close_and_what_is_refused(trl_client):
         trl_client.generate(PROMPTS, repetition_penalty=1.3)
     with pytest.raises(RuntimeError, match="weight-transfer engine"):
         trl_client.init_communicator(device="cpu")  # TRL's own check reads /server_info
+
+
+def test_prompt_logprobs_on_a_client_that_cannot_score_is_501_before_generating(tmp_path):
+    """A client without prompt scoring (e.g. the Ray client): 501 naming the cause, and nothing
+    was generated for the request."""
+    from fastapi.testclient import TestClient
+    from polynya.client.server import create_app
+
+    class NoScoring:  # the client API minus prompt_logprobs_async; counts generate calls
+        calls = 0
+
+        async def generate_async(self, prompts, params):
+            NoScoring.calls += 1
+            raise AssertionError("generate must not run")
+
+    app = create_app(NoScoring(), run_dir=tmp_path)
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 2})
+    assert r.status_code == 501 and "cannot score prompts" in r.json()["error"], r.text
+    assert NoScoring.calls == 0
