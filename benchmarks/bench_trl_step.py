@@ -1,37 +1,39 @@
 """A whole TRL GRPO step: ``polynya.adapters.trl.GRPOTrainer`` vs TRL's own ``GRPOTrainer``
-(``use_vllm=False``: HF ``generate``), same model, data, reward and settings, one GPU.
+(``use_vllm=False``: HF ``generate`` or transformers' continuous batching), same model, data,
+reward and settings, one GPU.
 
-    python benchmarks/bench_trl_step.py                      # H200: both shapes, ~10 min
+    python benchmarks/bench_trl_step.py --shapes gsm8k       # H200: one shape per device call
     python benchmarks/bench_trl_step.py --model tiny:qwen3 --prompt-tokens 32 \\
         --long-prompt-tokens 96 --max-new-tokens 8 --steps 2   # CPU smoke run of the script
 
 Shapes (8 prompts x ``--group-size`` 8, ``--max-new-tokens`` 128 new tokens, random Qwen3-0.6B
 shape in bf16 with the locally trained tokenizer): ``gsm8k`` (~``--prompt-tokens`` 256 distinct
 tokens per prompt) and ``longqa`` (a ~``--long-prompt-tokens`` 3000-token context shared by all 8
-prompts, then a short distinct question). TRL's settings for both arms: one optimizer step per
+prompts, then a short distinct question). TRL's settings for every arm: one optimizer step per
 generation batch of 64 completions, ``per_device_train_batch_size=8`` (one group per
 micro-batch) x ``gradient_accumulation_steps=8``, gradient checkpointing, ``beta=0``, a reward
 that counts digits. Each arm runs ``--steps`` optimizer steps; the JSON reports the median step
 after the first (CUDA events around each step, CUDA-synchronised), and the median time of the
 generation call inside it (``_generate_single_turn``, timed by wrapping it on the instance here).
-Random weights rarely emit EOS, so both arms generate the full ``--max-new-tokens`` per sample.
+Random weights rarely emit EOS, so every arm generates the full ``--max-new-tokens`` per sample.
 
-Results: ``<--out>/bench_trl_step.json`` and ``.png`` (step ms per shape, TRL vs polynya).
+TRL arms (``--trl-arms``, all three by default): the no-vLLM generation settings a TRL user can
+pick in ``GRPOConfig`` — ``dynamic`` (HF ``generate``, TRL's default), ``static``
+(``cache_implementation="static"``; TRL always sets ``disable_compile=True``, and
+``generation_kwargs`` cannot undo it, so it runs without torch.compile) and ``cb``
+(``use_transformers_continuous_batching=True``: transformers' paged ``generate_batch``). The
+polynya arm runs first, then the TRL arms in ``--trl-arms`` order; its speed-up is against the
+fastest TRL arm that ran; an arm that fails is recorded with its error and the others still run;
+the JSON is rewritten after every arm (``complete: false`` until the end), so a run cut short by
+a time limit keeps what it measured.
 
-GPU machine (Python 3.12, torch 2.11, transformers 5.17, no package index): carry TRL and what it
-imports that the machine lacks. Built here with
-``python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
---platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
--d .whl-trl trl==1.16.0 accelerate==1.15.0 datasets==5.2.0 dill multiprocess xxhash fsspec psutil
-pandas python-dateutil pytz tzdata pyarrow`` (68 MB, of which pyarrow 55 MB and pandas 12 MB: over
-the 64 MiB a call carries, so first check ``python3 -c "import pyarrow, pandas"`` there and drop
-those present, or carry pyarrow in a first call and the rest in a second, installing both into an
-ignored folder of the work tree, which the device machine keeps between calls), plus the DeepSpeed-
-free ``hydra``/``omegaconf`` wheels of ``../shared/gpu/carry-wheels.sh`` (polynya.recipes is not
-used here, so they are optional). Then::
+Results: ``<--out>/bench_trl_step.json`` and ``.png`` (step ms per shape, fastest TRL arm vs
+polynya).
 
-    python3 -m pip install -q --no-index --no-deps --target .site .whl-trl/*.whl \\
-      && PYTHONPATH=$PWD/.site:$PWD python3 benchmarks/bench_trl_step.py
+GPU machine (Python 3.12, torch 2.11, transformers 5.17, no package index): TRL and what it
+imports are carried as wheels in two calls (70 MB: pyarrow alone is 55 MB), then one call per
+shape; ``benchmarks/carry/README.md`` has the script (``benchmarks/carry/trl-wheels.sh``) and the
+exact device commands.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, markdown_table, paired_bars, save  # noqa: E402
@@ -103,6 +106,16 @@ class StepTimer:
             torch.cuda.synchronize()
 
 
+# TRL's no-vLLM generation settings a user can pick (GRPOConfig fields): HF ``generate`` with the
+# default dynamic cache, with a static cache (TRL always passes ``disable_compile=True``, so no
+# torch.compile either way), and transformers' continuous batching (paged ``generate_batch``).
+TRL_ARMS = {
+    "dynamic": ("TRL (HF generate, dynamic cache)", {}),
+    "static": ("TRL (HF generate, static cache)", {"cache_implementation": "static"}),
+    "cb": ("TRL (transformers continuous batching)", {"use_transformers_continuous_batching": True}),
+}
+
+
 def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict:
     import trl
     from datasets import Dataset
@@ -116,10 +129,10 @@ def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict
         num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0,
         learning_rate=1e-6, beta=0.0, gradient_checkpointing=cuda, bf16=cuda and args.dtype == "bfloat16",
         use_cpu=not cuda, model_init_kwargs={"dtype": args.dtype}, logging_steps=1, report_to=[],
-        save_strategy="no", disable_tqdm=True, seed=0, cache_implementation=args.hf_cache)
+        save_strategy="no", disable_tqdm=True, seed=0, **TRL_ARMS.get(arm, ("", {}))[1])
     data = Dataset.from_list([{"prompt": p} for p in prompts_for(shape, args, tok)])
     common = dict(reward_funcs=reward_digits, args=config, train_dataset=data, processing_class=tok)
-    if arm == "trl":
+    if arm != "polynya":
         trainer = trl.GRPOTrainer(model_dir, **common)
     else:
         sampler = SamplerConfig(model_dir, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
@@ -130,7 +143,7 @@ def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict
     trainer.train()
     steady = lambda xs: xs[1:] or xs  # noqa: E731  (the first step pays compilation / graph capture)
     prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in data["prompt"])
-    row = {"shape": shape, "arm": "polynya" if arm == "polynya" else "TRL (HF generate)",
+    row = {"shape": shape, "arm": "polynya adapter" if arm == "polynya" else TRL_ARMS[arm][0],
            "prompt_tokens": round(prompt_len), "step_ms": round(statistics.median(steady(timer.steps)), 1),
            "generate_ms": round(statistics.median(steady(timer.gens)), 1),
            "steps_ms": [round(x, 1) for x in timer.steps], "wall_s": round(time.perf_counter() - start, 1),
@@ -154,7 +167,9 @@ def main() -> None:
     ap.add_argument("--long-prompt-tokens", type=int, default=3000)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--hf-cache", default=None, help="TRL's cache_implementation for HF generate (e.g. static)")
+    ap.add_argument("--trl-arms", default="static,dynamic,cb",
+                    help=f"TRL generation settings to run, of {sorted(TRL_ARMS)}; speed-ups are against "
+                         "the fastest that ran")
     ap.add_argument("--kv-cache-gb", type=float, default=16.0)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -169,22 +184,56 @@ def main() -> None:
     load_model(args.model, dtype=args.dtype, seed=0).save_pretrained(model_dir)
     tok = load_tokenizer(args.model)
     tok.save_pretrained(model_dir)
-    rows = []
-    for shape in args.shapes.split(","):
-        pair = [run_arm(arm, shape, args, model_dir, tok, cuda) for arm in ("trl", "polynya")]
-        pair[1]["speedup"] = round(pair[0]["step_ms"] / pair[1]["step_ms"], 2)
-        pair[1]["generate_speedup"] = round(pair[0]["generate_ms"] / pair[1]["generate_ms"], 2)
-        rows += pair
-        print(pair, flush=True)
-    path = save(dict(environment(), **vars(args), rows=rows), args.out, "bench_trl_step")
-    shapes = args.shapes.split(",")
-    paired_bars(path.replace(".json", ".png"), shapes, [r["step_ms"] for r in rows[0::2]], "TRL (HF generate)",
-                [r["step_ms"] for r in rows[1::2]], "polynya adapter", "GRPO step ms")
-    for r in rows:
-        r.setdefault("speedup", "")
-    print(markdown_table(rows, [("shape", "shape"), ("arm", "arm"), ("prompt_tokens", "prompt tokens"),
-                                ("generate_ms", "generate ms"), ("step_ms", "step ms"), ("speedup", "step speed-up")]))
+    trl_arms = args.trl_arms.split(",")
+    unknown = sorted(set(trl_arms) - set(TRL_ARMS))
+    if unknown:
+        raise SystemExit(f"--trl-arms: unknown {unknown}; choose from {sorted(TRL_ARMS)}")
+    rows, best = [], []
 
+    def checkpoint(complete: bool) -> str:  # after every arm: a timed-out run keeps what it measured
+        return save(dict(environment(), **vars(args), complete=complete, rows=rows), args.out, "bench_trl_step")
+
+    for shape in args.shapes.split(","):
+        ours = run_arm("polynya", shape, args, model_dir, tok, cuda)
+        rows.append(ours)
+        checkpoint(False)
+        base = []
+        for arm in trl_arms:
+            base.append(try_arm(arm, shape, args, model_dir, tok, cuda))
+            rows.append(base[-1])
+            checkpoint(False)
+        ran = [r for r in base if "error" not in r]
+        if ran:
+            fastest = min(ran, key=lambda r: r["step_ms"])
+            ours["baseline"] = fastest["arm"]
+            ours["speedup"] = round(fastest["step_ms"] / ours["step_ms"], 2)
+            ours["generate_speedup"] = round(min(r["generate_ms"] for r in ran) / ours["generate_ms"], 2)
+            for r in ran:
+                r["polynya_speedup"] = round(r["step_ms"] / ours["step_ms"], 2)
+            best.append((shape, fastest["step_ms"], ours["step_ms"]))
+        print([ours] + base, flush=True)
+    path = checkpoint(True)
+    if best:
+        paired_bars(path.replace(".json", ".png"), [b[0] for b in best], [b[1] for b in best],
+                    "fastest TRL arm", [b[2] for b in best], "polynya adapter", "GRPO step ms")
+    for r in rows:
+        for key in ("prompt_tokens", "generate_ms", "step_ms", "polynya_speedup", "speedup"):
+            r.setdefault(key, "")
+    print(markdown_table(rows, [("shape", "shape"), ("arm", "arm"), ("prompt_tokens", "prompt tokens"),
+                                ("generate_ms", "generate ms"), ("step_ms", "step ms"),
+                                ("polynya_speedup", "polynya step speed-up over this arm")]))
+
+
+def try_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict:
+    """A TRL arm; one that fails (e.g. a setting this transformers cannot run) is reported as
+    such instead of ending the benchmark."""
+    try:
+        return run_arm(arm, shape, args, model_dir, tok, cuda)
+    except Exception as exc:  # noqa: BLE001 - recorded in the results, printed in full
+        traceback.print_exc()
+        if cuda:
+            torch.cuda.empty_cache()
+        return {"shape": shape, "arm": TRL_ARMS[arm][0], "error": f"{type(exc).__name__}: {exc}"[:500]}
 
 if __name__ == "__main__":
     main()

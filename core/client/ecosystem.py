@@ -59,7 +59,13 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
     async def gen(prompts, params):
         return await gate.run(lambda: client.generate_async(prompts, params))
 
-    add_openai_routes(app, client, tokenizer, gen)  # /v1/models, /server_info, /v1/(chat/)completions
+    score = None
+    if hasattr(client, "prompt_logprobs_async"):  # prompt_logprobs of /v1/completions
+        async def score(seqs, top_k, temperature):
+            return await gate.run(lambda: client.prompt_logprobs_async(seqs, top_k=top_k,
+                                                                       temperature=temperature))
+
+    add_openai_routes(app, client, tokenizer, gen, score)  # /v1/models, /server_info, /v1/(chat/)completions
 
     @app.post("/inference/v1/generate")
     async def generate(request: Request) -> dict:

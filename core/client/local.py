@@ -13,6 +13,7 @@ applies them under a new version (``polynya.sync``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -147,6 +148,24 @@ class LocalClient(ThreadedAsync):
             with self._lock:
                 self._generating -= 1
                 self._idle.notify_all()
+
+    def prompt_logprobs(self, sequences: Sequence[TokenSeq], *, top_k: int = 0,
+                        temperature: float = 1.0) -> list:
+        """Scores of given sequences on the first sampler's weights (``SamplingEngine.
+        prompt_logprobs``), with the same hand-over as ``generate``."""
+        with self._lock:
+            self._check_open()
+            self._to_sampler()
+            self._generating += 1
+        try:
+            return self.samplers[0].prompt_logprobs(sequences, top_k=top_k, temperature=temperature)
+        finally:
+            with self._lock:
+                self._generating -= 1
+                self._idle.notify_all()
+
+    async def prompt_logprobs_async(self, sequences: Sequence[TokenSeq], **kw) -> list:
+        return await asyncio.to_thread(lambda: self.prompt_logprobs(sequences, **kw))
 
     def compute_logprobs(
         self,

@@ -14,6 +14,12 @@ native sampler:
   ``token_logprobs`` / ``top_logprobs``); every choice carries ``prompt_token_ids`` and
   ``token_ids`` (vLLM's ``return_token_ids``, always on); ``return_tokens_as_token_ids`` names
   tokens ``"token_id:<id>"``; the ``model`` field is not checked (the answer names the served one);
+  ``prompt_logprobs: k`` (-1: the whole vocabulary) scores each prompt on the sampler's weights
+  (``SamplingEngine.prompt_logprobs``, native sampler) and gives every choice vLLM's list:
+  ``None`` for the first token, then per token ``{"<id>": {"logprob", "rank", "decoded_token"}}``
+  holding the ``k`` most likely tokens (ranks 1..k) plus the prompt's own token at its rank —
+  what TRL's ``VLLMClient.get_sequence_logprobs`` reads; log-probs of ``logits / temperature``
+  (``processed_logprobs``), so top-k / top-p / min-p filters are refused alongside it;
 - ``POST /v1/chat/completions`` — ``messages`` rendered with the tokenizer's chat template
   (``chat_template`` / ``chat_template_kwargs`` honoured), top-level ``prompt_token_ids``,
   per-choice ``message``, ``token_ids`` and ``logprobs.content``.
@@ -21,8 +27,9 @@ native sampler:
 Refused with 400 (never silently ignored): ``repetition_penalty`` != 1, presence/frequency
 penalties, ``logprobs`` / ``top_logprobs`` > 0 (the native sampler keeps the sampled token's
 log-prob only), stop strings, ``echo``, streaming, structured outputs, tools, images, and any
-other field this module does not know. ``prompt_logprobs`` gets 501: scoring a given sequence's
-top-k needs a full-vocabulary forward on the sampler's weights, which no engine offers yet.
+other field this module does not know; ``prompt_logprobs`` on chat (served on
+``/v1/completions`` only). A client or backend that cannot score (Ray client, vLLM backend)
+answers 501.
 """
 
 import time
@@ -52,10 +59,6 @@ def sampling_params(body: dict[str, Any], keys: set[str]) -> SamplingParams:
     for k in ("stop", "structured_outputs", "tools"):
         if body.get(k):
             raise ValueError(f"{k!r} is not supported by polynya's sampler")
-    if body.get("prompt_logprobs") is not None:
-        raise NotImplementedError("prompt_logprobs (TRL's get_sequence_logprobs) is not served: "
-                                  "top-k scoring of a given sequence needs a full-vocabulary "
-                                  "forward on the sampler's weights, which polynya does not offer yet")
     kw = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
     kw.setdefault("max_tokens", 16)  # the OpenAI / vLLM default
     top_k = body.get("top_k")
@@ -66,6 +69,42 @@ def sampling_params(body: dict[str, Any], keys: set[str]) -> SamplingParams:
     if body.get("ignore_eos"):
         kw["stop_token_ids"] = []
     return SamplingParams(**kw, logprobs=True)
+
+
+def prompt_logprobs_k(body: dict, params: SamplingParams) -> int | None:
+    """``prompt_logprobs`` of a request: None (not asked) or ``k`` (-1: all); ``ValueError`` when
+    it is not an int >= -1 or comes with a filter (the scores are of ``logits / temperature``)."""
+    k = body.get("prompt_logprobs")
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+        raise ValueError(f"prompt_logprobs must be an int >= -1 (-1: the whole vocabulary), got {k!r}")
+    if params.top_k > 0 or params.top_p < 1 or (params.min_p or 0) > 0:
+        raise ValueError("prompt_logprobs with top_k / top_p / min_p: polynya scores prompts under "
+                         "logits / temperature only; drop the filters from this request")
+    return k
+
+
+def prompt_logprobs_json(scores, seq: list[int], as_ids: bool, tokenizer) -> list[dict | None]:
+    """vLLM's per-prompt ``prompt_logprobs`` list for one ``PromptLogprobs`` of ``seq``."""
+    names: dict[int, str] = {}  # each token decoded once per answer
+
+    def name(t: int) -> str:
+        if t not in names:
+            names[t] = _token_name(t, as_ids, tokenizer)
+        return names[t]
+
+    out: list[dict | None] = [None]
+    top_ids, top_lps = scores.top_ids.tolist(), scores.top_logprobs.tolist()
+    for pos, (lp, rank, ids, lps) in enumerate(zip(scores.logprobs.tolist(), scores.ranks.tolist(),
+                                                   top_ids, top_lps), start=1):
+        entry = {str(t): {"logprob": v, "rank": r, "decoded_token": name(t)}
+                 for r, (t, v) in enumerate(zip(ids, lps), start=1)}
+        tok = seq[pos]
+        if str(tok) not in entry:
+            entry[str(tok)] = {"logprob": lp, "rank": rank, "decoded_token": name(tok)}
+        out.append(entry)
+    return out
 
 
 def _want_logprobs(value, name: str) -> bool:
@@ -111,11 +150,14 @@ def _usage(prompts, samples) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion_response(body: dict, prompts, groups, tokenizer, model: str, want_lp: bool) -> dict:
-    """vLLM's ``/v1/completions`` answer for ``groups`` (per prompt, its ``n`` samples)."""
+def completion_response(body: dict, prompts, groups, tokenizer, model: str, want_lp: bool,
+                        scores=None) -> dict:
+    """vLLM's ``/v1/completions`` answer for ``groups`` (per prompt, its ``n`` samples), with
+    ``scores`` (per prompt, its ``PromptLogprobs``) as every choice's ``prompt_logprobs``."""
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     choices = []
-    for prompt, group in zip(prompts, groups):
+    for i, (prompt, group) in enumerate(zip(prompts, groups)):
+        plp = None if scores is None else prompt_logprobs_json(scores[i], prompt, as_ids, tokenizer)
         for s in group:
             names = [_token_name(t, as_ids, tokenizer) for t in s.token_ids]
             lp = None
@@ -125,7 +167,7 @@ def completion_response(body: dict, prompts, groups, tokenizer, model: str, want
                       "text_offset": None}
             choices.append({"index": len(choices), "text": _text(s.token_ids, tokenizer, body),
                             "logprobs": lp, "finish_reason": s.finish_reason, "stop_reason": None,
-                            "prompt_logprobs": None, "prompt_token_ids": list(prompt),
+                            "prompt_logprobs": plp, "prompt_token_ids": list(prompt),
                             "token_ids": list(s.token_ids)})
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices,
@@ -169,9 +211,10 @@ def chat_response(body: dict, prompt, group, tokenizer, model: str, want_lp: boo
             "usage": _usage([prompt], group)}
 
 
-def add_openai_routes(app, client, tokenizer, generate) -> None:
+def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
     """Register the routes on ``app``; ``generate(prompts, params)`` is the server's (pausable)
-    generation coroutine."""
+    generation coroutine, ``score(sequences, top_k, temperature)`` its prompt-scoring one (None:
+    ``prompt_logprobs`` answers 501)."""
     from fastapi import Request
 
     from .codec import read_json
@@ -199,13 +242,21 @@ def add_openai_routes(app, client, tokenizer, generate) -> None:
         params = sampling_params(body, _COMPLETION_KEYS)
         want_lp = _want_logprobs(body.get("logprobs"), "logprobs")
         prompts = _prompts(body.get("prompt"), tokenizer)
+        k = prompt_logprobs_k(body, params)
+        if k is not None and score is None:
+            raise NotImplementedError("prompt_logprobs: this server's client cannot score prompts "
+                                      "(served with comm_protocol='local' and the native sampler)")
+        # scores first: a backend that cannot score refuses before anything is generated
+        scores = None if k is None else await score(prompts, k, params.temperature)
         groups = await generate(prompts, params)
-        return completion_response(body, prompts, groups, tokenizer, model, want_lp)
+        return completion_response(body, prompts, groups, tokenizer, model, want_lp, scores)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> dict:
         body = await read_json(request)
         params = sampling_params(body, _CHAT_KEYS)
+        if body.get("prompt_logprobs") is not None:
+            raise ValueError("prompt_logprobs is served on /v1/completions (send the rendered token ids)")
         want_lp = _want_logprobs(body.get("logprobs"), "logprobs") and (
             body.get("top_logprobs") is None or _want_logprobs(body["top_logprobs"], "top_logprobs"))
         if body.get("tool_choice") not in (None, "none"):

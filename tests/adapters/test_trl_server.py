@@ -3,6 +3,7 @@ only) against ``python -m polynya.client.server``: every call that needs no NCCL
 checked against a local forward of the same tiny model."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -64,6 +65,67 @@ def _local_logprobs(model, prompt, completion):
     return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
+def _local_scores(model, seq, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, :-1].float()
+    return torch.log_softmax(logits / temperature, dim=-1)  # row i scores seq[i + 1]
+
+
+def test_get_sequence_logprobs_equals_local_forward(trl_client, model):
+    """TRL's ``get_sequence_logprobs`` (its request and parsing, unchanged): top-k, ranks and the
+    actual token's log-prob equal a local forward at the temperature, including a token far
+    outside the top-k (vLLM reports it at its rank, so TRL gets its log-prob, not -inf)."""
+    g = torch.Generator().manual_seed(3)
+    temperature, k = 0.7, 4
+    seqs, plens = [], []
+    for prompt in PROMPTS:
+        worst = int(_local_scores(model, prompt + [0], temperature)[-1].argmin())  # least likely next
+        seqs.append(prompt + [worst] + torch.randint(0, 512, (5,), generator=g).tolist())
+        plens.append(len(prompt))
+    for chunk_size in (0, 1):  # one request, and one request per sequence sent concurrently
+        out = trl_client.get_sequence_logprobs(seqs, plens, top_logprobs=k, temperature=temperature,
+                                               chunk_size=chunk_size)
+        for i, (seq, plen) in enumerate(zip(seqs, plens)):
+            ref = _local_scores(model, seq, temperature)[plen - 1:]
+            top = ref.topk(k, dim=-1)
+            torch.testing.assert_close(torch.tensor(out["logprobs"][i]), top.values, atol=1e-5, rtol=0)
+            assert out["logprob_token_ids"][i] == top.indices.tolist()
+            actual = ref.gather(1, torch.tensor(seq[plen:])[:, None])
+            torch.testing.assert_close(torch.tensor(out["actual_logprobs"][i]), actual, atol=1e-5, rtol=0)
+            assert out["actual_token_ids"][i] == [[t] for t in seq[plen:]]
+        assert all(math.isfinite(x[0]) for row in out["actual_logprobs"] for x in row)
+
+
+def test_prompt_logprobs_response_shape_and_refusals(server, model):
+    seq = PROMPTS[1] + [7, 300, 2]
+    body = {"prompt": seq, "max_tokens": 1, "prompt_logprobs": 2, "n": 2, "return_tokens_as_token_ids": True}
+    r = httpx.post(server + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    plp = choices[0]["prompt_logprobs"]
+    assert len(plp) == len(seq) and plp[0] is None
+    ref = _local_scores(model, seq, 1.0)
+    for pos in range(1, len(seq)):
+        entry = {int(t): v for t, v in plp[pos].items()}
+        top = ref[pos - 1].topk(2)
+        want = {int(t): r for r, t in enumerate(top.indices.tolist(), start=1)}
+        tok = seq[pos]
+        want.setdefault(tok, int((ref[pos - 1] > ref[pos - 1, tok]).sum()) + 1)
+        assert {t: v["rank"] for t, v in entry.items()} == want
+        assert all(v["decoded_token"] == f"token_id:{t}" for t, v in entry.items())
+        got = torch.tensor([entry[t]["logprob"] for t in want])
+        torch.testing.assert_close(got, ref[pos - 1, list(want)], atol=1e-5, rtol=0)
+    bad = [({**body, "top_p": 0.5}, "filters"), ({**body, "prompt_logprobs": -2}, "prompt_logprobs"),
+           ({**body, "prompt_logprobs": True}, "prompt_logprobs")]
+    for b, msg in bad:
+        r = httpx.post(server + "/v1/completions", json=b, timeout=60)
+        assert r.status_code == 400 and msg in r.json()["error"], r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}
+    r = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and "/v1/completions" in r.json()["error"]
+
+
 def test_health_models_world_size_server_info(trl_client):
     assert trl_client.model == "tiny:qwen3"  # read from /v1/models in the constructor
     assert trl_client.get_world_size() == 1
@@ -120,7 +182,25 @@ def test_reset_close_and_what_is_refused(trl_client):
     trl_client.close_communicator()  # nothing open: a no-op, as with vLLM
     with pytest.raises(Exception, match="repetition_penalty"):
         trl_client.generate(PROMPTS, repetition_penalty=1.3)
-    with pytest.raises(Exception, match="prompt_logprobs"):
-        trl_client.get_sequence_logprobs([PROMPTS[0] + [5, 6]], [len(PROMPTS[0])])
     with pytest.raises(RuntimeError, match="weight-transfer engine"):
         trl_client.init_communicator(device="cpu")  # TRL's own check reads /server_info
+
+
+def test_prompt_logprobs_on_a_client_that_cannot_score_is_501_before_generating(tmp_path):
+    """A client without prompt scoring (e.g. the Ray client): 501 naming the cause, and nothing
+    was generated for the request."""
+    from fastapi.testclient import TestClient
+    from polynya.client.server import create_app
+
+    class NoScoring:  # the client API minus prompt_logprobs_async; counts generate calls
+        calls = 0
+
+        async def generate_async(self, prompts, params):
+            NoScoring.calls += 1
+            raise AssertionError("generate must not run")
+
+    app = create_app(NoScoring(), run_dir=tmp_path)
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 2})
+    assert r.status_code == 501 and "cannot score prompts" in r.json()["error"], r.text
+    assert NoScoring.calls == 0

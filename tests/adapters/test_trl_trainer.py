@@ -161,7 +161,9 @@ def test_default_sampler_and_naive_logprobs(run, model_dir, tmp_path):
     trainer = GRPOTrainer(model_dir, reward_funcs=reward_digits, args=_args(tmp_path), zorro=False,
                           train_dataset=_dataset(), processing_class=tiny_tokenizer())
     cfg = trainer.sampler.config
-    assert (cfg.model, cfg.dtype, cfg.device) == (model_dir, "float32", "cpu")
+    # the policy's device as accelerate names it ("cpu", or "cpu:0" once a process group exists)
+    assert (cfg.model, cfg.dtype, cfg.device) == (model_dir, "float32", str(trainer.accelerator.device))
+    assert torch.device(cfg.device).type == trainer.model.device.type == "cpu"
     policy = dict(trainer.model.named_parameters())
     assert trainer.sampler.weight_checksum() == checksum_named_tensors(policy.items())
     ids, mask, keep = run["calls"][0][:3]

@@ -11,7 +11,8 @@
 Backends: ``"native"`` (embedded paged-KV engine with prefix sharing and FCA decode; CPU or one
 GPU) and ``"vllm"`` (needs ``pip install polynya[vllm]``). The facade only dispatches; every
 backend offers ``generate``, ``load_weights``, ``weight_version``, ``weight_checksum``, ``sleep``,
-``wake`` and ``stats``.
+``wake`` and ``stats``; the native one also ``prompt_logprobs`` (scoring given sequences,
+``scoring.py``).
 
 Bad requests (empty prompt, id >= vocab, ``max_tokens < 1``, prompt not shorter than the
 model window) raise ``ValueError`` naming the request index before anything is scheduled, so
@@ -28,6 +29,8 @@ import torch
 
 from polynya.config.sampler import SamplerConfig
 from polynya.types import Sample, SamplingParams, TokenSeq
+
+from .scoring import PromptLogprobs
 
 __all__ = ["SamplingEngine"]
 
@@ -65,6 +68,23 @@ class SamplingEngine:
             per prompt, its ``params.n`` samples (``Sample(token_ids, logprobs, finish_reason)``).
         """
         return self.backend.generate(prompts, params)
+
+    def prompt_logprobs(self, sequences: Sequence[TokenSeq], *, top_k: int = 0,
+                        temperature: float = 1.0) -> list[PromptLogprobs]:
+        """Score given sequences on the served weights (vLLM's ``prompt_logprobs``).
+
+        Args:
+            sequences: token-id lists, each scored whole.
+            top_k: most likely tokens to return per position (-1: all of the vocabulary).
+            temperature: log-probs of ``logits / temperature`` (0 reads as 1).
+        Returns:
+            per sequence, ``PromptLogprobs`` (``polynya.engines.sample.scoring``) of positions 1..L-1.
+        """
+        score = getattr(self.backend, "prompt_logprobs", None)
+        if score is None:
+            raise NotImplementedError(f"prompt log-probs are served by the native sampler only, "
+                                      f"not backend={self.config.backend!r}")
+        return score(sequences, top_k=top_k, temperature=temperature)
 
     async def generate_async(self, prompts: Sequence[TokenSeq],
                              params: SamplingParams | Sequence[SamplingParams]) -> list[list[Sample]]:

@@ -48,7 +48,9 @@ class StepContext:
 
     Args:
         kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
-        slot_mapping: ``[T]`` int64 flat cache slot (``block * block_size + offset``) per new token.
+        slot_mapping: ``[T]`` int64 flat cache slot (``block * block_size + offset``) per new token;
+            None for a scoring pass (prompt log-probs: a prefill with nothing cached, whose keys
+            and values are not kept; ``kv_caches`` is then unused).
         is_prefill: prefill step (many tokens per sequence) or decode step (one per sequence).
         q_ranges: prefill: per sequence ``(start, end)`` of its new tokens in the packed row.
         cached_lens: prefill: per sequence, tokens already in the cache before this step.
@@ -60,7 +62,7 @@ class StepContext:
     """
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    slot_mapping: torch.Tensor
+    slot_mapping: torch.Tensor | None
     is_prefill: bool
     q_ranges: list[tuple[int, int]] = field(default_factory=list)
     cached_lens: list[int] = field(default_factory=list)
@@ -99,13 +101,15 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     window = (ctx.features.check_call(module.layer_idx, kwargs) if ctx.features is not None
               else kwargs.get("sliding_window"))
     softcap = kwargs.get("softcap")
-    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+    k_cache = v_cache = None
+    if ctx.slot_mapping is not None:  # None: a scoring pass, which neither reads nor writes pages
+        k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
     if ctx.is_prefill:
         out = _prefill(q, k, v, k_cache, v_cache, ctx, scaling, window, softcap)
     else:

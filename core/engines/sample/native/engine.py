@@ -21,6 +21,7 @@ from polynya.config.sampler import SamplerConfig
 from polynya.types import Sample, SamplingParams, TokenSeq
 
 from ..requests import validate_requests
+from ..scoring import PromptLogprobs, validate_scoring
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, WeightPieces
 from .sampler import SamplingTensors, sample
@@ -65,7 +66,8 @@ class NativeEngine:
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0,
-                        "prefill_steps": 0, "decode_steps": 0, "fca_steps": 0, "requests": 0}
+                        "prefill_steps": 0, "decode_steps": 0, "fca_steps": 0, "requests": 0,
+                        "scored_tokens": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
 
@@ -117,6 +119,20 @@ class NativeEngine:
                 for r in rids:
                     self._requests.pop(r, None)
             raise
+
+    def prompt_logprobs(self, sequences: Seq[TokenSeq], *, top_k: int = 0,
+                        temperature: float = 1.0) -> list[PromptLogprobs]:
+        """Score whole sequences on the served weights (``polynya.engines.sample.scoring``).
+        Runs between engine steps; uses no KV pages (the prefix cache is neither read nor
+        filled). ``ValueError`` for a bad request, ``RuntimeError`` when asleep."""
+        toks, k, temp = validate_scoring(sequences, top_k, temperature, vocab_size=self.runner.vocab_size,
+                                         max_model_len=self.max_model_len)
+        with self._lock:
+            if self.asleep:
+                raise RuntimeError("the sampling engine is asleep; call wake() first")
+            out = self.runner.score(toks, k, temp)
+            self._counts["scored_tokens"] += sum(map(len, toks))
+            return out
 
     # ---------------------------------------------------------------- one step
     def step(self) -> None:
@@ -236,7 +252,7 @@ class NativeEngine:
 
     def stats(self) -> dict[str, float]:
         """Counters since start: ``prefill_tokens`` (computed, cache hits excluded),
-        ``decode_tokens``, ``cache_hit_tokens`` / ``cache_hit_blocks``, ``fca_steps`` (decode
+        ``decode_tokens``, ``scored_tokens`` (``prompt_logprobs``), ``cache_hit_tokens`` / ``cache_hit_blocks``, ``fca_steps`` (decode
         steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached), ``blocks_in_use`` of
         ``num_blocks``, ``preemptions``, step counts, ``weight_version``, and wall time spent
         in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures

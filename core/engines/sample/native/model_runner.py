@@ -23,6 +23,7 @@ from polynya.models import load_model
 from polynya.verified_copy import VerifiedBucketCopy
 from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, checked_pairs
 
+from ..scoring import PromptLogprobs, score_hidden
 from . import attention
 from .cuda_graph import DecodeGraphs, GraphCaptureError
 from .kv_memory import KVMemory
@@ -283,6 +284,46 @@ class ModelRunner:
                                     self._to_device(slots, torch.int64),
                                     self._to_device(tables, torch.int32),
                                     self._to_device(lens.astype(np.int32), torch.int32), fca)
+
+    @torch.inference_mode()
+    def score(self, seqs: list[list[int]], top_k: int, temperature: float) -> list[PromptLogprobs]:
+        """Prompt log-probs of whole sequences (``polynya.engines.sample.scoring``): a prefill
+        that keeps nothing (no pages read or written), packed up to ``max_num_batched_tokens``
+        tokens per forward, through the model's base and then its head in chunks."""
+        out: list[PromptLogprobs] = []
+        group: list[list[int]] = []
+        for i, seq in enumerate(seqs):
+            group.append(seq)
+            tokens = sum(map(len, group))
+            nxt = len(seqs[i + 1]) if i + 1 < len(seqs) else None
+            if nxt is None or tokens + nxt > self.config.max_num_batched_tokens:
+                out.extend(self._score_packed(group, top_k, temperature))
+                group = []
+        return out
+
+    def _score_packed(self, seqs: list[list[int]], top_k: int, temperature: float) -> list[PromptLogprobs]:
+        ranges, start = [], 0
+        for seq in seqs:
+            ranges.append((start, start + len(seq)))
+            start += len(seq)
+        ctx = attention.StepContext([], None, is_prefill=True, q_ranges=ranges, cached_lens=[0] * len(seqs),
+                                    prefill_tables=[None] * len(seqs), features=self.features)
+        ids = np.fromiter((t for s in seqs for t in s), dtype=np.int64, count=start)
+        pos = np.concatenate([np.arange(len(s)) for s in seqs])
+        hidden = self.model.base_model(input_ids=self._to_device(ids, torch.int64)[None],
+                                       position_ids=self._to_device(pos, torch.int64)[None],
+                                       use_cache=False, **{attention.CTX_KWARG: ctx}).last_hidden_state[0]
+        pred = np.concatenate([np.arange(a, b - 1) for a, b in ranges])  # row j predicts token j + 1
+        stats = score_hidden(self.model.get_output_embeddings(), hidden[self._to_device(pred, torch.int64)],
+                             self._to_device(ids[pred + 1], torch.int64), top_k=top_k,
+                             temperature=temperature, softcap=self.features.final_softcap)
+        stats = [t.cpu() for t in stats]
+        out, at = [], 0
+        for seq in seqs:
+            n = len(seq) - 1
+            out.append(PromptLogprobs(*(t[at:at + n] for t in stats)))
+            at += n
+        return out
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: WeightPieces, *, checksum: str | None = None) -> None:
