@@ -228,7 +228,8 @@ def _real(v, what: str) -> float:
 class Sample:
     """One completion: generated ``token_ids``, their ``logprobs`` under the sampling
     distribution actually used (after temperature / top-k / top-p / min-p), and why it ended
-    (``"stop"`` on a stop token, ``"length"`` at ``max_tokens`` or the model's window)."""
+    (``"stop"`` on a stop token, ``"length"`` at ``max_tokens`` or the model's window,
+    ``"abort"`` when ``SamplingEngine.abort`` stopped it: the tokens sampled until then)."""
 
     token_ids: list[int]
     logprobs: list[float] | None

@@ -13,20 +13,25 @@ Three pieces, as verl's vLLM / SGLang rollouts have:
 - ``PolynyaServerAdapter`` — the worker side (``BaseRollout``): ``resume`` / ``release`` /
   ``update_weights`` forwarded to the replica's server.
 
-What differs from vLLM: requests already running when ``abort_all_requests`` comes finish
-(the native engine has no per-request cancel); new ones wait for ``resume_generation`` (or are
-answered ``stop_reason="aborted"`` with ``reject_request=True``). ``log_probs`` are those of the
-distribution sampled from (after temperature / top-k / top-p). ``repetition_penalty`` != 1 and
-multimodal inputs are refused.
+``abort_all_requests`` works as verl's vLLM server's: every request in flight is stopped at the
+next engine step and answers with its partial ``token_ids`` / ``log_probs`` and
+``stop_reason="aborted"`` (verl's agent loop resends prompt + partial tokens after
+``resume_generation``); new requests wait for ``resume_generation`` (or are answered
+``stop_reason="aborted"`` at once with ``reject_request=True``); the call returns once nothing is
+in flight, with the aborted requests' ids. ``log_probs`` are those of the distribution sampled
+from (after temperature / top-k / top-p). ``repetition_penalty`` != 1 and multimodal inputs are
+refused.
 """
 from __future__ import annotations
 
 from . import _module_done
 
 import asyncio
+import itertools
 import os
 from typing import Any
 
+from polynya.client.gate import GenerationGate
 from polynya.config import SamplerConfig
 from polynya.types import SamplingParams
 from verl.workers.rollout.base import BaseRollout
@@ -88,9 +93,10 @@ class PolynyaRolloutServer:
         self.max_model_len = self.engine.config.max_model_len
         self.global_steps: int | None = None
         self.asleep = False
-        self.gate = asyncio.Event()
-        self.gate.set()
+        self.gate = GenerationGate()  # abort / resume, as the HTTP server's /pause?mode=abort
         self.reject = False
+        self._running: dict[int, str] = {}  # in-flight generate calls -> verl request id
+        self._calls = itertools.count()
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                        image_data=None, video_data=None, **kwargs) -> TokenOutput:
@@ -103,16 +109,22 @@ class PolynyaRolloutServer:
         default = min(self.config.response_length, room)
         params = to_sampling_params(sampling_params, default)
         params.max_tokens = max(1, min(params.max_tokens, room))
-        if not self.gate.is_set():
-            if self.reject:
-                return self._aborted()
-            await self.gate.wait()
+        if self.gate.paused and self.reject:
+            return self._aborted()
+        sample = await self.gate.run(lambda: self._generate(list(prompt_ids), params, request_id))
+        stop = {"stop": "completed", "length": "completed", "abort": "aborted"}[sample.finish_reason]
+        return TokenOutput(token_ids=list(sample.token_ids), log_probs=sample.logprobs,
+                           stop_reason=stop, extra_fields={"global_steps": self.global_steps})
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str):
         if self.asleep:
             raise RuntimeError("the polynya rollout server is asleep: call wake_up() before generate()")
-        sample = (await self.engine.generate_async([list(prompt_ids)], params))[0][0]
-        return TokenOutput(token_ids=list(sample.token_ids), log_probs=sample.logprobs,
-                           stop_reason="completed" if sample.finish_reason in ("stop", "length") else
-                           sample.finish_reason, extra_fields={"global_steps": self.global_steps})
+        key = next(self._calls)
+        self._running[key] = request_id
+        try:
+            return (await self.engine.generate_async([prompt_ids], params))[0][0]
+        finally:
+            del self._running[key]
 
     def _aborted(self) -> TokenOutput:
         return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted",
@@ -130,14 +142,17 @@ class PolynyaRolloutServer:
             self.asleep = True
 
     async def abort_all_requests(self, reject_request: bool = False, **kwargs) -> dict[str, Any]:
-        """Hold (or, with ``reject_request``, refuse) new requests until ``resume_generation``."""
-        self.gate.clear()
+        """Stop every request in flight (each answers with its partial output, ``stop_reason=
+        "aborted"``) and hold (or, with ``reject_request``, refuse) new ones until
+        ``resume_generation``; returns once none is in flight."""
         self.reject = reject_request
-        return {"aborted_count": 0, "request_ids": []}
+        request_ids = list(self._running.values())
+        await self.gate.pause("abort", lambda: asyncio.to_thread(self.engine.abort))
+        return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
     async def resume_generation(self) -> None:
         self.reject = False
-        self.gate.set()
+        self.gate.resume()
 
     async def clear_kv_cache(self) -> None:
         """Drop cached prefixes (the engine keeps none across weight versions either)."""

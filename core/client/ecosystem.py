@@ -6,10 +6,11 @@ weight-transfer routes are in ``weight_transfer.py``:
   ``openai_compat.py`` (vLLM's OpenAI-compatible answers, as TRL's ``VLLMClient`` reads them);
 - ``POST /inference/v1/generate`` — ``{"token_ids": [...], "sampling_params": {...}}``;
 - ``/sleep`` (``?level=`` 1 or 2), ``/wake_up``, ``/reset_prefix_cache``, ``/pause``
-  (``?mode=keep|wait``, ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
+  (``?mode=keep|wait|abort``, ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
   ``GET /get_world_size`` (1: a server joins a weight-transfer group as one rank).
 """
 
+import asyncio
 import uuid
 
 from ..types import SamplingParams
@@ -124,12 +125,15 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
         reset_prefix_caches()
         return {"status": "ok"}
 
+    async def abort_all() -> None:
+        await asyncio.gather(*[asyncio.to_thread(s.abort) for s in samplers])
+
     @app.post("/pause")
     async def pause(mode: str = "keep", clear_cache: bool = False) -> dict:
         in_flight = gate.in_flight
         try:
-            await gate.pause(mode)  # modes: polynya.client.gate
-        except NotImplementedError as exc:  # abort: say why, in the shape SkyRL's client prints
+            await gate.pause(mode, abort_all if samplers else None)  # modes: polynya.client.gate
+        except NotImplementedError as exc:  # say why, in the shape SkyRL's client prints
             return openai_error(501, str(exc))
         if clear_cache:
             reset_prefix_caches()

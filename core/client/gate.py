@@ -15,8 +15,10 @@ Pause modes, as vLLM's ``/pause?mode=`` (which SkyRL's ``RemoteInferenceClient.p
   freezes them; either way a response may span two weight versions, each token's log-prob
   being the one of the weights that sampled it).
 - ``"wait"``: as ``keep``, and ``pause`` returns only when no request is in flight any more.
-- ``"abort"``: refused (``NotImplementedError``): the sampler cannot stop a running request
-  and hand back its partial tokens; use ``keep`` or ``wait``.
+- ``"abort"``: as ``keep``, and every request in flight is aborted (``abort``, the engines'
+  ``SamplingEngine.abort``): each answers at once with its partial tokens and log-probs and
+  ``finish_reason="abort"``, as vLLM's do; ``pause`` returns once none is in flight. A request
+  that passed the gate but reached its engine only after an abort is aborted by the next round.
 """
 from __future__ import annotations
 
@@ -58,19 +60,30 @@ class GenerationGate:
             if self._in_flight == 0:
                 self._idle.set()
 
-    async def pause(self, mode: str = "keep") -> None:
-        """Stop new requests from starting (see the module docstring for ``mode``)."""
+    async def pause(self, mode: str = "keep",
+                    abort: Callable[[], Awaitable[object]] | None = None) -> None:
+        """Stop new requests from starting (see the module docstring for ``mode``); ``abort``
+        stops every engine request in flight (needed by mode ``"abort"``)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        if mode == "abort":
-            raise NotImplementedError(
-                "pause mode 'abort' is not supported: polynya's sampler cannot stop a running "
-                "request and return its partial tokens; pause with mode='keep' (in-flight "
-                "requests finish, new ones wait) or mode='wait' (returns once none is in flight)"
-            )
+        if mode == "abort" and abort is None:
+            raise NotImplementedError("pause mode 'abort' needs engines that can abort requests")
+        was_open = self._open.is_set()
         self._open.clear()
         if mode == "wait":
             await self._idle.wait()
+        elif mode == "abort":
+            try:
+                while not self._idle.is_set():
+                    await abort()
+                    try:  # an aborted request answers within a step; one that reached its
+                        await asyncio.wait_for(self._idle.wait(), 0.05)  # engine late: next round
+                    except asyncio.TimeoutError:
+                        pass
+            except BaseException:
+                if was_open:  # a failed abort leaves the gate as it was
+                    self._open.set()
+                raise
 
     def resume(self) -> None:
         self._open.set()

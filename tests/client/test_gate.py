@@ -46,7 +46,58 @@ def test_wait_returns_only_when_nothing_runs():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("mode, exc, match", [("abort", NotImplementedError, "'abort' is not"),
+def test_abort_stops_running_requests_and_late_arrivals():
+    """Mode abort: every engine request in flight is stopped, including one that passed the
+    gate but reached its engine after the first abort round; new requests wait for resume."""
+    async def main():
+        gate, engine, rounds = GenerationGate(), [], []
+
+        async def work(delay: float) -> str:  # an engine call that runs until aborted
+            await asyncio.sleep(delay)
+            engine.append(asyncio.get_running_loop().create_future())
+            return await engine[-1]
+
+        async def abort() -> None:
+            rounds.append(sum(not f.done() for f in engine))
+            for f in engine:
+                if not f.done():
+                    f.set_result("partial")
+
+        running = [asyncio.create_task(gate.run(lambda d=d: work(d))) for d in (0, 0, 0.08)]
+        await asyncio.sleep(0.01)
+        assert gate.in_flight == 3 and len(engine) == 2
+        await gate.pause("abort", abort)
+        assert [t.result() for t in running] == ["partial"] * 3
+        assert rounds[0] == 2 and sum(rounds) == 3, rounds
+        assert gate.paused and gate.in_flight == 0
+        held = asyncio.create_task(gate.run(lambda: _work(_set(), 4)))
+        await asyncio.sleep(0.01)
+        assert not held.done()
+        gate.resume()
+        assert await held == 4
+
+    asyncio.run(main())
+
+
+def test_failed_abort_leaves_the_gate_open():
+    async def main():
+        gate, release = GenerationGate(), asyncio.Event()
+        running = asyncio.create_task(gate.run(lambda: _work(release, 1)))
+        await asyncio.sleep(0)
+
+        async def broken() -> None:
+            raise RuntimeError("engine gone")
+
+        with pytest.raises(RuntimeError, match="engine gone"):
+            await gate.pause("abort", broken)
+        assert not gate.paused and gate.in_flight == 1
+        release.set()
+        assert await running == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode, exc, match", [("abort", NotImplementedError, "needs engines that"),
                                               ("freeze", ValueError, "pause mode must be")])
 def test_refused_modes_leave_the_gate_open(mode, exc, match):
     async def main():

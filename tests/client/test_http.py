@@ -190,6 +190,57 @@ def test_ecosystem_generation_routes(raw):
     assert result["r"].status_code == 200
 
 
+def test_pause_abort_returns_partial_outputs(client, raw):
+    """/pause?mode=abort with a /inference/v1/generate and an n=2 /v1/completions in flight:
+    both answer at once with partial tokens (the greedy prefix, log-probs equal to a fresh
+    greedy run of that length), finish_reason "abort"; new requests wait for /resume; the
+    sampler holds no page and no request afterwards."""
+    sampler = client.server.client.samplers[0]
+    prompts, answers = [[5, 6, 7, 8], [40, 41, 42]], {}
+    bodies = {
+        "generate": ("/inference/v1/generate", {"token_ids": prompts[0], "sampling_params": {
+            "max_tokens": 160, "temperature": 0, "logprobs": 0, "ignore_eos": True}}),
+        "completions": ("/v1/completions", {"prompt": prompts[1], "max_tokens": 160, "n": 2,
+                                            "temperature": 0, "logprobs": 0, "ignore_eos": True}),
+    }
+
+    def post(name):
+        path, body = bodies[name]
+        answers[name] = raw.post(path, json=body)
+
+    steps = sampler.stats()["decode_steps"]
+    threads = [threading.Thread(target=post, args=(k,)) for k in bodies]
+    for t in threads:
+        t.start()
+    while sampler.stats()["decode_steps"] < steps + 4:
+        assert any(t.is_alive() for t in threads)
+    paused = raw.post("/pause", params={"mode": "abort"}).json()
+    assert paused == {"status": "paused", "mode": "abort", "in_flight_at_pause": 2}
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+    held = threading.Thread(target=post, args=("generate",))
+    held.start()
+    held.join(0.5)
+    assert held.is_alive()  # paused: new requests wait
+    stats = sampler.stats()
+    assert stats["blocks_in_use"] == 0 and stats["aborted_requests"] >= 2
+    gen = answers["generate"].json()["choices"][0]
+    comp = answers["completions"].json()["choices"]
+    assert gen["finish_reason"] == "abort" and [c["finish_reason"] for c in comp] == ["abort"] * 2
+    assert raw.post("/resume").status_code == 200
+    held.join(60)
+    assert answers["generate"].json()["choices"][0]["finish_reason"] == "length"
+    partial = [(prompts[0], gen["token_ids"], [c["logprob"] for c in gen["logprobs"]["content"]])]
+    partial += [(prompts[1], c["token_ids"], c["logprobs"]["token_logprobs"]) for c in comp]
+    for prompt, ids, lps in partial:
+        assert 4 <= len(ids) < 160 and len(lps) == len(ids)
+        ref = client.generate([prompt], SamplingParams(temperature=0, max_tokens=len(ids), logprobs=True,
+                                                       stop_token_ids=()))[0][0]
+        assert ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref.logprobs), rtol=0, atol=1e-5)
+
+
 def test_weight_transfer_routes(client, raw):
     local = client.server.client
     trainer, sampler = local.trainer, local.samplers[0]

@@ -10,9 +10,9 @@
 
 Backends: ``"native"`` (embedded paged-KV engine with prefix sharing and FCA decode; CPU or one
 GPU) and ``"vllm"`` (needs ``pip install polynya[vllm]``). The facade only dispatches; every
-backend offers ``generate``, ``load_weights``, ``weight_version``, ``weight_checksum``, ``sleep``,
-``wake`` and ``stats``; the native one also ``prompt_logprobs`` (scoring given sequences,
-``scoring.py``).
+backend offers ``generate``, ``abort``, ``load_weights``, ``weight_version``, ``weight_checksum``,
+``sleep``, ``wake`` and ``stats``; the native one also ``prompt_logprobs`` (scoring given
+sequences, ``scoring.py``).
 
 Bad requests (empty prompt, id >= vocab, ``max_tokens < 1``, prompt not shorter than the
 model window) raise ``ValueError`` naming the request index before anything is scheduled, so
@@ -92,6 +92,13 @@ class SamplingEngine:
         batched together by the engine."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.backend.generate, prompts, params)
+
+    def abort(self) -> int:
+        """Stop every request in flight at the next step boundary: each ``generate`` call
+        returns at once with what was sampled so far (``finish_reason="abort"``: tokens and
+        log-probs up to the abort; empty for a sample not started) and the KV pages are freed.
+        Returns the number of requests aborted. Does not pause: a later ``generate`` runs."""
+        return self.backend.abort()
 
     def load_weights(self, weights, version: int | None = None, *,
                      checksum: str | None = None) -> int:

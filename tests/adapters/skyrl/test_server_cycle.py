@@ -1,5 +1,6 @@
 """SkyRL 0.4's own ``RemoteInferenceClient`` and ``SkyrlWeightSyncClient`` drive polynya's HTTP
-server through a full cycle: generate, pause (keep / wait / abort) with requests in flight,
+server through a full cycle: generate, pause (keep / wait / abort) with requests in flight
+(abort: partial tokens and log-probs, stop reason "abort", then resume),
 sleep / is_sleeping / wake, a weight update with an explicit version, generate again on the new
 weights. Every answer is checked against a plain-torch reference on the same weights.
 
@@ -13,7 +14,6 @@ import json
 import threading
 import urllib.request
 
-import aiohttp
 import pytest
 import torch
 from polynya.checksum import checksum_named_tensors
@@ -214,13 +214,34 @@ async def pause_cycle(url: str, model, tok) -> None:
             assert not held.done(), f"a request started while paused (mode={mode})"
             await c.resume()
             check_generation(await asyncio.wait_for(held, 60), model, tok, 8)
-        # abort is refused with a message, and leaves the server running
-        with pytest.raises(aiohttp.ClientResponseError) as err:
-            await c.pause(mode="abort")
-        assert err.value.status == 501 and "'abort' is not supported" in err.value.message
-        check_generation(await generate(url, sampling(8)), model, tok, 8)
+        await check_abort(c, url, model, tok)
     finally:
         await c.teardown()
+
+
+async def check_abort(c, url: str, model, tok) -> None:
+    """pause(mode="abort") with requests in flight: each comes back at once as SkyRL expects
+    from vLLM (partial tokens, their log-probs, stop reason "abort"); new requests wait for
+    resume; afterwards the server answers exactly as before and holds no request."""
+    running, tokens, answer = await pause_in_flight(c, url, "abort")
+    assert answer == {"status": "paused", "mode": "abort", "in_flight_at_pause": len(PROMPTS)}
+    out = await asyncio.wait_for(running, 5)  # answered before pause returned: only the
+    # client's own /detokenize calls remain
+    assert out["stop_reasons"] == ["abort"] * len(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        ids = out["response_ids"][i]
+        assert 1 <= len(ids) < tokens, f"prompt {i}: {len(ids)} of {tokens} tokens"
+        want, want_lp = greedy_reference(model, prompt, len(ids), stop=set())  # ignore_eos
+        assert ids == want and out["response_logprobs"][i] == pytest.approx(want_lp, abs=1e-4)
+        assert out["responses"][i] == tok.decode(ids)
+    held = asyncio.create_task(generate(url, sampling(8)))
+    await asyncio.sleep(0.5)
+    assert not held.done(), "a request started while paused (mode=abort)"
+    await c.resume()
+    check_generation(await asyncio.wait_for(held, 60), model, tok, 8)
+    # nothing left in flight: a wait-pause returns at once
+    assert (await c.pause(mode="wait"))[url]["body"]["in_flight_at_pause"] == 0
+    await c.resume()
 
 
 def push_weights(url: str, model, weight_version: str) -> None:

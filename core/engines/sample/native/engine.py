@@ -8,11 +8,18 @@ request, so concurrent calls batch together.
 
 After a prompt's prefill its ``n - 1`` forks are created: they share the prompt's pages and
 sample their first token from the same logits, so ``n`` samples cost one prefill.
+
+``abort`` (any thread) stops requests between two steps: their pages are released and their
+``generate`` call returns what was sampled so far (tokens and log-probs, ``finish_reason``
+``"abort"``; a sample not yet started is empty) instead of raising. The other requests of the
+batch go on as if the aborted ones had never been there (each sample draws from its own
+generator, so seeded samples do not depend on their neighbours).
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -27,6 +34,15 @@ from .model_runner import ModelRunner, WeightPieces
 from .sampler import SamplingTensors, sample
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence
+
+
+@dataclass
+class _AbortOrder:
+    """An ``abort`` call waiting for the next step boundary (``None``: every request)."""
+
+    request_ids: frozenset[int] | None
+    applied: threading.Event = field(default_factory=threading.Event)
+    count: int = 0
 
 
 @dataclass
@@ -65,9 +81,11 @@ class NativeEngine:
         self._lock = threading.RLock()
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
+        self._aborts: list[_AbortOrder] = []
+        self._aborts_lock = threading.Lock()  # orders are queued without waiting for a step
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0,
                         "prefill_steps": 0, "decode_steps": 0, "fca_steps": 0, "requests": 0,
-                        "scored_tokens": 0}
+                        "scored_tokens": 0, "aborted_requests": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
 
@@ -86,7 +104,7 @@ class NativeEngine:
         return torch.Generator().manual_seed(seed)
 
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
-        """Queue a validated request; returns its id (for ``pop_request``)."""
+        """Queue a request checked by ``validate``; returns its id (for ``wait`` / ``abort``)."""
         with self._lock:
             rid = self._next_request
             self._next_request += 1
@@ -107,6 +125,12 @@ class NativeEngine:
             if self.asleep:
                 raise RuntimeError("the sampling engine is asleep; call wake() first")
             rids = [self.add_request(t, p) for t, p in zip(toks, plist)]
+        return self.wait(rids)
+
+    def wait(self, request_ids: list[int]) -> list[list[Sample]]:
+        """Step the engine until these requests are done (finished or aborted); returns their
+        samples in the given order and forgets them. A failed step drops them and re-raises."""
+        rids = list(request_ids)
         try:
             while True:
                 with self._lock:
@@ -134,10 +158,56 @@ class NativeEngine:
             self._counts["scored_tokens"] += sum(map(len, toks))
             return out
 
+    def abort(self, request_ids: Iterable[int] | None = None) -> int:
+        """Stop these requests (``None``: every request in flight) at the next step boundary.
+
+        Their pages are released and their ``generate`` / ``wait`` returns the partial samples
+        (``finish_reason="abort"``). Returns once applied, with the number of requests that were
+        still running; ids unknown or already finished are ignored. Call it from any thread,
+        not from inside a step."""
+        order = _AbortOrder(None if request_ids is None else frozenset(int(r) for r in request_ids))
+        with self._aborts_lock:
+            self._aborts.append(order)
+        while not order.applied.is_set():  # a running generate applies it before its next step
+            if self._lock.acquire(timeout=0.01):
+                try:
+                    self._apply_aborts()
+                finally:
+                    self._lock.release()
+        return order.count
+
+    def _apply_aborts(self) -> None:
+        with self._aborts_lock:
+            orders, self._aborts = self._aborts, []
+        for order in orders:
+            wanted = self._requests.keys() if order.request_ids is None else order.request_ids
+            live = {r for r in wanted if r in self._requests and not self._requests[r].done}
+            for seq in self.scheduler.abort(live):
+                self._abort_sequence(seq)
+            order.count = len(live)
+            self._counts["aborted_requests"] += len(live)
+            order.applied.set()
+
+    def _abort_sequence(self, seq: Sequence) -> None:
+        """Book a dropped sequence as an aborted sample; a prompt never prefilled also stands
+        for its ``n - 1`` forks (empty samples)."""
+        request = self._requests[seq.request_id]
+        for j in range(1, seq.pending_forks + 1):
+            child = seq.fork(j, seq.generator)  # never sampled: the generator is not drawn from
+            child.finish_reason = "abort"
+            request.finished.append(child)
+        seq.pending_forks = 0
+        seq.finish_reason = "abort"
+        request.finished.append(seq)
+
     # ---------------------------------------------------------------- one step
     def step(self) -> None:
-        """Schedule, forward, sample and book-keep one engine step."""
+        """Apply pending aborts, then schedule, forward, sample and book-keep one engine step."""
         start = time.perf_counter()
+        if self._aborts:
+            self._apply_aborts()
+            if not self.scheduler.has_work():
+                return
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
@@ -252,7 +322,8 @@ class NativeEngine:
 
     def stats(self) -> dict[str, float]:
         """Counters since start: ``prefill_tokens`` (computed, cache hits excluded),
-        ``decode_tokens``, ``scored_tokens`` (``prompt_logprobs``), ``cache_hit_tokens`` / ``cache_hit_blocks``, ``fca_steps`` (decode
+        ``decode_tokens``, ``scored_tokens`` (``prompt_logprobs``), ``cache_hit_tokens`` /
+        ``cache_hit_blocks``, ``aborted_requests``, ``fca_steps`` (decode
         steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached), ``blocks_in_use`` of
         ``num_blocks``, ``preemptions``, step counts, ``weight_version``, and wall time spent
         in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures

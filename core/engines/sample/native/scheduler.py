@@ -105,17 +105,22 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
-    def abort(self, request_ids: set[int]) -> None:
-        """Drop every sequence of these requests, releasing its pages (a failed ``generate``)."""
+    def abort(self, request_ids: set[int]) -> list[Sequence]:
+        """Drop every sequence of these requests, waiting or running, releasing its pages;
+        returns the dropped sequences (status ``FINISHED``, tokens and log-probs kept)."""
+        dropped = [s for s in self.waiting if s.request_id in request_ids]
         self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
         keep = deque()
         for seq in self.running:
             if seq.request_id in request_ids:
-                seq.status = Status.FINISHED
                 self.bm.deallocate(seq)
+                dropped.append(seq)
             else:
                 keep.append(seq)
         self.running = keep
+        for seq in dropped:
+            seq.status = Status.FINISHED
+        return dropped
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED

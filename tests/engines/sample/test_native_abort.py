@@ -1,0 +1,180 @@
+"""Abort in the native sampling engine (tiny:qwen3, fp32, CPU).
+
+An aborted request returns what it sampled so far — tokens, their log-probs (checked against a
+teacher-forced forward of the same tokens), ``finish_reason="abort"`` — its pages go back to the
+block manager, and every other request of the batch ends exactly as it would have alone.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from polynya import SamplingParams
+from polynya.models import load_model
+
+from .test_native_engine import hf_greedy, make_engine, ragged_prompts, teacher_forced_logprobs
+
+
+@pytest.fixture(scope="module")
+def hf_qwen():
+    return load_model("tiny:qwen3", dtype="float32")
+
+
+def check_logprobs(model, prompt, sample, temperature: float) -> None:
+    """The sample's log-probs are those of its tokens under the model at ``temperature``."""
+    if not sample.token_ids:
+        assert sample.logprobs == []
+        return
+    logits = teacher_forced_logprobs(model, prompt, sample.token_ids) / temperature
+    ref = logits.log_softmax(-1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(sample.logprobs), ref, rtol=0, atol=1e-5)
+
+
+def pages_of_running(backend) -> set[int]:
+    return {b for s in backend.scheduler.running for b in s.block_table}
+
+
+def test_abort_one_request_between_steps(hf_qwen):
+    """Abort one request of three after a few decode steps: it comes back partial, its pages
+    are freed, and its neighbours equal their sequential twins token for token."""
+    engine = make_engine()
+    eng = engine.backend
+    prompts = ragged_prompts(21, [7, 13, 10])
+    params = [SamplingParams(n=2, temperature=0.9, max_tokens=14, seed=11, logprobs=True, stop_token_ids=()),
+              SamplingParams(n=3, temperature=1.0, top_k=50, max_tokens=14, seed=12, logprobs=True,
+                             stop_token_ids=()),
+              SamplingParams(temperature=0.8, max_tokens=14, seed=13, logprobs=True, stop_token_ids=())]
+    assert eng.stats()["blocks_in_use"] == 0
+    toks, plist = eng.validate(prompts, params)
+    rids = [eng.add_request(t, p) for t, p in zip(toks, plist)]
+    for _ in range(5):  # one prefill (three prompts fit) + four decode steps
+        eng.step()
+    victim = [s for s in eng.scheduler.running if s.request_id == rids[1]]
+    assert len(victim) == 3 and all(len(s.completion) == 5 for s in victim)
+
+    assert eng.abort([rids[1], 10_000]) == 1  # an unknown id is ignored
+    assert all(s.block_table == [] for s in victim)
+    assert eng.stats()["blocks_in_use"] == len(pages_of_running(eng))  # only the neighbours' pages
+    assert sum(eng.block_manager.ref_count) == sum(len(s.block_table) for s in eng.scheduler.running)
+    assert eng.abort([rids[1]]) == 0  # already aborted: nothing left to stop
+
+    out = eng.wait(rids)
+    assert [len(o) for o in out] == [2, 3, 1]
+    for s in out[1]:
+        assert s.finish_reason == "abort" and len(s.token_ids) == 5 == len(s.logprobs)
+    logits = [teacher_forced_logprobs(hf_qwen, prompts[1], s.token_ids) for s in out[1]]
+    for s, lg in zip(out[1], logits):  # top-k 50 then the sampled token's log-prob
+        kth = lg.topk(50, dim=-1).values[:, -1:]
+        ref = lg.masked_fill(lg < kth, float("-inf")).log_softmax(-1)
+        ref = ref.gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(s.logprobs), ref, rtol=0, atol=1e-5)
+    assert len({tuple(s.token_ids) for s in out[1]}) > 1, "the forks were sampled independently"
+
+    for i in (0, 2):  # the neighbours ran to the end, as they do alone
+        twin = make_engine().generate([prompts[i]], params[i])[0]
+        assert [s.token_ids for s in out[i]] == [s.token_ids for s in twin]
+        assert all(s.finish_reason == "length" and len(s.token_ids) == 14 for s in out[i])
+        for s, t in zip(out[i], twin):
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(t.logprobs), rtol=0, atol=1e-5)
+    stats = eng.stats()
+    assert stats["blocks_in_use"] == 0 and stats["aborted_requests"] == 1
+    assert not eng.scheduler.has_work() and not eng._requests
+
+
+def test_abort_before_prefill_gives_empty_samples():
+    engine = make_engine()
+    eng = engine.backend
+    (tok,), (p,) = eng.validate([[5, 6, 7, 8, 9]], SamplingParams(n=3, max_tokens=4, logprobs=True))
+    rid = eng.add_request(tok, p)
+    assert eng.abort() == 1
+    out = eng.wait([rid])[0]
+    assert [(s.token_ids, s.logprobs, s.finish_reason) for s in out] == [([], [], "abort")] * 3
+    assert eng.stats()["blocks_in_use"] == 0 and not eng.scheduler.has_work()
+
+
+def test_abort_all_from_another_thread_while_generate_runs(hf_qwen):
+    """``SamplingEngine.abort`` while a ``generate`` call decodes on another thread: the call
+    returns partial samples instead of raising; the engine then serves new requests as before."""
+    engine = make_engine()
+    prompts = ragged_prompts(22, [9, 6])
+    p = SamplingParams(n=2, temperature=1.0, max_tokens=400, seed=7, logprobs=True, stop_token_ids=())
+    assert engine.abort() == 0  # nothing in flight
+    result: dict[str, object] = {}
+
+    def run():
+        try:
+            result["out"] = engine.generate(prompts, p)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            result["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 60
+    while engine.stats()["decode_steps"] < 3:
+        assert time.time() < deadline and t.is_alive(), "generate did not start decoding"
+        time.sleep(0.005)
+    assert engine.abort() == 2
+    t.join(30)
+    assert not t.is_alive() and "error" not in result, result.get("error")
+    out = result["out"]
+    for prompt, samples in zip(prompts, out):
+        assert len(samples) == 2
+        for s in samples:
+            assert s.finish_reason == "abort" and 3 <= len(s.token_ids) < 400
+            check_logprobs(hf_qwen, prompt, s, 1.0)
+    stats = engine.stats()
+    assert stats["blocks_in_use"] == 0 and stats["aborted_requests"] == 2
+    # the engine is consistent afterwards: a seeded request equals a fresh engine's answer
+    q = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3, stop_token_ids=())
+    again = engine.generate(prompts, q)
+    fresh = make_engine().generate(prompts, q)
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in fresh]
+    assert all(s.finish_reason == "length" for g in again for s in g)
+
+
+def test_abort_reaches_preempted_sequences(hf_qwen):
+    """A cache too small for the batch: sequences preempted back to the waiting queue are
+    aborted too, keeping the tokens they had (a prefix of the greedy answer)."""
+    engine = make_engine(num_blocks=14, max_num_seqs=8)
+    eng = engine.backend
+    prompts = ragged_prompts(12, [10, 7])
+    toks, plist = eng.validate(prompts, SamplingParams(n=4, temperature=0, max_tokens=14, stop_token_ids=()))
+    rids = [eng.add_request(t, p) for t, p in zip(toks, plist)]
+    while eng.scheduler.num_preemptions == 0 or not any(s.completion for s in eng.scheduler.waiting):
+        eng.step()
+    assert eng.abort() == 2
+    out = eng.wait(rids)
+    assert eng.stats()["blocks_in_use"] == 0
+    for prompt, samples in zip(prompts, out):
+        ref = hf_greedy(hf_qwen, prompt, 14, eos=-1)
+        assert len(samples) == 4
+        for s in samples:
+            assert s.finish_reason == "abort" and s.token_ids == ref[:len(s.token_ids)]
+    assert any(len(s.token_ids) < 14 for g in out for s in g)
+
+
+def test_a_step_applies_a_queued_abort_that_empties_the_engine():
+    """The step loop of a running ``generate`` applies an abort queued by another thread at its
+    next step; when nothing is left to run, that step does nothing (no forward, no error)."""
+    eng = make_engine().backend
+    (tok,), (p,) = eng.validate([[9, 8, 7, 6]], SamplingParams(max_tokens=50, stop_token_ids=()))
+    rid = eng.add_request(tok, p)
+    eng.step()
+    counts, result = eng.stats(), []
+    with eng._lock:  # as a generate's step loop holds it: the abort can only queue its order
+        t = threading.Thread(target=lambda: result.append(eng.abort()))
+        t.start()
+        deadline = time.time() + 10
+        while not eng._aborts:
+            assert time.time() < deadline
+            time.sleep(0.001)
+        eng.step()
+        assert not eng._aborts and not eng.scheduler.has_work()
+    t.join(10)
+    assert result == [1]
+    after = eng.stats()
+    assert after["decode_steps"] == counts["decode_steps"] and after["blocks_in_use"] == 0
+    (s,) = eng.wait([rid])[0]
+    assert s.finish_reason == "abort" and len(s.token_ids) == 1
