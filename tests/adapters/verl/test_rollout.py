@@ -2,7 +2,8 @@
 
 Oracle: the same random model in plain torch — greedy tokens by argmax step by step, sampled
 tokens' log-probs by ``log_softmax`` of full forwards. Checked: ``TokenOutput`` fields, sleep /
-wake, abort / resume gating, weight updates (new weights -> new tokens) and refused requests.
+wake, abort (partial outputs, then a resend that completes the answer) / resume gating, weight
+updates (new weights -> new tokens) and refused requests.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def model():
     return load_model(MODEL, dtype="float32", device="cpu", seed=SEED)
 
 
-def greedy(model, prompt, n):
-    ids, eos = list(prompt), model.config.eos_token_id
+def greedy(model, prompt, n, eos: int | None = -1):
+    """Argmax step by step, stopping at ``eos`` (-1: the model's; None: never)."""
+    ids, eos = list(prompt), model.config.eos_token_id if eos == -1 else eos
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
@@ -96,6 +98,45 @@ def test_abort_holds_new_requests_until_resume(server, model):
     held, out, rejected = run(scenario())
     assert held and out.token_ids == greedy(model, PROMPTS[0], MAX_NEW)
     assert rejected.stop_reason == "aborted" and rejected.token_ids == []
+
+
+def test_abort_all_requests_returns_partial_outputs_and_resend_completes(model):
+    """As verl's vLLM server: ``abort_all_requests`` stops the running requests, each answering
+    with its partial tokens and log-probs and ``stop_reason="aborted"``; new requests wait for
+    ``resume_generation``; resending prompt + partial tokens (verl's agent loop) completes the
+    uninterrupted greedy answer."""
+    total = 200
+    server = PolynyaRolloutServer(rollout_config(response_length=total), MODEL)
+    params = {"temperature": 0.0, "logprobs": True, "stop_token_ids": [], "max_tokens": total}
+
+    async def scenario():
+        running = [asyncio.create_task(server.generate(p, params, f"x{i}")) for i, p in enumerate(PROMPTS)]
+        while server.engine.stats()["decode_steps"] < 4:
+            assert not any(t.done() for t in running)
+            await asyncio.sleep(0.002)
+        answer = await server.abort_all_requests()
+        assert all(t.done() for t in running), "abort_all_requests returned before its requests"
+        held = asyncio.create_task(server.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 3}, "h"))
+        await asyncio.sleep(0.2)
+        assert not held.done()
+        stats = server.engine.stats()
+        await server.resume_generation()
+        resent = [server.generate(p + t.result().token_ids, {**params, "max_tokens": total - len(t.result().token_ids)},
+                                  f"x{i}") for i, (p, t) in enumerate(zip(PROMPTS, running))]
+        return answer, [t.result() for t in running], await held, stats, await asyncio.gather(*resent)
+
+    answer, outs, held, stats, resent = run(scenario())
+    assert answer == {"aborted_count": 2, "request_ids": ["x0", "x1"]}
+    assert stats["blocks_in_use"] == 0 and stats["aborted_requests"] == 2
+    assert held.stop_reason == "completed" and held.token_ids == greedy(model, PROMPTS[0], 3)
+    for prompt, out, rest in zip(PROMPTS, outs, resent):
+        assert out.stop_reason == "aborted" and 4 <= len(out.token_ids) < total
+        full = out.token_ids + rest.token_ids
+        assert rest.stop_reason == "completed" and full == greedy(model, prompt, total, eos=None)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + full])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(full)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.log_probs + rest.log_probs), want, rtol=0, atol=1e-4)
 
 
 def test_update_weights_serves_the_new_model():
