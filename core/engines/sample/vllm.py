@@ -5,13 +5,19 @@ A thin translation layer: polynya's token-in/token-out requests and ``SamplingPa
 mode, i.e. under the distribution actually sampled from, as the native backend returns them.
 Prefix caching is on, so the ``n`` samples of a prompt share its prefill there too.
 
+Requests run through ``LLM.llm_engine`` step by step (``add_request`` / ``step``, cumulative
+outputs), so ``abort`` can stop them between two steps with ``abort_request`` and hand back what
+each had sampled (``finish_reason="abort"``), as the native backend does.
+
 Weights load in place through ``LLM.apply_model(model.load_weights)`` (HF parameter names; flat
 buckets are split by the HF shapes), and the prefix cache is reset after every update. vLLM
 loads HF ids / local paths only (save a ``tiny:`` / ``random:`` model first). vLLM cannot be installed on polynya's CPU CI or
-its GPU machine (it pins another torch), so this module is exercised only where vLLM exists.
+its GPU machine (it pins another torch), so this module is exercised only where vLLM exists:
+it is written to vLLM's documented engine API and has not been run by polynya's tests.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 
@@ -57,39 +63,79 @@ class VLLMEngine:
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
         self.weight_version = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one generate at a time drives the engine's steps
+        self._abort = threading.Event()
+        self._stopped = 0  # requests the last abort stopped (written under the lock)
+        self._ids = itertools.count()
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0, "requests": 0}
 
     def _params(self, p: SamplingParams):
         from vllm import SamplingParams as VLLMParams
+        from vllm.sampling_params import RequestOutputKind
 
         stop = p.stop_token_ids
         return VLLMParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                           min_p=p.min_p, max_tokens=p.max_tokens, seed=p.seed, logprobs=0,
-                          stop_token_ids=list(stop or ()), ignore_eos=stop is not None)
+                          stop_token_ids=list(stop or ()), ignore_eos=stop is not None,
+                          output_kind=RequestOutputKind.CUMULATIVE)
+
+    def _run(self, toks: list[list[int]], plist: list[SamplingParams]) -> tuple[list[str], dict, dict]:
+        """Add the requests and step the engine until they finish or ``abort`` is asked for;
+        returns the request ids, the latest ``RequestOutput`` of each and the latest cumulative
+        ``CompletionOutput`` of every ``(id, index)``."""
+        engine = self.llm.llm_engine
+        rids = [f"polynya-{next(self._ids)}" for _ in toks]
+        for rid, t, p in zip(rids, toks, plist):
+            engine.add_request(rid, {"prompt_token_ids": t}, self._params(p))
+        latest, prompts = {}, {}
+        while engine.has_unfinished_requests():
+            if self._abort.is_set():
+                running = [r for r in rids if r not in prompts or not prompts[r].finished]
+                engine.abort_request(running)
+                self._stopped += len(running)
+                break
+            for out in engine.step():
+                prompts[out.request_id] = out
+                for c in out.outputs:
+                    latest[(out.request_id, c.index)] = c
+        return rids, prompts, latest
 
     def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
                  ) -> list[list[Sample]]:
         toks, plist = validate_requests(prompts, params, vocab_size=self.vocab_size,
                                         max_model_len=self.max_model_len)
         with self._lock:
-            outs = self.llm.generate([{"prompt_token_ids": t} for t in toks],
-                                     sampling_params=[self._params(p) for p in plist], use_tqdm=False)
+            rids, requests, completions = self._run(toks, plist)
         results = []
-        for t, p, out in zip(toks, plist, outs):
-            cached = getattr(out, "num_cached_tokens", 0) or 0
+        for rid, t, p in zip(rids, toks, plist):
+            out = requests.get(rid)
+            cached = (getattr(out, "num_cached_tokens", 0) or 0) if out is not None else 0
             self._counts["prefill_tokens"] += len(t) - cached
             self._counts["cache_hit_tokens"] += cached
             self._counts["requests"] += 1
-            samples = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                self._counts["decode_tokens"] += max(len(c.token_ids) - 1, 0)
-                lps = ([d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs)]
-                       if p.logprobs and c.logprobs is not None else None)
-                samples.append(Sample(token_ids=list(c.token_ids), logprobs=lps,
-                                      finish_reason="stop" if c.finish_reason == "stop" else "length"))
-            results.append(samples)
+            results.append([self._sample(completions.get((rid, i)), p) for i in range(p.n)])
         return results
+
+    def _sample(self, c, p: SamplingParams) -> Sample:
+        """A vLLM ``CompletionOutput`` (``None``: nothing sampled before an abort) as a Sample."""
+        if c is None:
+            return Sample(token_ids=[], logprobs=[] if p.logprobs else None, finish_reason="abort")
+        self._counts["decode_tokens"] += max(len(c.token_ids) - 1, 0)
+        lps = ([d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs)]
+               if p.logprobs and c.logprobs is not None else None)
+        reason = {"stop": "stop", "length": "length"}.get(c.finish_reason, "abort")
+        return Sample(token_ids=list(c.token_ids), logprobs=lps, finish_reason=reason)
+
+    def abort(self) -> int:
+        """Stop the running ``generate`` between two engine steps (``abort_request``); it returns
+        each sample as sampled so far. Returns the number of requests stopped (0 when idle)."""
+        self._abort.set()
+        try:
+            with self._lock:  # held by a running generate until it has returned
+                stopped, self._stopped = self._stopped, 0
+        finally:
+            self._abort.clear()
+        return stopped
 
     def load_weights(self, weights, version: int | None = None, *,
                      checksum: str | None = None) -> int:
