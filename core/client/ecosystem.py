@@ -12,6 +12,7 @@ weight-transfer routes are in ``weight_transfer.py``:
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from ..types import SamplingParams
 from .gate import GenerationGate
@@ -125,8 +126,13 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
         reset_prefix_caches()
         return {"status": "ok"}
 
+    # abort waits for an engine step boundary on threads of its own: the default executor may
+    # be full of the very generate calls it has to stop
+    abort_pool = ThreadPoolExecutor(max(1, len(samplers)), thread_name_prefix="polynya-abort")
+
     async def abort_all() -> None:
-        await asyncio.gather(*[asyncio.to_thread(s.abort) for s in samplers])
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*[loop.run_in_executor(abort_pool, s.abort) for s in samplers])
 
     @app.post("/pause")
     async def pause(mode: str = "keep", clear_cache: bool = False) -> dict:

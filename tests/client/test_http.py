@@ -241,6 +241,29 @@ def test_pause_abort_returns_partial_outputs(client, raw):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref.logprobs), rtol=0, atol=1e-5)
 
 
+def test_pause_abort_stops_more_requests_than_the_server_has_threads(client, raw):
+    """40 generate requests (more than the server's default executor threads, at most 32):
+    /pause?mode=abort stops every one of them, the ones still queued for a thread included."""
+    sampler = client.server.client.samplers[0]
+    answers: list = []
+    body = {"token_ids": [7, 8, 9], "sampling_params": {"max_tokens": 120, "temperature": 0,
+                                                        "ignore_eos": True}}
+    steps = sampler.stats()["decode_steps"]
+    threads = [threading.Thread(target=lambda: answers.append(raw.post("/inference/v1/generate", json=body)))
+               for _ in range(40)]
+    for t in threads:
+        t.start()
+    while sampler.stats()["decode_steps"] < steps + 2:
+        assert any(t.is_alive() for t in threads)
+    assert raw.post("/pause", params={"mode": "abort"}).json()["status"] == "paused"
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    reasons = [a.json()["choices"][0]["finish_reason"] for a in answers]
+    assert reasons == ["abort"] * 40 and sampler.stats()["blocks_in_use"] == 0
+    assert raw.post("/resume").status_code == 200
+
+
 def test_weight_transfer_routes(client, raw):
     local = client.server.client
     trainer, sampler = local.trainer, local.samplers[0]
