@@ -323,9 +323,10 @@ class NativeEngine:
     def stats(self) -> dict[str, float]:
         """Counters since start: ``prefill_tokens`` (computed, cache hits excluded),
         ``decode_tokens``, ``scored_tokens`` (``prompt_logprobs``), ``cache_hit_tokens`` /
-        ``cache_hit_blocks``, ``aborted_requests``, ``fca_steps`` (decode
-        steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached), ``blocks_in_use`` of
-        ``num_blocks``, ``preemptions``, step counts, ``weight_version``, and wall time spent
+        ``cache_hit_blocks``, ``aborted_requests`` (requests ``abort`` stopped), ``fca_steps``
+        (decode steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached),
+        ``blocks_in_use`` of ``num_blocks``, ``preemptions``, step counts, ``weight_version``,
+        and wall time spent
         in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures
         and their wall time (``graph_captures`` / ``graph_capture_s``, inside the step times)."""
         with self._lock:
