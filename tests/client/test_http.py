@@ -208,12 +208,23 @@ def test_pause_abort_returns_partial_outputs(client, raw):
         path, body = bodies[name]
         answers[name] = raw.post(path, json=body)
 
-    steps = sampler.stats()["decode_steps"]
+    def until(count, value: int) -> int:
+        while (got := count(sampler.stats())) < value:
+            assert all(t.is_alive() for t in threads)
+        return got
+
+    def prompt_tokens(st):
+        return st["prefill_tokens"] + st["cache_hit_tokens"]
+
+    def decode_steps(st):
+        return st["decode_steps"]
+
     threads = [threading.Thread(target=post, args=(k,)) for k in bodies]
+    start = prompt_tokens(sampler.stats())
     for t in threads:
         t.start()
-    while sampler.stats()["decode_steps"] < steps + 4:
-        assert any(t.is_alive() for t in threads)
+    until(prompt_tokens, start + 7)  # both requests are in the engine,
+    until(decode_steps, until(decode_steps, 0) + 3)  # and each sample has >= 4 tokens
     paused = raw.post("/pause", params={"mode": "abort"}).json()
     assert paused == {"status": "paused", "mode": "abort", "in_flight_at_pause": 2}
     for t in threads:

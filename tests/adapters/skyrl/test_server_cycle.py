@@ -230,10 +230,12 @@ async def check_abort(c, url: str, model, tok) -> None:
     assert out["stop_reasons"] == ["abort"] * len(PROMPTS)
     for i, prompt in enumerate(PROMPTS):
         ids = out["response_ids"][i]
-        assert 1 <= len(ids) < tokens, f"prompt {i}: {len(ids)} of {tokens} tokens"
+        assert len(ids) < tokens, f"prompt {i}: not aborted"
         want, want_lp = greedy_reference(model, prompt, len(ids), stop=set())  # ignore_eos
-        assert ids == want and out["response_logprobs"][i] == pytest.approx(want_lp, abs=1e-4)
-        assert out["responses"][i] == tok.decode(ids)
+        assert ids == want and out["responses"][i] == tok.decode(ids)
+        # SkyRL reads an empty log-prob list (aborted before its first token) as None
+        assert out["response_logprobs"][i] == (pytest.approx(want_lp, abs=1e-4) if ids else None)
+    assert any(len(r) >= 2 for r in out["response_ids"]), "no request was decoding when aborted"
     held = asyncio.create_task(generate(url, sampling(8)))
     await asyncio.sleep(0.5)
     assert not held.done(), "a request started while paused (mode=abort)"

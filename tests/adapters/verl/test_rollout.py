@@ -111,9 +111,15 @@ def test_abort_all_requests_returns_partial_outputs_and_resend_completes(model):
 
     async def scenario():
         running = [asyncio.create_task(server.generate(p, params, f"x{i}")) for i, p in enumerate(PROMPTS)]
-        while server.engine.stats()["decode_steps"] < 4:
-            assert not any(t.done() for t in running)
-            await asyncio.sleep(0.002)
+
+        async def until(key: str, value: int) -> int:
+            while (got := server.engine.stats()[key]) < value:
+                assert not any(t.done() for t in running)
+                await asyncio.sleep(0.002)
+            return got
+
+        await until("prefill_tokens", sum(map(len, PROMPTS)))  # both prompts are in
+        await until("decode_steps", await until("decode_steps", 0) + 3)  # each has >= 4 tokens
         answer = await server.abort_all_requests()
         assert all(t.done() for t in running), "abort_all_requests returned before its requests"
         held = asyncio.create_task(server.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 3}, "h"))
@@ -121,8 +127,10 @@ def test_abort_all_requests_returns_partial_outputs_and_resend_completes(model):
         assert not held.done()
         stats = server.engine.stats()
         await server.resume_generation()
-        resent = [server.generate(p + t.result().token_ids, {**params, "max_tokens": total - len(t.result().token_ids)},
-                                  f"x{i}") for i, (p, t) in enumerate(zip(PROMPTS, running))]
+        resent = []
+        for i, (p, t) in enumerate(zip(PROMPTS, running)):  # verl's resend: prompt + partial
+            done = t.result().token_ids
+            resent.append(server.generate(p + done, {**params, "max_tokens": total - len(done)}, f"x{i}"))
         return answer, [t.result() for t in running], await held, stats, await asyncio.gather(*resent)
 
     answer, outs, held, stats, resent = run(scenario())
