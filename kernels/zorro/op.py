@@ -28,22 +28,32 @@ from .plan import SplitPlan
 _A = torch.ops.aten
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why the CUDA backend cannot run these inputs, or None when it can."""
+def fused_inputs_reason(q: torch.Tensor, k: torch.Tensor, *, kernels: str, max_head_dim: int,
+                        enabled: bool, switch: str) -> str | None:
+    """Why torch's fused attention ``kernels`` (cuDNN, FlashAttention) cannot take these inputs,
+    or None: CUDA, bf16/fp16, head dim a multiple of 8 up to ``max_head_dim``, GQA, sm80+, and
+    the backend ``enabled`` (``switch`` names torch's setting that turns it on)."""
     if not q.is_cuda:
         return "tensors are not on a CUDA device"
     if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype} (the fused kernels take bfloat16 / float16)"
+        return f"dtype {q.dtype} ({kernels} takes bfloat16 / float16)"
     d = q.shape[-1]
-    if d % 8 or d > 128:
-        return f"head dim {d} (needs a multiple of 8, at most 128)"
+    if d % 8 or d > max_head_dim:
+        return f"head dim {d} (needs a multiple of 8, at most {max_head_dim})"
     if q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads"
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return "GPU older than sm80"
-    if not torch.backends.cuda.cudnn_sdp_enabled():
-        return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
+    if not enabled:
+        return f"{kernels} is disabled ({switch})"
     return None
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the CUDA backend cannot run these inputs, or None when it can."""
+    return fused_inputs_reason(q, k, kernels="cuDNN attention", max_head_dim=128,
+                               enabled=torch.backends.cuda.cudnn_sdp_enabled(),
+                               switch="torch.backends.cuda.enable_cudnn_sdp")
 
 
 def combine(parts: list[torch.Tensor], lse_parts: list[torch.Tensor] | None, src: torch.Tensor):

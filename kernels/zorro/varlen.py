@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import reference as ref
+from .op import fused_inputs_reason
 from .plan import check_nodes
 
 _A = torch.ops.aten
@@ -46,20 +47,9 @@ def segment_bounds(nodes: np.ndarray, num_tokens: int, row_len: int | None = Non
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why the CUDA backend cannot run these inputs, or None when it can."""
-    if not q.is_cuda:
-        return "tensors are not on a CUDA device"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype} (FlashAttention takes bfloat16 / float16)"
-    d = q.shape[-1]
-    if d % 8 or d > 256:
-        return f"head dim {d} (needs a multiple of 8, at most 256)"
-    if q.shape[1] % k.shape[1]:
-        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
-        return "GPU older than sm80"
-    if not torch.backends.cuda.flash_sdp_enabled():
-        return "FlashAttention is disabled (torch.backends.cuda.enable_flash_sdp)"
-    return None
+    return fused_inputs_reason(q, k, kernels="FlashAttention", max_head_dim=256,
+                               enabled=torch.backends.cuda.flash_sdp_enabled(),
+                               switch="torch.backends.cuda.enable_flash_sdp")
 
 
 class _FlashVarlen(torch.autograd.Function):
