@@ -4,7 +4,7 @@
 when they are not views of a few flat storages (ZeRO-0 / ZeRO-3 keep one storage per tensor).
 Every call walks the module tree (parameter objects and names, without building
 ``named_parameters()``' strings: a third of its cost) and compares the data pointers, shapes,
-dtypes and contiguity of the weights with the cached ones, so a layout change (offload / onload
+strides and dtypes of the weights with the cached ones, so a layout change (offload / onload
 re-points the weights, a checkpoint load, a replaced parameter, another model) rebuilds it; a
 layout that moved as a whole keeps its digest plan and checksum line prefixes. Nothing cached holds a tensor of the
 weights: the span tensors are made afresh from the parameters' current storages on every call
@@ -43,9 +43,9 @@ def _walk(module: torch.nn.Module, keys: list, slots: list) -> None:
 
 
 def _fast_key(params: Sequence[torch.Tensor]) -> tuple:
-    """Where each weight lies: data pointers, shapes, dtypes, contiguity."""
-    return (tuple(p.data_ptr() for p in params), tuple(p.shape for p in params),
-            tuple(p.dtype for p in params), tuple(p.is_contiguous() for p in params))
+    """Where each weight lies: data pointers, shapes, strides, dtypes."""
+    return ([p.data_ptr() for p in params], [p.shape for p in params],
+            [p.stride() for p in params], [p.dtype for p in params])
 
 
 def _none() -> None:
@@ -129,12 +129,18 @@ class SpanLayout:
         return (self.names == other.names and self.specs == other.specs
                 and self.groups == other.groups and self.dtype == other.dtype)
 
-    def recheck(self) -> list[torch.Tensor] | None:
+    @property
+    def seen(self) -> tuple:
+        """Where the parameters last seen lay (pass it to ``recheck`` later)."""
+        return self._fast
+
+    def recheck(self, seen: tuple | None = None) -> list[torch.Tensor] | None:
         """The spans again for the parameters last seen, if they are all alive and still where
-        they were (``data_ptr``, shape, dtype, contiguity); ``None`` otherwise (it does not see
-        parameters replaced in the module: ``span_layout`` does)."""
+        they were (``data_ptr``, shape, strides, dtype), or where ``seen`` (an earlier
+        ``.seen``) says they were; ``None`` otherwise. It does not see parameters replaced in
+        the module (``span_layout`` does)."""
         params = [r() for r in self._refs]
-        if any(p is None for p in params) or _fast_key(params) != self._fast:
+        if any(p is None for p in params) or _fast_key(params) != (seen or self._fast):
             return None
         return self.spans(params)
 
@@ -167,7 +173,7 @@ def span_layout(module: torch.nn.Module) -> tuple[SpanLayout, list[torch.Tensor]
     """``(layout, spans)`` of ``module``'s current weights, or ``None`` when they are not views
     of a few flat storages. Cached per module: every call walks the module tree (names and
     parameter objects, without building ``named_parameters``' strings) and compares where each
-    weight lies (``data_ptr``, shape, dtype, contiguity); any difference builds the layout
+    weight lies (``data_ptr``, shape, strides, dtype); any difference builds the layout
     again (reusing the previous one when the offsets came out the same)."""
     tree, slots = [], []
     _walk(module, tree, slots)
