@@ -65,6 +65,7 @@ def sampler_process(conn, model: str, device: str) -> None:
             continue
         _, manifest, handles, official = msg
         try:
+            t_in = time.perf_counter()  # the message is here (unpickled)
             _sync()
             t0 = time.perf_counter()
             opened = open_shared(manifest, handles)
@@ -78,12 +79,15 @@ def sampler_process(conn, model: str, device: str) -> None:
                 apply_update(engine, opened.staged)
             _sync()
             t3 = time.perf_counter()
-            opened.close()
+            opened.close()  # drops the mapped buckets (the IPC mapping is closed here)
+            t4 = time.perf_counter()
             conn.send(
                 {
                     "open_s": t1 - t0,
                     "copy_s": t3 - t2,  # verify (checksum, finite) + copy
-                    "version": engine.stats()["weight_version"],
+                    "close_s": t4 - t3,
+                    "receiver_s": t4 - t_in,  # the receiver's whole handling of the message
+                    "version": engine.weight_version,
                 }
             )
         except Exception:
@@ -135,7 +139,9 @@ def one_sync(trainer, conn, version: int, layout: str, official: bool, ready: bo
         "trainer_checksum_s": t1 - t0,
         "export_s": t2 - t1,
         "end_to_end_s": t3 - t0,
-        **{k: reply[k] for k in ("open_s", "copy_s")},
+        # both pipe messages: pickling, the pipe, unpickling, the wake-ups of both processes
+        "pipe_s": (t3 - t2) - reply["receiver_s"],
+        **{k: reply[k] for k in ("open_s", "copy_s", "close_s")},
     }
 
 
@@ -373,12 +379,16 @@ def main() -> None:
         named = dict(ipc["runs"], direct_in_process=ipc.get("direct", {}))
         rows = [{"run": k, "ms": f"{v['end_to_end_s'] * 1e3:.2f}", "GBps": f"{v['end_to_end_GBps']:.0f}",
                  "vs": f"{v['end_to_end_vs_hbm']:.0%}", "copy": f"{v['copy_s'] * 1e3:.2f}",
-                 "sums": f"{v['trainer_checksum_s'] * 1e3:.2f}"}
+                 "sums": f"{v['trainer_checksum_s'] * 1e3:.2f}",
+                 **{k2: f"{v[k2 + '_s'] * 1e3:.2f}" if k2 + "_s" in v else "–"
+                    for k2 in ("export", "open", "close", "pipe")}}
                 for k, v in named.items() if "end_to_end_s" in v]
         print(f"HBM copy {ipc['hbm_copy']['GBps']:.0f} GB/s")
         print(markdown_table(rows, [("run", "sync"), ("ms", "end-to-end ms"), ("GBps", "GB/s"),
                                     ("vs", "vs HBM copy"), ("copy", "verify + copy ms"),
-                                    ("sums", "trainer checksum ms")]))
+                                    ("sums", "trainer checksum ms"), ("export", "export ms"),
+                                    ("open", "open ms"), ("close", "close ms"),
+                                    ("pipe", "pipe round trip ms")]))
     print("wrote", path)
     _plot(results, a.out)
 
@@ -399,7 +409,8 @@ def _plot(results: dict, out: str) -> None:
     axes = list(axes[0]) + [None]  # only the panels that have data (--skip-step: the sync alone)
     if "runs" in ipc:
         names = [n for n, v in ipc["runs"].items() if "copy_s" in v]
-        phases = ["trainer_checksum_s", "export_s", "open_s", "stage_s", "copy_s"]
+        phases = ["trainer_checksum_s", "export_s", "open_s", "stage_s", "copy_s", "close_s",
+                  "pipe_s"]
         bottom = [0.0] * len(names)
         for ph in phases:
             vals = [ipc["runs"][n].get(ph, 0.0) * 1e3 for n in names]
