@@ -14,6 +14,7 @@
 
     python benchmarks/bench_sync.py --out benchmarks/results
     python benchmarks/bench_sync.py --receive-only --out $OUT   # 0. alone (no DeepSpeed)
+    python benchmarks/bench_sync.py --skip-step --profile --out $OUT  # + host time by function
 
 0. *Receive path* (GPU): old (finite pass + digest + ``_foreach_copy_``) vs new (fused check
    pass + per-bucket copy kernel) verify + apply of the same buckets in one process; GB/s and
@@ -23,7 +24,10 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 import traceback
@@ -56,6 +60,7 @@ def sampler_process(conn, model: str, device: str) -> None:
         SamplerConfig(model, dtype="bfloat16", device=device, num_blocks=256, cuda_graphs=False)
     )
     conn.send("ready")
+    prof = None
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -63,7 +68,17 @@ def sampler_process(conn, model: str, device: str) -> None:
         if msg[0] == "checksum":
             conn.send(engine.weight_checksum())
             continue
+        if msg[0] == "profile":  # ("profile", True): start; ("profile", False): stop and report
+            if msg[1]:
+                prof = cProfile.Profile()
+                conn.send(None)
+            else:
+                conn.send(_top(prof))
+                prof = None
+            continue
         _, manifest, handles, official = msg
+        if prof is not None:
+            prof.enable()
         try:
             t_in = time.perf_counter()  # the message is here (unpickled)
             _sync()
@@ -92,6 +107,74 @@ def sampler_process(conn, model: str, device: str) -> None:
             )
         except Exception:
             conn.send({"error": traceback.format_exc()})
+        finally:
+            if prof is not None:
+                prof.disable()
+
+
+def _top(prof, n: int = 30) -> str:
+    """The ``n`` functions with the most own time, then the most cumulative time."""
+    if prof is None:
+        return ""
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(n)
+    stats.sort_stats("cumtime").print_stats(n)
+    return buf.getvalue()
+
+
+def _trainer_phases(trainer, iters: int = 20) -> str:
+    """Median wall time of the trainer's sync pieces, each alone, device synchronised."""
+    from polynya.spans import span_layout
+    from polynya.sync import SharedExport, build_manifest
+
+    layout, spans = span_layout(trainer.module)
+
+    def export():
+        m = build_manifest(trainer, version=1, bucket_bytes=1 << 28, layout="spans")
+        SharedExport.from_trainer(trainer, m, 1 << 28).release()
+
+    pieces = {
+        "span_layout (walk + key check)": lambda: span_layout(trainer.module),
+        "named_parameters() (the walk before)": lambda: list(trainer.module.named_parameters()),
+        "layout.checksum (digest launch + transfer + lines)": lambda: layout.checksum(spans),
+        "build_manifest(ready=False)": lambda: build_manifest(
+            trainer, version=1, bucket_bytes=1 << 28, layout="spans", ready=False),
+        "build_manifest + export + release": export,
+    }
+    lines = ["trainer pieces alone (median ms):"]
+    for name, fn in pieces.items():
+        times = []
+        for _ in range(iters):
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        lines.append(f"  {name}: {median(times):.3f}")
+    return "\n".join(lines) + "\n\n"
+
+
+def profile_syncs(trainer, conn, version: int, iters: int, out: str) -> int:
+    """cProfile of ``iters`` span syncs (digest launched at ``step()``) in both processes: the
+    host time by function, written to ``out/bench_sync_profile_{trainer,receiver}.txt``."""
+    one_sync(trainer, conn, version + 1, "spans", False, True)  # warm
+    conn.send(("profile", True))
+    conn.recv()
+    prof = cProfile.Profile()
+    for i in range(iters):
+        prof.enable()
+        one_sync(trainer, conn, version + 2 + i, "spans", False, True)
+        prof.disable()
+    conn.send(("profile", False))
+    texts = {"trainer": _top(prof), "receiver": conn.recv()}
+    texts["trainer"] = _trainer_phases(trainer) + texts["trainer"]
+    os.makedirs(out, exist_ok=True)
+    for side, text in texts.items():
+        with open(os.path.join(out, f"bench_sync_profile_{side}.txt"), "w") as f:
+            f.write(text)
+        print(f"--- {side} host profile ({iters} syncs)\n" + "\n".join(text.splitlines()[:45]))
+    return version + 2 + iters
 
 
 def hbm_copy(nbytes: int) -> dict:
@@ -211,7 +294,7 @@ def bench_direct(trainer, model: str, iters: int, hbm_gbps: float) -> dict:
         return {"error": traceback.format_exc()}
 
 
-def bench_ipc(iters: int, model: str) -> dict:
+def bench_ipc(iters: int, model: str, profile_out: str | None = None) -> dict:
     from polynya.config import TrainConfig
     from polynya.engines import TrainingEngine
     from polynya import RolloutBatch
@@ -255,6 +338,8 @@ def bench_ipc(iters: int, model: str) -> dict:
             out["runs"][name] = {"error": traceback.format_exc()}
             version += 1000  # a failed sync may or may not have landed; stay ahead of it
         print(name, out["runs"][name], flush=True)
+    if profile_out:
+        version = profile_syncs(trainer, parent, version, max(iters, 10), profile_out)
     out["direct"] = bench_direct(trainer, model, iters, out["hbm_copy"]["GBps"])
     parent.send(("checksum",))
     after = parent.recv()
@@ -349,6 +434,8 @@ def main() -> None:
     ap.add_argument("--receive-only", action="store_true",
                     help="only the receive-path arm (old vs new verify + apply; no DeepSpeed)")
     ap.add_argument("--receive-iters", type=int, default=20)
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile span syncs in both processes (host time by function)")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     results = {"env": environment(), "model": a.model, "device": DEVICE}
@@ -356,7 +443,7 @@ def main() -> None:
     if DEVICE == "cuda":  # the receive arm times Triton kernels: GPU only
         parts.append(("receive", lambda: bench_receive(a.model, a.receive_iters)))
     if not a.receive_only:
-        parts.append(("ipc", lambda: bench_ipc(a.iters, a.model)))
+        parts.append(("ipc", lambda: bench_ipc(a.iters, a.model, a.out if a.profile else None)))
     if not a.skip_step and not a.receive_only:
         parts.append(("rl_step", lambda: bench_rl_step(a.model, a.steps, a.prompts, a.group,
                                                        a.prompt_len, a.max_tokens)))
