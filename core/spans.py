@@ -208,6 +208,14 @@ def span_layout(module: torch.nn.Module) -> tuple[SpanLayout, list[torch.Tensor]
     return (layout, spans) if spans is not None else None
 
 
+def cached_layout(module: torch.nn.Module) -> SpanLayout | None:
+    """The layout the last ``span_layout(module)`` call found (``None``: none, or not spans);
+    no check of the weights."""
+    with _SPAN_LOCK:
+        seen = _SPAN_LAYOUTS.get(module)
+    return seen.layout if seen is not None else None
+
+
 def export_spans(module: torch.nn.Module, buckets: tuple[BucketSpec, ...]
                  ) -> list[torch.Tensor] | None:
     """The span tensors of a span manifest's ``buckets`` (``None`` when the module's weights no

@@ -90,9 +90,9 @@ class VerifiedBucketCopy:
         digests, bad = self.plan.check(flats)
         values = torch.cat([digests, bad]).tolist()
         count = len(self.names)
-        bad_names = [n for n, b in zip(self.names, values[count:]) if b]
-        if bad_names:
-            raise ValueError(non_finite_error(bad_names))
+        if any(values[count:]):
+            raise ValueError(non_finite_error(
+                [n for n, b in zip(self.names, values[count:]) if b]))
         got = checksum_lines(self.prefixes, values[:count])
         if got != checksum:
             raise ValueError(checksum_error(got, checksum))

@@ -43,7 +43,7 @@ from ..distributed import (
 )
 from ..files import verify_manifest, write_manifest
 from ..losses import Normalizer, policy_loss, resolve_loss
-from ..spans import span_layout
+from ..spans import cached_layout, span_layout
 from ..types import RolloutBatch, TokenStats
 from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
@@ -440,13 +440,17 @@ class TrainingEngine:
 
     def ready_checksum(self) -> str | None:
         """The checksum ``prepare_checksum`` launched, when the weights have not changed through
-        the engine since (and still lie where they did); ``None`` otherwise. Weights must change
+        the engine since and still lie where they did (as the last ``span_layout`` call saw
+        them: ``build_manifest`` makes one first); ``None`` otherwise. Weights must change
         only through the engine's methods: a change made behind its back makes the next sync
         fail its checksum (``SyncError``), it never applies the wrong weights."""
         if self._ready is None:
             return None
         layout, seen, pending = self._ready
-        if layout.recheck(seen) is None:  # a parameter moved or is gone since the launch
+        # the module's layout and ``seen`` unchanged: no span_layout call has seen the weights
+        # move since the launch (build_manifest makes one first); else compare the pointers
+        unmoved = cached_layout(self.module) is layout and layout.seen is seen
+        if not unmoved and layout.recheck(seen) is None:  # moved or gone since the launch
             self._drop_checksum()
             return None
         return pending.result()

@@ -14,7 +14,7 @@ from polynya import RolloutBatch
 from polynya.checksum import checksum_named_tensors
 from polynya.config import SamplerConfig, TrainConfig
 from polynya.engines import SamplingEngine, TrainingEngine
-from polynya.spans import SpanLayout, span_layout
+from polynya.spans import SpanLayout, cached_layout, span_layout
 from polynya.sync import SharedExport, apply_update, build_manifest, open_shared
 
 from .test_layout import BB, FlatTrainer
@@ -43,11 +43,20 @@ def test_values_and_moves_as_a_whole_keep_the_layout():
     t.rehome()  # offload / onload: new storage, same offsets -> same layout object
     m3 = manifest_is_fresh(t, 3)
     assert span_layout(t.module)[0] is layout and m3.checksum == m2.checksum
-    assert layout.recheck(seen) is None  # a digest launched before the move is stale
-    assert layout.recheck() is not None
+    # what TrainingEngine.ready_checksum looks at: the move is seen, a digest launched
+    # before it is not taken as current
+    assert cached_layout(t.module) is layout and layout.seen is not seen
+    assert layout.recheck(seen) is None and layout.recheck() is not None
+    seen = layout.seen
+    span_layout(t.module)
+    assert layout.seen is seen  # nothing moved: the same key object
     t.rehome(gap=5)  # other offsets: another layout
     manifest_is_fresh(t, 4)
-    assert span_layout(t.module)[0] is not layout
+    assert span_layout(t.module)[0] is not layout and cached_layout(t.module) is not layout
+    with torch.no_grad():  # one storage each: not spans any more
+        for p in t.module.parameters():
+            p.data = p.data.clone()
+    assert span_layout(t.module) is None and cached_layout(t.module) is None
 
 
 @pytest.mark.parametrize("change", ["replace_other_storage", "replace_same_place", "swap_data",
