@@ -153,7 +153,7 @@ class _Seen:
     """What ``span_layout`` last saw of one module: its tree (``_walk``), its parameters
     (weakly: nothing here keeps a weight alive), where they lay, and their layout."""
 
-    __slots__ = ("tree", "slots", "names", "params", "fast", "layout")
+    __slots__ = ("fast", "layout", "names", "params", "slots", "tree")
 
     def __init__(self, tree: list, slots: list, named: list, fast: tuple,
                  layout: SpanLayout | None):
