@@ -344,7 +344,7 @@ def bench_ipc(iters: int, model: str, profile_out: str | None = None) -> dict:
     if profile_out:
         try:
             version = profile_syncs(trainer, parent, version, max(iters, 10), profile_out)
-        except Exception:  # keep the timed arms
+        except Exception:  # noqa: BLE001 (keep the timed arms)
             out["profile_error"] = traceback.format_exc()
             print(out["profile_error"], flush=True)
             version += 1000
