@@ -5,7 +5,10 @@
    sampler in another process: the trainer builds the manifest (its checksum via the Triton
    digest), shares its flat weight storage (span layout: one handle per storage, no packing);
    the sampler process maps it, verifies the checksum of what it mapped and copies it into its
-   parameters. Timed per phase; GB/s = weight bytes / time; target: end-to-end >= 50% of the
+   parameters. Timed per phase (trainer checksum with its thread's CPU time, export, open,
+   verify + copy, close, the pipe round trip, the receiver's whole handling with its CPU
+   time); ``--profile`` adds cProfile tables of both processes. GB/s = weight bytes / time;
+   target: end-to-end >= 50% of the
    HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, the
    sampler's ``load_weights`` called directly, and ``spans_digest_at_step``: the trainer's
    digest launched by ``step()`` (``prepare_checksum``) right before the sync, not in it.
@@ -80,7 +83,7 @@ def sampler_process(conn, model: str, device: str) -> None:
         if prof is not None:
             prof.enable()
         try:
-            t_in = time.perf_counter()  # the message is here (unpickled)
+            t_in, c_in = time.perf_counter(), time.thread_time()  # the message is here
             _sync()
             t0 = time.perf_counter()
             opened = open_shared(manifest, handles)
@@ -95,13 +98,14 @@ def sampler_process(conn, model: str, device: str) -> None:
             _sync()
             t3 = time.perf_counter()
             opened.close()  # drops the mapped buckets (the IPC mapping is closed here)
-            t4 = time.perf_counter()
+            t4, c4 = time.perf_counter(), time.thread_time()
             conn.send(
                 {
                     "open_s": t1 - t0,
                     "copy_s": t3 - t2,  # verify (checksum, finite) + copy
                     "close_s": t4 - t3,
                     "receiver_s": t4 - t_in,  # the receiver's whole handling of the message
+                    "receiver_cpu_s": c4 - c_in,
                     "version": engine.weight_version,
                 }
             )
@@ -204,11 +208,11 @@ def one_sync(trainer, conn, version: int, layout: str, official: bool, ready: bo
     _sync()
     if ready:
         trainer.prepare_checksum()  # what step() does at its end; no device sync after it
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     manifest = build_manifest(trainer, version=version, bucket_bytes=bb, layout=layout,
                               ready=ready)
     _sync()
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.thread_time()
     export = SharedExport.from_trainer(trainer, manifest, bb)
     t2 = time.perf_counter()
     conn.send(("sync", manifest, export.handles, official))
@@ -223,11 +227,15 @@ def one_sync(trainer, conn, version: int, layout: str, official: bool, ready: bo
         "buckets": len(manifest.buckets),
         "bytes": manifest.nbytes,
         "trainer_checksum_s": t1 - t0,
+        # CPU time of the thread in that phase (far below the wall time: it waited, on the
+        # device or on another thread; a spinning device sync counts as CPU time)
+        "trainer_checksum_cpu_s": c1 - c0,
         "export_s": t2 - t1,
         "end_to_end_s": t3 - t0,
         # both pipe messages: pickling, the pipe, unpickling, the wake-ups of both processes
         "pipe_s": (t3 - t2) - reply["receiver_s"],
-        **{k: reply[k] for k in ("open_s", "copy_s", "close_s")},
+        **{k: reply[k] for k in ("open_s", "copy_s", "close_s", "receiver_s",
+                                 "receiver_cpu_s")},
     }
 
 
