@@ -8,8 +8,7 @@
    parameters. Timed per phase (trainer checksum with its thread's CPU time, export, open,
    verify + copy, close, the pipe round trip, the receiver's whole handling with its CPU
    time); ``--profile`` adds cProfile tables of both processes. GB/s = weight bytes / time;
-   target: end-to-end >= 50% of the
-   HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, the
+   target (issue 15): end-to-end >= 35% of the HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, the
    sampler's ``load_weights`` called directly, and ``spans_digest_at_step``: the trainer's
    digest launched by ``step()`` (``prepare_checksum``) right before the sync, not in it.
 3. *RL step*: the local client, colocated on one GPU (ZeRO-2 trainer offloaded while the sampler
