@@ -78,6 +78,9 @@ def sampler_process(conn, model: str, device: str) -> None:
                 conn.send(_top(prof))
                 prof = None
             continue
+        if msg[0] == "phases":  # the receive path's pieces on the real buckets; nothing loaded
+            conn.send(_receiver_phases(engine, msg[1], msg[2]))
+            continue
         _, manifest, handles, official = msg
         if prof is not None:
             prof.enable()
@@ -113,6 +116,41 @@ def sampler_process(conn, model: str, device: str) -> None:
         finally:
             if prof is not None:
                 prof.disable()
+
+
+def _receiver_phases(engine, manifest, handles, iters: int = 10) -> dict:
+    """Median ms of each piece of the receive path on buckets opened from ``handles``: the
+    plan lookup, ``verify`` (check pass + transfer + compare) and the check kernels alone.
+    Nothing is copied into the engine (its version and weights stay)."""
+    from polynya.sync import open_shared
+
+    try:
+        opened = open_shared(manifest, handles)
+        pieces = opened.staged.pieces()
+        runner = engine.backend.runner
+        plan = runner._verified_plan(pieces)  # noqa: SLF001 (a bench looks inside)
+        flats = pieces.flats
+        arms = {
+            "pieces (bucket layout lookup)": lambda: opened.staged.pieces(),
+            "plan lookup (+ pointer check)": lambda: runner._verified_plan(pieces),  # noqa: SLF001
+            "verify (check pass + transfer + compare)": lambda: plan.verify(flats,
+                                                                            manifest.checksum),
+            "check kernels alone": lambda: plan.plan.check(flats),
+        }
+        out = {}
+        for name, fn in arms.items():
+            times = []
+            for _ in range(iters):
+                _sync()
+                t0 = time.perf_counter()
+                fn()
+                _sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+            out[name] = median(times)
+        opened.close()
+        return out
+    except Exception:  # noqa: BLE001 (reported, the bench goes on)
+        return {"error": traceback.format_exc()}
 
 
 def _top(prof, n: int = 30) -> str:
@@ -174,6 +212,17 @@ def profile_syncs(trainer, conn, version: int, iters: int, out: str) -> int:
         prof.disable()
     conn.send(("profile", False))
     texts = {"trainer": _top(prof), "receiver": conn.recv()}
+    from polynya.sync import SharedExport, build_manifest
+
+    manifest = build_manifest(trainer, version=version + 2 + iters, bucket_bytes=1 << 28,
+                              layout="spans")
+    export = SharedExport.from_trainer(trainer, manifest, 1 << 28)
+    conn.send(("phases", manifest, export.handles))
+    phases = conn.recv()
+    export.release()
+    texts["receiver"] = ("receiver pieces on the real buckets (median ms):\n" + "\n".join(
+        f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}" for k, v in phases.items())
+        + "\n\n" + texts["receiver"])
     texts["trainer"] = _trainer_phases(trainer) + texts["trainer"]
     os.makedirs(out, exist_ok=True)
     for side, text in texts.items():
