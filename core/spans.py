@@ -6,10 +6,10 @@ Every call walks the module tree (parameter objects and names, without building
 ``named_parameters()``' strings: a third of its cost) and compares the data pointers, shapes,
 strides and dtypes of the weights with the cached ones, so a layout change (offload / onload
 re-points the weights, a checkpoint load, a replaced parameter, another model) rebuilds it; a
-layout that moved as a whole keeps its digest plan and checksum line prefixes. Nothing cached holds a tensor of the
-weights: the span tensors are made afresh from the parameters' current storages on every call
-(a cache must not keep a storage alive across an offload, nor serve views of a storage that
-is gone). The engines checksum their weights through it (``polynya.checksum``) and a weight
+layout that moved as a whole keeps its digest plan and checksum line prefixes. Nothing cached
+holds a tensor of the weights (parameters are held weakly): the span tensors are made afresh
+from the parameters' current storages on every call (a cache must not keep a storage alive
+across an offload, nor serve views of a storage that is gone). The engines checksum their weights through it (``polynya.checksum``) and a weight
 sync shares the spans as its buckets (``polynya.sync``).
 """
 
