@@ -9,8 +9,9 @@ re-points the weights, a checkpoint load, a replaced parameter, another model) r
 layout that moved as a whole keeps its digest plan and checksum line prefixes. Nothing cached
 holds a tensor of the weights (parameters are held weakly): the span tensors are made afresh
 from the parameters' current storages on every call (a cache must not keep a storage alive
-across an offload, nor serve views of a storage that is gone). The engines checksum their weights through it (``polynya.checksum``) and a weight
-sync shares the spans as its buckets (``polynya.sync``).
+across an offload, nor serve views of a storage that is gone). The engines checksum their
+weights through it (``polynya.checksum``) and a weight sync shares the spans as its buckets
+(``polynya.sync``).
 """
 
 from __future__ import annotations
