@@ -5,8 +5,10 @@
    sampler in another process: the trainer builds the manifest (its checksum via the Triton
    digest), shares its flat weight storage (span layout: one handle per storage, no packing);
    the sampler process maps it, verifies the checksum of what it mapped and copies it into its
-   parameters. Timed per phase; GB/s = weight bytes / time; target: end-to-end >= 50% of the
-   HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, the
+   parameters. Timed per phase (trainer checksum with its thread's CPU time, export, open,
+   verify + copy, close, the pipe round trip, the receiver's whole handling with its CPU
+   time); ``--profile`` adds cProfile tables of both processes. GB/s = weight bytes / time;
+   target (issue 15): end-to-end >= 35% of the HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, the
    sampler's ``load_weights`` called directly, and ``spans_digest_at_step``: the trainer's
    digest launched by ``step()`` (``prepare_checksum``) right before the sync, not in it.
 3. *RL step*: the local client, colocated on one GPU (ZeRO-2 trainer offloaded while the sampler
@@ -14,6 +16,7 @@
 
     python benchmarks/bench_sync.py --out benchmarks/results
     python benchmarks/bench_sync.py --receive-only --out $OUT   # 0. alone (no DeepSpeed)
+    python benchmarks/bench_sync.py --skip-step --profile --out $OUT  # + host time by function
 
 0. *Receive path* (GPU): old (finite pass + digest + ``_foreach_copy_``) vs new (fused check
    pass + per-bucket copy kernel) verify + apply of the same buckets in one process; GB/s and
@@ -23,6 +26,7 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import sys
 import time
@@ -33,6 +37,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cuda_median_ms, environment, markdown_table, median, save  # noqa: E402
+from sync_profile import profile_syncs, receiver_phases, top  # noqa: E402
 from sync_receive import bench_receive, receive_table  # noqa: E402
 
 MODEL = "random:qwen3-0.6b"
@@ -56,6 +61,7 @@ def sampler_process(conn, model: str, device: str) -> None:
         SamplerConfig(model, dtype="bfloat16", device=device, num_blocks=256, cuda_graphs=False)
     )
     conn.send("ready")
+    prof = None
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -63,8 +69,22 @@ def sampler_process(conn, model: str, device: str) -> None:
         if msg[0] == "checksum":
             conn.send(engine.weight_checksum())
             continue
+        if msg[0] == "profile":  # ("profile", True): start; ("profile", False): stop and report
+            if msg[1]:
+                prof = cProfile.Profile()
+                conn.send(None)
+            else:
+                conn.send(top(prof))
+                prof = None
+            continue
+        if msg[0] == "phases":  # the receive path's pieces on the real buckets; nothing loaded
+            conn.send(receiver_phases(engine, msg[1], msg[2]))
+            continue
         _, manifest, handles, official = msg
+        if prof is not None:
+            prof.enable()
         try:
+            t_in, c_in = time.perf_counter(), time.thread_time()  # the message is here
             _sync()
             t0 = time.perf_counter()
             opened = open_shared(manifest, handles)
@@ -78,16 +98,23 @@ def sampler_process(conn, model: str, device: str) -> None:
                 apply_update(engine, opened.staged)
             _sync()
             t3 = time.perf_counter()
-            opened.close()
+            opened.close()  # drops the mapped buckets (the IPC mapping is closed here)
+            t4, c4 = time.perf_counter(), time.thread_time()
             conn.send(
                 {
                     "open_s": t1 - t0,
                     "copy_s": t3 - t2,  # verify (checksum, finite) + copy
-                    "version": engine.stats()["weight_version"],
+                    "close_s": t4 - t3,
+                    "receiver_s": t4 - t_in,  # the receiver's whole handling of the message
+                    "receiver_cpu_s": c4 - c_in,
+                    "version": engine.weight_version,
                 }
             )
         except Exception:
             conn.send({"error": traceback.format_exc()})
+        finally:
+            if prof is not None:
+                prof.disable()
 
 
 def hbm_copy(nbytes: int) -> dict:
@@ -114,11 +141,11 @@ def one_sync(trainer, conn, version: int, layout: str, official: bool, ready: bo
     _sync()
     if ready:
         trainer.prepare_checksum()  # what step() does at its end; no device sync after it
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     manifest = build_manifest(trainer, version=version, bucket_bytes=bb, layout=layout,
                               ready=ready)
     _sync()
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.thread_time()
     export = SharedExport.from_trainer(trainer, manifest, bb)
     t2 = time.perf_counter()
     conn.send(("sync", manifest, export.handles, official))
@@ -133,9 +160,15 @@ def one_sync(trainer, conn, version: int, layout: str, official: bool, ready: bo
         "buckets": len(manifest.buckets),
         "bytes": manifest.nbytes,
         "trainer_checksum_s": t1 - t0,
+        # CPU time of the thread in that phase (far below the wall time: it waited, on the
+        # device or on another thread; a spinning device sync counts as CPU time)
+        "trainer_checksum_cpu_s": c1 - c0,
         "export_s": t2 - t1,
         "end_to_end_s": t3 - t0,
-        **{k: reply[k] for k in ("open_s", "copy_s")},
+        # both pipe messages: pickling, the pipe, unpickling, the wake-ups of both processes
+        "pipe_s": (t3 - t2) - reply["receiver_s"],
+        **{k: reply[k] for k in ("open_s", "copy_s", "close_s", "receiver_s",
+                                 "receiver_cpu_s")},
     }
 
 
@@ -205,7 +238,7 @@ def bench_direct(trainer, model: str, iters: int, hbm_gbps: float) -> dict:
         return {"error": traceback.format_exc()}
 
 
-def bench_ipc(iters: int, model: str) -> dict:
+def bench_ipc(iters: int, model: str, profile_out: str | None = None) -> dict:
     from polynya.config import TrainConfig
     from polynya.engines import TrainingEngine
     from polynya import RolloutBatch
@@ -249,6 +282,14 @@ def bench_ipc(iters: int, model: str) -> dict:
             out["runs"][name] = {"error": traceback.format_exc()}
             version += 1000  # a failed sync may or may not have landed; stay ahead of it
         print(name, out["runs"][name], flush=True)
+    if profile_out:
+        try:
+            version = profile_syncs(one_sync, trainer, parent, version, max(iters, 10),
+                                    profile_out)
+        except Exception:  # noqa: BLE001 (keep the timed arms)
+            out["profile_error"] = traceback.format_exc()
+            print(out["profile_error"], flush=True)
+            version += 1000
     out["direct"] = bench_direct(trainer, model, iters, out["hbm_copy"]["GBps"])
     parent.send(("checksum",))
     after = parent.recv()
@@ -343,6 +384,8 @@ def main() -> None:
     ap.add_argument("--receive-only", action="store_true",
                     help="only the receive-path arm (old vs new verify + apply; no DeepSpeed)")
     ap.add_argument("--receive-iters", type=int, default=20)
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile span syncs in both processes (host time by function)")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     results = {"env": environment(), "model": a.model, "device": DEVICE}
@@ -350,7 +393,7 @@ def main() -> None:
     if DEVICE == "cuda":  # the receive arm times Triton kernels: GPU only
         parts.append(("receive", lambda: bench_receive(a.model, a.receive_iters)))
     if not a.receive_only:
-        parts.append(("ipc", lambda: bench_ipc(a.iters, a.model)))
+        parts.append(("ipc", lambda: bench_ipc(a.iters, a.model, a.out if a.profile else None)))
     if not a.skip_step and not a.receive_only:
         parts.append(("rl_step", lambda: bench_rl_step(a.model, a.steps, a.prompts, a.group,
                                                        a.prompt_len, a.max_tokens)))
@@ -373,12 +416,16 @@ def main() -> None:
         named = dict(ipc["runs"], direct_in_process=ipc.get("direct", {}))
         rows = [{"run": k, "ms": f"{v['end_to_end_s'] * 1e3:.2f}", "GBps": f"{v['end_to_end_GBps']:.0f}",
                  "vs": f"{v['end_to_end_vs_hbm']:.0%}", "copy": f"{v['copy_s'] * 1e3:.2f}",
-                 "sums": f"{v['trainer_checksum_s'] * 1e3:.2f}"}
+                 "sums": f"{v['trainer_checksum_s'] * 1e3:.2f}",
+                 **{k2: f"{v[k2 + '_s'] * 1e3:.2f}" if k2 + "_s" in v else "–"
+                    for k2 in ("export", "open", "close", "pipe")}}
                 for k, v in named.items() if "end_to_end_s" in v]
         print(f"HBM copy {ipc['hbm_copy']['GBps']:.0f} GB/s")
         print(markdown_table(rows, [("run", "sync"), ("ms", "end-to-end ms"), ("GBps", "GB/s"),
                                     ("vs", "vs HBM copy"), ("copy", "verify + copy ms"),
-                                    ("sums", "trainer checksum ms")]))
+                                    ("sums", "trainer checksum ms"), ("export", "export ms"),
+                                    ("open", "open ms"), ("close", "close ms"),
+                                    ("pipe", "pipe round trip ms")]))
     print("wrote", path)
     _plot(results, a.out)
 
@@ -399,7 +446,8 @@ def _plot(results: dict, out: str) -> None:
     axes = list(axes[0]) + [None]  # only the panels that have data (--skip-step: the sync alone)
     if "runs" in ipc:
         names = [n for n, v in ipc["runs"].items() if "copy_s" in v]
-        phases = ["trainer_checksum_s", "export_s", "open_s", "stage_s", "copy_s"]
+        phases = ["trainer_checksum_s", "export_s", "open_s", "stage_s", "copy_s", "close_s",
+                  "pipe_s"]
         bottom = [0.0] * len(names)
         for ph in phases:
             vals = [ipc["runs"][n].get(ph, 0.0) * 1e3 for n in names]

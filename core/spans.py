@@ -2,13 +2,16 @@
 
 ``span_layout(module)`` gives ``(layout, spans)`` for the module's current weights, or ``None``
 when they are not views of a few flat storages (ZeRO-0 / ZeRO-3 keep one storage per tensor).
-Every call walks ``named_parameters()`` and compares a key of names, data pointers, shapes,
-dtypes and contiguity with the cached one, so a layout change (offload / onload re-points the
-weights, a checkpoint load, another model) rebuilds it. Nothing cached holds a tensor of the
-weights: the span tensors are made afresh from the parameters' current storages on every call
-(a cache must not keep a storage alive across an offload, nor serve views of a storage that
-is gone). The engines checksum their weights through it (``polynya.checksum``) and a weight
-sync shares the spans as its buckets (``polynya.sync``).
+Every call walks the module tree (parameter objects and names, without building
+``named_parameters()``' strings: a third of its cost) and compares the data pointers, shapes,
+strides and dtypes of the weights with the cached ones, so a layout change (offload / onload
+re-points the weights, a checkpoint load, a replaced parameter, another model) rebuilds it; a
+layout that moved as a whole keeps its digest plan and checksum line prefixes. Nothing cached
+holds a tensor of the weights (parameters are held weakly): the span tensors are made afresh
+from the parameters' current storages on every call (a cache must not keep a storage alive
+across an offload, nor serve views of a storage that is gone). The engines checksum their
+weights through it (``polynya.checksum``) and a weight sync shares the spans as its buckets
+(``polynya.sync``).
 """
 
 from __future__ import annotations
@@ -23,19 +26,35 @@ from .checksum import DigestPlan, checksum_lines, signature_prefix
 from .weights import BucketSpec, is_zero3
 
 
-def _param_key(named: list[tuple[str, torch.Tensor]]) -> tuple:
-    return (
-        tuple(n for n, _ in named),
-        tuple(p.data_ptr() for _, p in named),
-        tuple(p.shape for _, p in named),
-        tuple(p.dtype for _, p in named),
-        tuple(p.is_contiguous() for _, p in named),
-        named[0][1].device if named else None,
-    )
+def _walk(module: torch.nn.Module, keys: list, slots: list) -> None:
+    """Every parameter slot of ``module``'s tree in ``named_parameters`` order (``None`` and
+    shared ones included) into ``slots``, and the tree's shape into ``keys``: per module its
+    parameter and child counts, then their names. Equal ``keys`` and the same objects in
+    ``slots`` mean the same ``named_parameters()`` (names and tensors), at a fraction of its
+    cost (no name strings are built)."""
+    ps, ms = module._parameters, module._modules
+    keys.append(len(ps))
+    keys.append(len(ms))
+    keys.extend(ps)
+    keys.extend(ms)
+    slots.extend(ps.values())
+    for child in ms.values():
+        if child is not None:
+            _walk(child, keys, slots)
 
 
 def _fast_key(params: Sequence[torch.Tensor]) -> tuple:
-    return tuple(p.data_ptr() for p in params), tuple(p.shape for p in params)
+    """Where each weight lies: data pointers, shapes, strides, dtypes."""
+    return ([p.data_ptr() for p in params], [p.shape for p in params],
+            [p.stride() for p in params], [p.dtype for p in params])
+
+
+def _none() -> None:
+    return None
+
+
+def _ref(p):
+    return _none if p is None else weakref.ref(p)
 
 
 class SpanLayout:
@@ -106,44 +125,96 @@ class SpanLayout:
         """``checksum_named_tensors`` of the weights, read from the spans in place."""
         return checksum_lines(self.prefixes, self.plan.digests(spans))
 
-    def recheck(self) -> list[torch.Tensor] | None:
+    def same_as(self, other: SpanLayout) -> bool:
+        """Whether ``other`` names the same tensors at the same offsets of alike storages."""
+        return (self.names == other.names and self.specs == other.specs
+                and self.groups == other.groups and self.dtype == other.dtype)
+
+    @property
+    def seen(self) -> tuple:
+        """Where the parameters last seen lay (pass it to ``recheck`` later)."""
+        return self._fast
+
+    def recheck(self, seen: tuple | None = None) -> list[torch.Tensor] | None:
         """The spans again for the parameters last seen, if they are all alive and still where
-        they were (``data_ptr`` and shape); ``None`` otherwise."""
+        they were (``data_ptr``, shape, strides, dtype), or where ``seen`` (an earlier
+        ``.seen``) says they were; ``None`` otherwise. It does not see parameters replaced in
+        the module (``span_layout`` does)."""
         params = [r() for r in self._refs]
-        if any(p is None for p in params) or _fast_key(params) != self._fast:
+        if any(p is None for p in params) or _fast_key(params) != (seen or self._fast):
             return None
         return self.spans(params)
 
 
-_SPAN_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+_SPAN_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, _Seen] = weakref.WeakKeyDictionary()
 _SPAN_LOCK = threading.Lock()
+
+
+class _Seen:
+    """What ``span_layout`` last saw of one module: its tree (``_walk``), its parameters
+    (weakly: nothing here keeps a weight alive), where they lay, and their layout."""
+
+    __slots__ = ("fast", "layout", "names", "params", "slots", "tree")
+
+    def __init__(self, tree: list, slots: list, named: list, fast: tuple,
+                 layout: SpanLayout | None):
+        self.tree = tree
+        self.slots = [_ref(p) for p in slots]
+        self.names = [n for n, _ in named]
+        self.params = [weakref.ref(p) for _, p in named]
+        self.fast = fast
+        self.layout = layout
+
+    def same_tree(self, tree: list, slots: list) -> bool:
+        return (tree == self.tree and len(slots) == len(self.slots)
+                and all(r() is p for r, p in zip(self.slots, slots)))
 
 
 def span_layout(module: torch.nn.Module) -> tuple[SpanLayout, list[torch.Tensor]] | None:
     """``(layout, spans)`` of ``module``'s current weights, or ``None`` when they are not views
-    of a few flat storages. The layout is cached per module and rebuilt when its key changes."""
-    named = list(module.named_parameters())
+    of a few flat storages. Cached per module: every call walks the module tree (names and
+    parameter objects, without building ``named_parameters``' strings) and compares where each
+    weight lies (``data_ptr``, shape, strides, dtype); any difference builds the layout
+    again (reusing the previous one when the offsets came out the same)."""
+    tree, slots = [], []
+    _walk(module, tree, slots)
+    with _SPAN_LOCK:
+        seen = _SPAN_LAYOUTS.get(module)
+    if seen is not None and seen.same_tree(tree, slots):
+        params = [r() for r in seen.params]  # alive: they are in the slots
+        named = list(zip(seen.names, params))
+        fast = _fast_key(params)
+        if fast == seen.fast:
+            layout = seen.layout
+            if layout is None:
+                return None
+            spans = layout.spans(params)
+            if spans is not None:
+                return layout, spans
+            # same pointers but a storage no longer covers its span: build it again
+    else:
+        named = list(module.named_parameters())
+        params = [p for _, p in named]
+        fast = _fast_key(params)
     if not named:
         return None
-    key = _param_key(named)
-    params = [p for _, p in named]
-    with _SPAN_LOCK:
-        hit = _SPAN_LAYOUTS.get(module)
-    if hit is not None and hit[0] == key:
-        layout = hit[1]
-        spans = layout.spans(params) if layout is not None else None
-        if spans is not None:
-            if any(a is not r() for a, r in zip(params, layout._refs)):
-                layout.remember(params, (key[1], key[2]))
-            return layout, spans
-        if layout is None:
-            return None
-        # same pointers but a storage no longer covers its span: look at the weights again
     layout = SpanLayout.build(named)
+    old = seen.layout if seen is not None else None
+    if layout is not None and old is not None and old.same_as(layout):
+        old.remember(params, fast)  # moved as a whole (offload / onload): keep plan + prefixes
+        layout = old
     with _SPAN_LOCK:
-        _SPAN_LAYOUTS[module] = (key, layout)  # None is cached too: "not spans"
+        _SPAN_LAYOUTS[module] = _Seen(tree, slots, named, fast, layout)  # None: "not spans"
     spans = layout.spans(params) if layout is not None else None
     return (layout, spans) if spans is not None else None
+
+
+def cached_layout(module: torch.nn.Module) -> SpanLayout | None:
+    """The layout the last ``span_layout(module)`` call found (``None``: none, or not spans);
+    no check of the weights."""
+    with _SPAN_LOCK:
+        seen = _SPAN_LAYOUTS.get(module)
+    return seen.layout if seen is not None else None
 
 
 def export_spans(module: torch.nn.Module, buckets: tuple[BucketSpec, ...]
@@ -153,7 +224,7 @@ def export_spans(module: torch.nn.Module, buckets: tuple[BucketSpec, ...]
     and shapes of the parameters it saw, not the whole module."""
     with _SPAN_LOCK:
         hit = _SPAN_LAYOUTS.get(module)
-    layout = hit[1] if hit is not None else None
+    layout = hit.layout if hit is not None else None
     if layout is not None and (layout.specs is buckets or layout.specs == buckets):
         spans = layout.recheck()
         if spans is not None:

@@ -90,19 +90,21 @@ class VerifiedBucketCopy:
         digests, bad = self.plan.check(flats)
         values = torch.cat([digests, bad]).tolist()
         count = len(self.names)
-        bad_names = [n for n, b in zip(self.names, values[count:]) if b]
-        if bad_names:
-            raise ValueError(non_finite_error(bad_names))
+        if any(values[count:]):
+            raise ValueError(non_finite_error(
+                [n for n, b in zip(self.names, values[count:]) if b]))
         got = checksum_lines(self.prefixes, values[:count])
         if got != checksum:
             raise ValueError(checksum_error(got, checksum))
 
-    def load(self, flats: Sequence[torch.Tensor], checksum: str) -> None:
-        """``verify`` then copy every tensor into its parameter (one launch per bucket)."""
+    def load(self, flats: Sequence[torch.Tensor], checksum: str, *, checked: bool = False
+             ) -> None:
+        """``verify`` then copy every tensor into its parameter (one launch per bucket).
+        ``checked``: the caller has just seen ``current()`` be True (skips the second look)."""
         if not self.fits:
             raise ValueError("these parameters cannot take a verified bucket copy (dtype or "
                              "layout differs); use the general load_weights path")
-        if not self.current():
+        if not checked and not self.current():
             raise ValueError("the parameters moved since this plan was made; make a new one")
         self.verify(flats, checksum)
         with torch.no_grad():

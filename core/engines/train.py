@@ -43,7 +43,7 @@ from ..distributed import (
 )
 from ..files import verify_manifest, write_manifest
 from ..losses import Normalizer, policy_loss, resolve_loss
-from ..spans import span_layout
+from ..spans import cached_layout, span_layout
 from ..types import RolloutBatch, TokenStats
 from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
@@ -94,7 +94,7 @@ class TrainingEngine:
         self.dtype = resolve_dtype(config.dtype)
         self._pending = 0  # forward_backward calls since the last step
         self._offloaded = False
-        self._ready = None  # (span layout, PendingChecksum) launched after the last update
+        self._ready = None  # (span layout, its .seen, PendingChecksum) launched after the update
         self._digest_stream = None
         self._host: list | None = None  # ZeRO-3 master-weight host buffers, kept across offloads
         self.engine = self._build(dsu.import_deepspeed())
@@ -435,18 +435,22 @@ class TrainingEngine:
         layout, spans = found
         if self._digest_stream is None:
             self._digest_stream = torch.cuda.Stream(self.device)
-        self._ready = (layout, PendingChecksum(layout.plan, layout.prefixes, spans,
-                                               self._digest_stream))
+        self._ready = (layout, layout.seen, PendingChecksum(layout.plan, layout.prefixes, spans,
+                                                            self._digest_stream))
 
     def ready_checksum(self) -> str | None:
         """The checksum ``prepare_checksum`` launched, when the weights have not changed through
-        the engine since (and still lie where they did); ``None`` otherwise. Weights must change
+        the engine since and still lie where they did (as the last ``span_layout`` call saw
+        them: ``build_manifest`` makes one first); ``None`` otherwise. Weights must change
         only through the engine's methods: a change made behind its back makes the next sync
         fail its checksum (``SyncError``), it never applies the wrong weights."""
         if self._ready is None:
             return None
-        layout, pending = self._ready
-        if layout.recheck() is None:  # a parameter moved or is gone since the launch
+        layout, seen, pending = self._ready
+        # the module's layout and ``seen`` unchanged: no span_layout call has seen the weights
+        # move since the launch (build_manifest makes one first); else compare the pointers
+        unmoved = cached_layout(self.module) is layout and layout.seen is seen
+        if not unmoved and layout.recheck(seen) is None:  # moved or gone since the launch
             self._drop_checksum()
             return None
         return pending.result()
@@ -454,7 +458,7 @@ class TrainingEngine:
     def _drop_checksum(self) -> None:
         """Before the weights change or move: the current stream waits for a pending digest."""
         if self._ready is not None:
-            self._ready[1].wait()
+            self._ready[2].wait()
             self._ready = None
 
 

@@ -156,9 +156,9 @@ def build_manifest(
     """
     if layout not in ("packed", "spans"):
         raise ValueError(f"layout must be 'packed' or 'spans', got {layout!r}")
-    if checksum is None and ready and callable(getattr(trainer, "ready_checksum", None)):
-        checksum = trainer.ready_checksum()
     found = span_layout(trainer.module) if layout == "spans" else None
+    if checksum is None and ready and callable(getattr(trainer, "ready_checksum", None)):
+        checksum = trainer.ready_checksum()  # after span_layout: it has seen any move
     if found is not None and found[0].dtype is not None:
         spans_layout, spans = found
         buckets = spans_layout.specs

@@ -123,3 +123,29 @@ def test_trainer_digest_launched_by_step_is_the_checksum():
     assert engine.ready_checksum() is None
     assert build_manifest(engine, version=3, bucket_bytes=1 << 20,
                           layout="packed").checksum == seen[1]
+    # weights moved behind the engine's back after a step (new values, new storage): the
+    # manifest sees the move and computes the checksum of what it will share, not the digest
+    # launched before; first into one new flat storage (same layout), then one storage each
+    params = list(engine.module.parameters())
+    for move in ("flat", "apart"):
+        engine.forward_backward(batch)
+        engine.step()
+        assert engine.ready_checksum() is not None
+        with torch.no_grad():
+            if move == "flat":  # each flat storage to a new one, same offsets
+                new = {}
+                for p in params:
+                    st = p.untyped_storage()
+                    if st.data_ptr() not in new:
+                        new[st.data_ptr()] = torch.zeros(st.nbytes() // p.element_size(),
+                                                         dtype=p.dtype, device=p.device)
+                    o, n = p.storage_offset(), p.numel()
+                    dst = new[st.data_ptr()][o:o + n]
+                    dst.copy_(p.reshape(-1) * 1.5)
+                    p.data = dst.view(p.shape)
+            else:
+                for p in params:
+                    p.data = p.data * 1.5
+        m = build_manifest(engine, version=4, bucket_bytes=1 << 20, layout="spans")
+        assert m.checksum == engine.weight_checksum() != seen[1], move
+        assert (m.buckets[0].offsets is not None) == (move == "flat")

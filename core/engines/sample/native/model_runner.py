@@ -338,8 +338,8 @@ class ModelRunner:
         ``BucketCopyPlan`` with one ``_foreach_copy_`` after ``checked_pairs``."""
         if isinstance(weights, FlatBuckets) and checksum is not None:
             plan = self._verified_plan(weights)
-            if plan is not None:
-                plan.load(weights.flats, checksum)
+            if plan is not None:  # current(): checked by _verified_plan a moment ago
+                plan.load(weights.flats, checksum, checked=True)
                 return
         params = dict(self.model.named_parameters(remove_duplicate=False))
         pairs = checked_pairs(weights, {n: p.shape for n, p in params.items()}, checksum=checksum)
