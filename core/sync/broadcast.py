@@ -91,7 +91,7 @@ def send_weights(
             at = None
             missing = group.confirm(True)
         except PeerFailure as exc:
-            lost = _lost(group, exc, version, n, at, "sending")
+            lost = peer_lost(group, exc, version, n, at, "sending")
             _drain(exported)  # ZeRO-3: every trainer rank runs the export's gathers to the end
             raise lost from None
         except BaseException as exc:  # a local failure while the receivers are mid-sync
@@ -135,7 +135,7 @@ def recv_weights(
             at = None
             missing = group.confirm(local_error is None)
         except PeerFailure as exc:
-            raise _lost(group, exc, version, n, at, "receiving") from None
+            raise peer_lost(group, exc, version, n, at, "receiving") from None
         except BaseException as exc:
             group.abort(f"rank {group.rank} failed while receiving version {version}: {exc}")
             raise
@@ -147,10 +147,13 @@ def recv_weights(
     return staged
 
 
-def _lost(group: SyncGroup, exc: PeerFailure, version: int, n: int, at: int | None,
-          role: str) -> SyncPeerLost:
-    """Tear ``group`` down and describe what was lost, where, and what to do."""
-    where = f"bucket {at} of {n}" if at is not None else f"the confirmation after all {n} buckets"
+def peer_lost(group: SyncGroup, exc: PeerFailure, version: int, n: int | None, at: int | None,
+              role: str) -> SyncPeerLost:
+    """Tear ``group`` down and describe what was lost, where, and what to do (``n``: the
+    buckets of the sync, None when a stream does not announce them)."""
+    total = f" of {n}" if n is not None else ""
+    where = (f"bucket {at}{total}" if at is not None else
+             f"the confirmation after all {n} buckets" if n is not None else "the end of the stream")
     who = f"peer rank(s) {list(exc.ranks)}" if exc.ranks else "a peer that could not be named"
     group.abort(f"rank {group.rank} lost {who} in the sync of version {version}: {exc.reason}",
                 exc.ranks)

@@ -12,13 +12,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from polynya.adapters.verl.checkpoint import PolynyaCheckpointEngine
 from polynya.checksum import checksum_named_tensors
 from polynya.models import load_model
-from polynya.sync import SyncError
+from polynya.sync import SyncError, SyncPeerLost
 
 SENDER = Path(__file__).with_name("ckpt_sender.py")
 ROOT = Path(__file__).resolve().parents[3]
@@ -70,3 +71,56 @@ def test_receive_needs_a_rollout_rank():
         asyncio.run(collect(engine))
     with pytest.raises(ValueError, match="bucket_size"):
         PolynyaCheckpointEngine(bucket_size=0)
+
+
+def _dying_peer(role: str, master: dict) -> subprocess.Popen:
+    script = Path(__file__).with_name("ckpt_dying_peer.py")
+    return subprocess.Popen([sys.executable, str(script), "--master", json.dumps(master), "--role", role],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_sender_killed_mid_sync_ends_the_receive_within_the_bound():
+    master = topology()
+    sender = _dying_peer("sender", master)
+    receiver = PolynyaCheckpointEngine(bucket_size=1 << 16, device="cpu", peer_timeout_s=2.0)
+    try:
+        receiver.init_process_group(rank=1, world_size=2, master=master)
+        start = time.monotonic()
+        with pytest.raises(SyncPeerLost, match=r"\(receiving\).*rank\(s\) \[0\]") as info:
+            asyncio.run(collect(receiver))
+        assert time.monotonic() - start < 60.0 + 2.0 + 15.0  # the sender's start-up + the bound
+        assert sender.wait(timeout=60) == 9  # it died after its first bucket, mid-sync
+        assert info.value.ranks == (0,) and info.value.version == 5
+        assert receiver.last_checksum is None  # nothing was handed out
+        with pytest.raises(SyncError):  # the group is torn down, not reusable
+            asyncio.run(collect(receiver))
+    finally:
+        sender.kill()
+        receiver.finalize()
+
+
+def test_receiver_killed_mid_sync_ends_the_send_within_the_bound():
+    master = topology()
+    receiver = _dying_peer("receiver", master)
+    sender = PolynyaCheckpointEngine(bucket_size=1 << 16, is_master=True, device="cpu", peer_timeout_s=2.0)
+    model = load_model("tiny:qwen3", dtype="bfloat16", device="cpu", seed=7)
+    consumed = []
+
+    def weights():
+        for n, p in model.named_parameters():
+            consumed.append(n)
+            yield n, p.detach()
+
+    try:
+        sender.init_process_group(rank=0, world_size=2, master=master)
+        start = time.monotonic()
+        with pytest.raises(SyncPeerLost, match=r"\(sending\).*rank\(s\) \[1\]"):
+            asyncio.run(sender.send_weights(weights(), global_steps=5))
+        assert time.monotonic() - start < 2.0 + 15.0  # peer_timeout_s + heartbeats + a loaded machine
+        assert receiver.wait(timeout=60) == 9
+        assert consumed == [n for n, _ in model.named_parameters()]  # the generator ran to its end
+        assert sender.last_checksum is None
+    finally:
+        receiver.kill()
+        sender.finalize()
