@@ -4,8 +4,10 @@ Same model, data, reward and settings as ``bench_trl_step.py`` (its ``run_arm`` 
 shape; each arm runs ``--steps`` optimizer steps and the steps after the first are reported per
 phase: wall ms (CUDA-synchronised at each phase boundary), aten ops dispatched (every op is a
 Python -> C++ -> kernel launch: at small shapes the step is host-bound, so the op count is what
-costs), host syncs (``.item()`` / ``.tolist()`` / device -> host copies), decoder-layer forward
-calls (gradient checkpointing recomputes each layer once in backward) and LM-head calls.
+costs), host reads of tensor data (``.item()`` / ``int()`` / device -> host copies: of CUDA
+tensors on a GPU, where each is a sync; of any tensor on CPU), forward calls of decoder layer 0
+and of the LM-head module (TRL's fused head and polynya's head bypass the module's forward).
+The op count is taken by a ``TorchDispatchMode`` in the last step only (it slows the host).
 
 Phases (each excludes the phases nested in it): ``generate`` (``_generate_single_turn``),
 ``score`` (the rest of ``_generate_and_score_completions``: rewards, advantages, any old /
@@ -14,7 +16,8 @@ forward), ``loss`` (the rest of ``compute_loss``), ``backward`` (``accelerator.b
 ``push`` (the adapter's weight push + checksum), ``other`` (the rest of the step: optimizer,
 callbacks, batching).
 
-    python benchmarks/profile_trl_step.py                         # H200: GSM8K shape, ~2 min
+    python benchmarks/profile_trl_step.py --arms polynya,polynya-nozorro,dynamic --out $OUT
+                                        # H200: GSM8K shape, 3 arms, ~2.5 min (estimate)
     python benchmarks/profile_trl_step.py --model tiny:qwen3 --prompt-tokens 32 \\
         --max-new-tokens 8 --prompts 2 --group-size 4 --steps 3   # CPU, seconds
     python benchmarks/profile_trl_step.py --layers 2 --prompt-tokens 64 --max-new-tokens 16 \\
@@ -240,7 +243,11 @@ def main() -> None:
         for p in phases:
             print(p.ljust(10) + str(r["ms"].get(p, 0)).rjust(10)
                   + "".join(str(r["last_step"][k].get(p, 0)).rjust(22) for k in keys))
-    print(json.dumps(rows, indent=1, default=str))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "profile_trl_step.json")
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "cuda": cuda, "rows": rows}, f, indent=1, default=str)
+    print(f"\nJSON (with the most frequent aten ops per phase): {path}")
 
 
 if __name__ == "__main__":
