@@ -115,6 +115,10 @@ TRL_ARMS = {
     "cb": ("TRL (transformers continuous batching)", {"use_transformers_continuous_batching": True}),
 }
 
+# polynya's arms: the adapter with ZoRRo (``bench_trl_step.py`` runs this one) and without it
+# (``zorro=False``: compute_logprobs' packed naive layout; ``profile_trl_step.py --arms``)
+POLYNYA_ARMS = {"polynya": ("polynya adapter", True), "polynya-nozorro": ("polynya adapter, zorro=False", False)}
+
 
 def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict:
     import trl
@@ -123,32 +127,33 @@ def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict
     from polynya.adapters.trl import GRPOTrainer
     from polynya.config import SamplerConfig
 
+    ckpt = cuda if getattr(args, "gradient_checkpointing", None) is None else bool(args.gradient_checkpointing)
     config = trl.GRPOConfig(
         output_dir=os.path.join(args.out, "trl_runs", f"{arm}-{shape}"), max_steps=args.steps,
         per_device_train_batch_size=args.group_size, gradient_accumulation_steps=args.prompts,
         num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0,
-        learning_rate=1e-6, beta=0.0, gradient_checkpointing=cuda, bf16=cuda and args.dtype == "bfloat16",
+        learning_rate=1e-6, beta=0.0, gradient_checkpointing=ckpt, bf16=cuda and args.dtype == "bfloat16",
         use_cpu=not cuda, model_init_kwargs={"dtype": args.dtype}, logging_steps=1, report_to=[],
         save_strategy="no", disable_tqdm=True, seed=0, **TRL_ARMS.get(arm, ("", {}))[1])
     data = Dataset.from_list([{"prompt": p} for p in prompts_for(shape, args, tok)])
     common = dict(reward_funcs=reward_digits, args=config, train_dataset=data, processing_class=tok)
-    if arm != "polynya":
+    if arm not in POLYNYA_ARMS:
         trainer = trl.GRPOTrainer(model_dir, **common)
     else:
         sampler = SamplerConfig(model_dir, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
                                 max_num_seqs=max(64, args.prompts * args.group_size))
-        trainer = GRPOTrainer(model_dir, sampler_config=sampler, zorro=True, **common)
+        trainer = GRPOTrainer(model_dir, sampler_config=sampler, zorro=POLYNYA_ARMS[arm][1], **common)
     timer = StepTimer(trainer, cuda)
     start = time.perf_counter()
     trainer.train()
     steady = lambda xs: xs[1:] or xs  # noqa: E731  (the first step pays compilation / graph capture)
     prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in data["prompt"])
-    row = {"shape": shape, "arm": "polynya adapter" if arm == "polynya" else TRL_ARMS[arm][0],
+    row = {"shape": shape, "arm": POLYNYA_ARMS[arm][0] if arm in POLYNYA_ARMS else TRL_ARMS[arm][0],
            "prompt_tokens": round(prompt_len), "step_ms": round(statistics.median(steady(timer.steps)), 1),
            "generate_ms": round(statistics.median(steady(timer.gens)), 1),
            "steps_ms": [round(x, 1) for x in timer.steps], "wall_s": round(time.perf_counter() - start, 1),
            "completion_len": trainer.state.log_history[-2].get("completions/mean_length")}
-    if arm == "polynya":
+    if arm in POLYNYA_ARMS:
         row["sampler"] = {k: v for k, v in trainer.sampler.stats().items() if isinstance(v, (int, float))}
     del trainer
     if cuda:

@@ -69,11 +69,16 @@ def run(model_dir, tmp_path_factory):
                           sampler_config=SamplerConfig(model_dir, dtype="float32", kv_cache_memory_gb=0.05))
     rec = Recorder(trainer)
     trainer.add_callback(rec)
-    calls, gens = [], []
+    calls, gens, passes = [], [], []
     logps_fn, gen_fn = trainer._get_per_token_logps_and_entropies, trainer.sampler.generate
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    layer0 = [0]
+    policy.model.layers[0].register_forward_pre_hook(lambda *a: layer0.__setitem__(0, layer0[0] + 1))
 
     def spy_logps(model, input_ids, attention_mask, logits_to_keep, **kw):
+        before = layer0[0]
         out = logps_fn(model, input_ids, attention_mask, logits_to_keep, **kw)
+        passes.append(layer0[0] - before)  # decoder passes inside the adapter's call
         with torch.no_grad():  # TRL's own implementation, same weights, same batch
             ref = trl.GRPOTrainer._get_per_token_logps_and_entropies(
                 trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy=True)
@@ -88,7 +93,8 @@ def run(model_dir, tmp_path_factory):
     trainer.sampler.generate = spy_generate
     start = trainer.sampler.stats()
     trainer.train()
-    return dict(trainer=trainer, rec=rec, calls=calls, gens=gens, start=start)
+    return dict(trainer=trainer, rec=rec, calls=calls, gens=gens, start=start, passes=passes,
+                start_version=start["weight_version"])
 
 
 def test_trains_three_steps_with_trl_plumbing(run):
@@ -109,6 +115,19 @@ def test_logprobs_equal_trl_base_implementation(run):
         torch.testing.assert_close(lp.detach()[m], ref_lp[m], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent.detach()[m], ref_ent[m], atol=1e-5, rtol=1e-5)
         assert lp.requires_grad  # the loss backpropagates through polynya's log-probs
+
+
+def test_no_pass_beyond_trl_own_per_step(run):
+    """What a step costs besides generation, counted: with ``beta=0`` and one iteration per
+    generation (as in ``bench_trl_step.py``) TRL's own trainer reuses the detached current
+    log-probs as the old ones, so the adapter must make exactly one log-prob call, one decoder
+    pass (entropy in the same pass) per micro-batch, and exactly one weight push per optimizer
+    step — no old-log-prob pass, no second entropy pass, no repeated push."""
+    calls, passes = run["calls"], run["passes"]
+    assert len(calls) == 6 and all(c[3].get("compute_entropy") for c in calls)  # 3 steps x 2
+    assert passes == [1] * 6
+    versions = [v for *_, v in run["rec"].after_step]
+    assert versions == [run["start_version"] + k for k in (1, 2, 3)]
 
 
 def test_each_prompt_prefilled_once(run):
