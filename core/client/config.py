@@ -118,6 +118,9 @@ class RLClientConfig:
             for ``"ray"`` (several actors share the cores).
         bucket_bytes: flat bucket size of a weight sync.
         timeout_s: longest wait for any engine call (a dead actor or server surfaces as an error).
+        sync_peer_timeout_s: split weight sync (``"ray"``, NCCL / gloo broadcast): a member
+            silent this long (killed, hung) ends the sync with ``polynya.sync.SyncPeerLost``
+            in the others; the client rebuilds the group on the next sync.
         server_url, api_token: ``http``: where the server is, and its bearer token.
         max_body_bytes: ``http``: request size limit of a server started by the client.
         run_dir: ``http``: the only directory a server started by the client lets ``save`` /
@@ -145,6 +148,7 @@ class RLClientConfig:
     cpu_threads: int | None = None
     bucket_bytes: int = 1 << 28
     timeout_s: float = 600.0
+    sync_peer_timeout_s: float = 30.0
     server_url: str | None = None
     api_token: str | None = None
     max_body_bytes: int = 1 << 30
@@ -204,6 +208,7 @@ class RLClientConfig:
             check_positive(self.cpu_threads, "RLClientConfig.cpu_threads", integer=True)
         check_positive(self.bucket_bytes, "RLClientConfig.bucket_bytes", integer=True)
         check_positive(self.timeout_s, "RLClientConfig.timeout_s")
+        check_positive(self.sync_peer_timeout_s, "RLClientConfig.sync_peer_timeout_s")
         check_positive(self.max_body_bytes, "RLClientConfig.max_body_bytes", integer=True)
         if self.server_url is not None and not str(self.server_url).startswith(
             ("http://", "https://")

@@ -231,7 +231,8 @@ class RayClient(ClientLifecycle):
         ((host, port),) = yield [self.trainers[0].sync_address.remote()]
         members = self.trainers + receivers
         yield [
-            m.init_sync_group.remote(host, port, r, len(members), self.config.timeout_s)
+            m.init_sync_group.remote(host, port, r, len(members), self.config.timeout_s,
+                                     self.config.sync_peer_timeout_s)
             for r, m in enumerate(members)
         ]
         self._group_ready = True

@@ -70,12 +70,14 @@ def _set_rank_env(rank: int, world: int, addr: str, port: int) -> None:
     )
 
 
-def _replace_group(old: SyncGroup | None, host, port, rank, world, device, timeout_s) -> SyncGroup:
+def _replace_group(old: SyncGroup | None, host, port, rank, world, device, timeout_s,
+                   peer_timeout_s) -> SyncGroup:
     """A new sync group for this actor (the client makes one after a failed sync: a lost
     member tears the old one down, ``SyncPeerLost``); an old one still up is closed first."""
     if old is not None:
         old.close()
-    return SyncGroup(host, port, rank=rank, world_size=world, device=device, timeout_s=timeout_s)
+    return SyncGroup(host, port, rank=rank, world_size=world, device=device, timeout_s=timeout_s,
+                     peer_timeout_s=peer_timeout_s)
 
 
 class WeightReceiver:
@@ -85,8 +87,10 @@ class WeightReceiver:
         self.engine, self.device = engine, device
         self.group: SyncGroup | None = None
 
-    def init_group(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        self.group = _replace_group(self.group, host, port, rank, world, self.device, timeout_s)
+    def init_group(self, host: str, port: int, rank: int, world: int, timeout_s: float,
+                   peer_timeout_s: float) -> None:
+        self.group = _replace_group(self.group, host, port, rank, world, self.device, timeout_s,
+                                    peer_timeout_s)
 
     def receive_shared(self, manifest: SyncManifest, handles: list) -> int:
         opened = open_shared(manifest, handles, device=self.device)
@@ -174,9 +178,10 @@ class TrainerWorker:
         return node_address()
 
     def init_sync_group(
-        self, host: str, port: int, rank: int, world: int, timeout_s: float
+        self, host: str, port: int, rank: int, world: int, timeout_s: float, peer_timeout_s: float
     ) -> None:
-        self._group = _replace_group(self._group, host, port, rank, world, self.device, timeout_s)
+        self._group = _replace_group(self._group, host, port, rank, world, self.device, timeout_s,
+                                     peer_timeout_s)
 
     def send_weights(self, manifest: SyncManifest, bucket_bytes: int, num_senders: int) -> int:
         if self._group is None:
@@ -199,8 +204,8 @@ class _ReceivingWorker:
     def weight_checksum(self) -> str:
         return self.engine.weight_checksum()
 
-    def init_sync_group(self, host, port, rank, world, timeout_s) -> None:
-        self.receiver.init_group(host, port, rank, world, timeout_s)
+    def init_sync_group(self, host, port, rank, world, timeout_s, peer_timeout_s) -> None:
+        self.receiver.init_group(host, port, rank, world, timeout_s, peer_timeout_s)
 
     def receive_shared(self, manifest, handles) -> int:
         return self.receiver.receive_shared(manifest, handles)

@@ -22,6 +22,7 @@ from polynya.cluster.placement import plan_layout
         (dict(train=dict(zero_stage=5)), "zero_stage"),
         (dict(train=3), "train"),
         (dict(bucket_bytes=0), "bucket_bytes"),
+        (dict(sync_peer_timeout_s=0), "sync_peer_timeout_s"),
     ],
 )
 def test_config_rejects(kw, match):

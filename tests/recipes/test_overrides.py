@@ -53,6 +53,7 @@ VALUES = {
     "cpu_threads": (3, [], {}),
     "bucket_bytes": (4096, [], {}),
     "timeout_s": (5.5, [], {}),
+    "sync_peer_timeout_s": (7.5, [], {}),
     "server_url": ("http://127.0.0.1:9", [], {}),
     "api_token": ("secret", [], {}),
     "max_body_bytes": (1000, [], {}),
