@@ -8,6 +8,7 @@ updates (new weights -> new tokens) and refused requests.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -107,6 +108,14 @@ def test_abort_all_requests_returns_partial_outputs_and_resend_completes(model):
     uninterrupted greedy answer."""
     total = 200
     server = PolynyaRolloutServer(rollout_config(response_length=total), MODEL)
+    runner = server.engine.backend.runner
+    run_step = runner.run
+
+    def slow_step(*args, **kwargs):  # >= 2 s for the 200 steps: the abort always lands mid-way,
+        time.sleep(0.01)             # however late a loaded machine schedules it
+        return run_step(*args, **kwargs)
+
+    runner.run = slow_step
     params = {"temperature": 0.0, "logprobs": True, "stop_token_ids": [], "max_tokens": total}
 
     async def scenario():
