@@ -8,6 +8,8 @@ weight-transfer routes are in ``weight_transfer.py``:
 - ``/sleep`` (``?level=`` 1 or 2), ``/wake_up``, ``/reset_prefix_cache``, ``/pause``
   (``?mode=keep|wait|abort``, ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
   ``GET /get_world_size`` (1: a server joins a weight-transfer group as one rank).
+
+A generation whose HTTP client disconnects is aborted in the engine (``cancel.py``).
 """
 
 import asyncio
@@ -15,6 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from ..types import SamplingParams
+from .cancel import Generations
 from .gate import GenerationGate
 from .openai_compat import add_openai_routes
 from .routes_skyrl import openai_error
@@ -50,7 +53,9 @@ def _prompt_lists(prompt) -> list[list[int]]:
     raise ValueError("prompt must be token ids: a list of ints or a list of lists of ints")
 
 
-def add_ecosystem_routes(app, client, tokenizer) -> None:
+def add_ecosystem_routes(app, client, tokenizer, generations: Generations) -> None:
+    """Register the routes above; ``generations`` runs their engine calls (aborted when the
+    HTTP client disconnects, ``cancel.py``)."""
     from fastapi import Request
 
     from .codec import read_json
@@ -58,8 +63,8 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
     samplers = list(getattr(client, "samplers", []))
     gate = GenerationGate()  # pause / resume of every generation route
 
-    async def gen(prompts, params):
-        return await gate.run(lambda: client.generate_async(prompts, params))
+    async def gen(prompts, params, request=None):
+        return await generations(request, prompts, params, gate=gate)
 
     score = None
     if hasattr(client, "prompt_logprobs_async"):  # prompt_logprobs of /v1/completions
@@ -77,7 +82,7 @@ def add_ecosystem_routes(app, client, tokenizer) -> None:
         if not isinstance(sp, dict):
             raise ValueError("sampling_params must be an object")
         want_lp = sp.get("logprobs") is not None
-        out = await gen(prompts, _params(sp, want_lp))
+        out = await gen(prompts, _params(sp, want_lp), request)
         choices = [
             {
                 "index": i,

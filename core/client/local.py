@@ -126,19 +126,22 @@ class LocalClient(ThreadedAsync):
 
     # ------------------------------------------------------------------ API
     def generate(
-        self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams],
+        *, request_id: str | None = None,
     ) -> list[list[Sample]]:
-        """``n`` samples per prompt, prompt groups routed to one replica each."""
+        """``n`` samples per prompt, prompt groups routed to one replica each; ``request_id``
+        names the call for ``abort`` (``SamplingEngine.generate``)."""
         with self._lock:
             self._check_open()
             self._to_sampler()
             self._generating += 1
         try:
             if len(self.samplers) == 1:
-                return self.samplers[0].generate(prompts, params)
+                return self.samplers[0].generate(prompts, params, request_id=request_id)
             routes = route_prompts(prompts, params, len(self.samplers))
             futs = [
-                self._pool.submit(s.generate, [prompts[i] for i in idx], split_params(params, idx))
+                self._pool.submit(s.generate, [prompts[i] for i in idx], split_params(params, idx),
+                                  request_id=request_id)
                 for s, idx in zip(self.samplers, routes)
                 if idx
             ]
@@ -148,6 +151,18 @@ class LocalClient(ThreadedAsync):
             with self._lock:
                 self._generating -= 1
                 self._idle.notify_all()
+
+    async def generate_async(self, prompts, params, *, request_id: str | None = None
+                             ) -> list[list[Sample]]:
+        return await asyncio.to_thread(lambda: self.generate(prompts, params, request_id=request_id))
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """Stop the ``generate`` calls named ``request_ids`` (``None``: every request) on every
+        replica at its next step boundary (``SamplingEngine.abort``): they return what they
+        sampled so far (``finish_reason="abort"``). Returns the engine requests stopped."""
+        if request_ids is not None and not isinstance(request_ids, str):
+            request_ids = list(request_ids)  # each replica reads them (a str: the facade refuses)
+        return sum(s.abort(request_ids) for s in self.samplers)
 
     def prompt_logprobs(self, sequences: Sequence[TokenSeq], *, top_k: int = 0,
                         temperature: float = 1.0) -> list:

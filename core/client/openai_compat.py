@@ -212,8 +212,8 @@ def chat_response(body: dict, prompt, group, tokenizer, model: str, want_lp: boo
 
 
 def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
-    """Register the routes on ``app``; ``generate(prompts, params)`` is the server's (pausable)
-    generation coroutine, ``score(sequences, top_k, temperature)`` its prompt-scoring one (None:
+    """Register the routes on ``app``; ``generate(prompts, params, request)`` is the server's
+    (pausable) generation coroutine, aborted when ``request``'s client disconnects, ``score(sequences, top_k, temperature)`` its prompt-scoring one (None:
     ``prompt_logprobs`` answers 501)."""
     from fastapi import Request
 
@@ -248,7 +248,7 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
                                       "(served with comm_protocol='local' and the native sampler)")
         # scores first: a backend that cannot score refuses before anything is generated
         scores = None if k is None else await score(prompts, k, params.temperature)
-        groups = await generate(prompts, params)
+        groups = await generate(prompts, params, request)
         return completion_response(body, prompts, groups, tokenizer, model, want_lp, scores)
 
     @app.post("/v1/chat/completions")
@@ -262,5 +262,5 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
         if body.get("tool_choice") not in (None, "none"):
             raise ValueError("tool_choice other than 'none' is not supported")
         prompt = chat_prompt(body, tokenizer)
-        groups = await generate([prompt], params)
+        groups = await generate([prompt], params, request)
         return chat_response(body, prompt, groups[0], tokenizer, model, want_lp)

@@ -7,7 +7,9 @@ Binds ``127.0.0.1`` unless told otherwise; on another address without ``--token`
 one and prints it. With a token every route but ``/health`` needs ``Authorization: Bearer
 <token>`` (docs included); bodies over ``max_body_bytes`` get 413, a stalled body 408; file
 routes stay inside the run directory (``guard.py``). Malformed payloads get a 4xx with
-``{"error": ...}`` and never take the server down.
+``{"error": ...}`` and never take the server down. A generation whose client disconnects (or
+whose handler is cancelled) is aborted in the engine at its next step, pages freed
+(``cancel.py``); the other requests of the batch are unaffected.
 
 Client API (``HTTPClient`` speaks it): ``POST /rl/generate`` (JSON), ``/rl/compute_logprobs`` and
 ``/rl/forward_backward`` (a batch as safetensors bytes, ``polynya.client.codec``), ``/rl/step``,
@@ -69,12 +71,14 @@ def create_app(
     from fastapi.responses import JSONResponse
 
     from ..sync import SyncError
+    from .cancel import ClientDisconnected, Generations
     from .ecosystem import add_ecosystem_routes
     from .routes_skyrl import add_skyrl_routes
     from .weight_transfer import add_weight_transfer_routes
 
     app = FastAPI(title="polynya", description=__doc__)
     app.state.client = client
+    generations = Generations(client)  # generation aborted when its client disconnects
     run = app.state.run_dir = RunDir(run_dir)
 
     def err(status: int):
@@ -94,6 +98,7 @@ def create_app(
     )
     app.add_exception_handler(SyncError, err(409))
     app.add_exception_handler(EngineError, err(503))
+    app.add_exception_handler(ClientDisconnected, err(499))  # nobody reads it: the client left
 
     @app.get("/health")
     async def health() -> dict:
@@ -109,7 +114,7 @@ def create_app(
             if isinstance(raw, list)
             else params_from_json(raw)
         )
-        out = await client.generate_async(prompts, params)
+        out = await generations(request, prompts, params)
         return {"samples": [[sample_to_json(s) for s in g] for g in out]}
 
     @app.post("/rl/compute_logprobs")
@@ -173,7 +178,7 @@ def create_app(
     async def weight_checksums() -> dict:
         return await client.weight_checksums_async()
 
-    add_ecosystem_routes(app, client, tokenizer)
+    add_ecosystem_routes(app, client, tokenizer, generations)
     add_skyrl_routes(app, client, tokenizer)
     add_weight_transfer_routes(app, client, require_checksum=require_weight_checksum)
     return TokenGuard(BodyGuard(app, max_body_bytes, read_timeout_s), api_token)

@@ -10,9 +10,11 @@
 
 Backends: ``"native"`` (embedded paged-KV engine with prefix sharing and FCA decode; CPU or one
 GPU) and ``"vllm"`` (needs ``pip install polynya[vllm]``). The facade only dispatches; every
-backend offers ``generate``, ``abort``, ``load_weights``, ``weight_version``, ``weight_checksum``,
+backend offers ``generate`` (with an ``on_submit`` hook that learns its request ids), ``abort``
+(all, or given backend request ids), ``load_weights``, ``weight_version``, ``weight_checksum``,
 ``sleep``, ``wake`` and ``stats``; the native one also ``prompt_logprobs`` (scoring given
-sequences, ``scoring.py``).
+sequences, ``scoring.py``). The facade names calls (``generate(..., request_id=)``) so that
+``abort([request_id])`` stops one call's requests, as vLLM's ``abort(request_id)`` does.
 
 Bad requests (empty prompt, id >= vocab, ``max_tokens < 1``, prompt not shorter than the
 model window) raise ``ValueError`` naming the request index before anything is scheduled, so
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +51,15 @@ def _build_backend(config: SamplerConfig):
     return VLLMEngine(config)
 
 
+@dataclass
+class _Call:
+    """A named ``generate`` call: its backend request ids once queued, and whether ``abort``
+    named it (before or after it was queued)."""
+
+    ids: list | None = None
+    aborted: bool = False
+
+
 class SamplingEngine:
     """Generation engine; see the module docstring."""
 
@@ -56,18 +69,42 @@ class SamplingEngine:
         self.config = config
         self.backend = _build_backend(config)
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="polynya-sampler")
+        self._calls: dict[str, _Call] = {}  # generate calls in flight, by request_id
+        self._calls_lock = threading.Lock()
 
-    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams],
+                 *, request_id: str | None = None) -> list[list[Sample]]:
         """Sample completions.
 
         Args:
             prompts: token-id lists (or 1-D int tensors), one per request.
             params: one ``SamplingParams`` for all, or one per prompt.
+            request_id: a name for this call (e.g. the HTTP request's), unique among the calls in
+                flight, so that ``abort([request_id])`` can stop all of its prompts and samples.
         Returns:
             per prompt, its ``params.n`` samples (``Sample(token_ids, logprobs, finish_reason)``).
         """
-        return self.backend.generate(prompts, params)
+        if request_id is None:
+            return self.backend.generate(prompts, params)
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        call = _Call()
+        with self._calls_lock:
+            if request_id in self._calls:
+                raise ValueError(f"request_id {request_id!r} is already in flight: give every "
+                                 "concurrent generate its own id")
+            self._calls[request_id] = call
+
+        def submitted(ids: list) -> bool:  # the backend queued this call's requests
+            with self._calls_lock:
+                call.ids = list(ids)
+                return call.aborted
+
+        try:
+            return self.backend.generate(prompts, params, on_submit=submitted)
+        finally:
+            with self._calls_lock:
+                del self._calls[request_id]
 
     def prompt_logprobs(self, sequences: Sequence[TokenSeq], *, top_k: int = 0,
                         temperature: float = 1.0) -> list[PromptLogprobs]:
@@ -87,18 +124,34 @@ class SamplingEngine:
         return score(sequences, top_k=top_k, temperature=temperature)
 
     async def generate_async(self, prompts: Sequence[TokenSeq],
-                             params: SamplingParams | Sequence[SamplingParams]) -> list[list[Sample]]:
+                             params: SamplingParams | Sequence[SamplingParams], *,
+                             request_id: str | None = None) -> list[list[Sample]]:
         """``generate`` on a worker thread; the event loop stays free, and concurrent calls are
         batched together by the engine."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.backend.generate, prompts, params)
+        return await loop.run_in_executor(
+            self._executor, lambda: self.generate(prompts, params, request_id=request_id))
 
-    def abort(self) -> int:
-        """Stop every request in flight at the next step boundary: each ``generate`` call
-        returns at once with what was sampled so far (``finish_reason="abort"``: tokens and
-        log-probs up to the abort; empty for a sample not started) and the KV pages are freed.
-        Returns the number of requests aborted. Does not pause: a later ``generate`` runs."""
-        return self.backend.abort()
+    def abort(self, request_ids: Iterable[str] | None = None) -> int:
+        """Stop requests in flight at the next step boundary: those of the ``generate`` calls
+        named ``request_ids``, or every request (``None``). Each stopped call returns at once
+        with what was sampled so far (``finish_reason="abort"``: tokens and log-probs up to the
+        abort; empty for a sample not started) and its KV pages are freed; the other requests
+        of the batch go on unchanged. Ids unknown or already finished are ignored (as vLLM
+        does); a named call not yet queued is stopped as it is queued. Returns the number of
+        engine requests (prompts) stopped now. Does not pause: a later ``generate`` runs."""
+        if request_ids is None:
+            return self.backend.abort()
+        if isinstance(request_ids, str):
+            raise ValueError(f"abort takes a list of request ids, got the string {request_ids!r}")
+        ids: list = []
+        with self._calls_lock:
+            for rid in request_ids:
+                call = self._calls.get(rid)
+                if call is not None:
+                    call.aborted = True
+                    ids += call.ids or []
+        return self.backend.abort(ids) if ids else 0
 
     def load_weights(self, weights, version: int | None = None, *,
                      checksum: str | None = None) -> int:

@@ -7,7 +7,8 @@ Prefix caching is on, so the ``n`` samples of a prompt share its prefill there t
 
 Requests run through ``LLM.llm_engine`` step by step (``add_request`` / ``step``, cumulative
 outputs), so ``abort`` can stop them between two steps with ``abort_request`` and hand back what
-each had sampled (``finish_reason="abort"``), as the native backend does.
+each had sampled (``finish_reason="abort"``), as the native backend does: all of them, or the
+request ids ``generate``'s ``on_submit`` handed out (the others of the call keep stepping).
 
 Weights load in place through ``LLM.apply_model(model.load_weights)`` (HF parameter names; flat
 buckets are split by the HF shapes), and the prefix cache is reset after every update. vLLM
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from polynya.config.common import resolve_dtype
@@ -40,6 +42,15 @@ def _hf_shapes(model: str) -> dict[str, torch.Size]:
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     return {n: p.shape for n, p in hf.named_parameters(remove_duplicate=False)}
+
+
+@dataclass
+class _AbortOrder:
+    """``abort(request_ids)`` waiting for the running ``generate``'s next step boundary."""
+
+    request_ids: frozenset[str]
+    applied: threading.Event = field(default_factory=threading.Event)
+    count: int = 0
 
 
 class VLLMEngine:
@@ -66,8 +77,11 @@ class VLLMEngine:
         self._lock = threading.Lock()  # one generate at a time drives the engine's steps
         self._abort = threading.Event()
         self._stopped = 0  # requests the last abort stopped (written under the lock)
+        self._orders: list[_AbortOrder] = []  # per-request aborts, applied between steps
+        self._orders_lock = threading.Lock()
         self._ids = itertools.count()
-        self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0, "requests": 0}
+        self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0, "requests": 0,
+                        "aborted_requests": 0}
 
     def _params(self, p: SamplingParams):
         from vllm import SamplingParams as VLLMParams
@@ -79,33 +93,56 @@ class VLLMEngine:
                           stop_token_ids=list(stop or ()), ignore_eos=stop is not None,
                           output_kind=RequestOutputKind.CUMULATIVE)
 
-    def _run(self, toks: list[list[int]], plist: list[SamplingParams]) -> tuple[list[str], dict, dict]:
-        """Add the requests and step the engine until they finish or ``abort`` is asked for;
-        returns the request ids, the latest ``RequestOutput`` of each and the latest cumulative
+    def _run(self, toks: list[list[int]], plist: list[SamplingParams],
+             on_submit: Callable[[list[str]], bool] | None) -> tuple[list[str], dict, dict]:
+        """Add the requests and step the engine until they finish or are aborted; returns the
+        request ids, the latest ``RequestOutput`` of each and the latest cumulative
         ``CompletionOutput`` of every ``(id, index)``."""
         engine = self.llm.llm_engine
         rids = [f"polynya-{next(self._ids)}" for _ in toks]
         for rid, t, p in zip(rids, toks, plist):
             engine.add_request(rid, {"prompt_token_ids": t}, self._params(p))
         latest, prompts = {}, {}
+        if on_submit is not None and on_submit(list(rids)):
+            engine.abort_request(rids)
+            self._counts["aborted_requests"] += len(rids)
+            return rids, prompts, latest
         while engine.has_unfinished_requests():
+            running = [r for r in rids if r not in prompts or not prompts[r].finished]
             if self._abort.is_set():
-                running = [r for r in rids if r not in prompts or not prompts[r].finished]
                 engine.abort_request(running)
                 self._stopped += len(running)
+                self._counts["aborted_requests"] += len(running)
                 break
+            self._apply_orders(running)
             for out in engine.step():
                 prompts[out.request_id] = out
                 for c in out.outputs:
                     latest[(out.request_id, c.index)] = c
         return rids, prompts, latest
 
-    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[list[Sample]]:
+    def _apply_orders(self, running: list[str]) -> None:
+        """Abort the running requests that pending ``abort(request_ids)`` orders name (caller
+        holds the lock, between two steps); the other requests go on."""
+        with self._orders_lock:
+            orders, self._orders = self._orders, []
+        for order in orders:
+            hit = [r for r in running if r in order.request_ids]
+            if hit:
+                self.llm.llm_engine.abort_request(hit)
+                running[:] = [r for r in running if r not in hit]
+            order.count = len(hit)
+            self._counts["aborted_requests"] += len(hit)
+            order.applied.set()
+
+    def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams],
+                 *, on_submit: Callable[[list[str]], bool] | None = None) -> list[list[Sample]]:
+        """As the native backend's: ``on_submit(request_ids)`` learns the ids once they are
+        added (before any step); a True answer aborts them at once."""
         toks, plist = validate_requests(prompts, params, vocab_size=self.vocab_size,
                                         max_model_len=self.max_model_len)
         with self._lock:
-            rids, requests, completions = self._run(toks, plist)
+            rids, requests, completions = self._run(toks, plist, on_submit)
         results = []
         for rid, t, p in zip(rids, toks, plist):
             out = requests.get(rid)
@@ -126,9 +163,22 @@ class VLLMEngine:
         reason = {"stop": "stop", "length": "length"}.get(c.finish_reason, "abort")
         return Sample(token_ids=list(c.token_ids), logprobs=lps, finish_reason=reason)
 
-    def abort(self) -> int:
-        """Stop the running ``generate`` between two engine steps (``abort_request``); it returns
-        each sample as sampled so far. Returns the number of requests stopped (0 when idle)."""
+    def abort(self, request_ids: Iterable[str] | None = None) -> int:
+        """Stop the running ``generate`` (``None``), or only the requests ``request_ids`` (ids
+        ``on_submit`` handed out), between two engine steps (``abort_request``); a stopped
+        request returns each sample as sampled so far. Returns the number of requests stopped
+        (0 when idle; unknown or finished ids are ignored)."""
+        if request_ids is not None:
+            order = _AbortOrder(frozenset(str(r) for r in request_ids))
+            with self._orders_lock:
+                self._orders.append(order)
+            while not order.applied.is_set():  # a running generate applies it before its next step
+                if self._lock.acquire(timeout=0.01):
+                    try:
+                        self._apply_orders([])  # no generate running: nothing to stop
+                    finally:
+                        self._lock.release()
+            return order.count
         self._abort.set()
         try:
             with self._lock:  # held by a running generate until it has returned

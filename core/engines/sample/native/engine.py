@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -117,14 +117,20 @@ class NativeEngine:
             self._counts["requests"] += 1
             return rid
 
-    def generate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams]
-                 ) -> list[list[Sample]]:
-        """``n`` samples per prompt, in prompt order; see ``SamplingEngine.generate``."""
+    def generate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams], *,
+                 on_submit: Callable[[list[int]], bool] | None = None) -> list[list[Sample]]:
+        """``n`` samples per prompt, in prompt order; see ``SamplingEngine.generate``.
+
+        ``on_submit(request_ids)`` (must not raise) is called once the requests are queued,
+        before any step runs them: it learns their ids (for ``abort``), and a True answer
+        aborts them at once (their caller gave up before they were queued)."""
         toks, plist = self.validate(prompts, params)
         with self._lock:
             if self.asleep:
                 raise RuntimeError("the sampling engine is asleep; call wake() first")
             rids = [self.add_request(t, p) for t, p in zip(toks, plist)]
+            if on_submit is not None and on_submit(list(rids)):
+                self.abort(rids)  # applied here: this thread holds the (reentrant) step lock
         return self.wait(rids)
 
     def wait(self, request_ids: list[int]) -> list[list[Sample]]:

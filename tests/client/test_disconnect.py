@@ -1,0 +1,171 @@
+"""A generation whose HTTP client goes away is aborted in the engine (tiny:qwen3, fp32, CPU).
+
+The server on loopback (``serving.served``) with the sampler's steps slowed to >= 10 ms, so a
+victim asking for 300 tokens is always mid-generation when its socket closes, however late a
+loaded machine schedules the test. Checked: the engine's ``aborted_requests`` grows by the
+victim's engine requests, its KV pages are freed (``blocks_in_use`` back to the baseline), a
+neighbour running in the same batch answers exactly as its sequential twin (seeded), and the
+server answers a new request correctly. Also the facade's per-call abort
+(``SamplingEngine.generate(..., request_id=)`` / ``abort([request_id])``) on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from polynya import SamplingParams
+from polynya.client.local import LocalClient
+from polynya.client.server import create_app
+
+from .common import tiny_config
+from .serving import served
+
+VICTIM = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+NEIGHBOUR = [40, 41, 42, 43, 44]
+
+
+def wait_until(cond, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    local = LocalClient(tiny_config("local", sampling=dict(num_blocks=256, block_size=8,
+                                                           max_num_seqs=32)))
+    runner = local.samplers[0].backend.runner
+    run_step = runner.run
+
+    def slow_step(*args, **kwargs):  # >= 3 s for the victim's 300 tokens: it is always
+        time.sleep(0.01)             # mid-generation when its client leaves
+        return run_step(*args, **kwargs)
+
+    runner.run = slow_step
+    app = create_app(local, run_dir=tmp_path_factory.mktemp("run"))
+    with served(app) as url:
+        yield local, url
+    local.shutdown()
+
+
+def running(engine, prompt: list[int]) -> list:
+    """The engine's running sequences of ``prompt`` that have sampled at least one token."""
+    return [s for s in list(engine.scheduler.running)
+            if s.token_ids[:s.num_prompt_tokens] == prompt and s.completion]
+
+
+def send_and_leave_open(url: str, path: str, body: dict) -> socket.socket:
+    """POST ``body`` on a raw socket without reading the answer (the caller closes it)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def completion(url: str, prompt: list[int], **params) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, **params}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens(answer: dict) -> list[tuple[list[int], str]]:
+    return [(c["token_ids"], c["finish_reason"]) for c in answer["choices"]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/inference/v1/generate"])
+def test_disconnect_aborts_only_that_request(server, path):
+    local, url = server
+    engine = local.samplers[0].backend
+    before = engine.stats()
+    assert before["blocks_in_use"] == 0
+    victim = ({"prompt": VICTIM, "n": 2, "max_tokens": 300, "temperature": 1.0, "seed": 3,
+               "ignore_eos": True} if path == "/v1/completions" else
+              {"token_ids": [VICTIM, VICTIM[:6]], "sampling_params": {
+                  "n": 2, "max_tokens": 300, "temperature": 1.0, "seed": 3, "ignore_eos": True}})
+    n_victim = 1 if path == "/v1/completions" else 2  # engine requests (prompts) of the victim
+    neighbour = {"n": 2, "max_tokens": 40, "temperature": 0.9, "seed": 5, "ignore_eos": True}
+
+    sock = send_and_leave_open(url, path, victim)
+    wait_until(lambda: len(running(engine, VICTIM)) == 2, "the victim to be decoding")
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(completion(url, NEIGHBOUR, **neighbour)))
+    thread.start()
+    wait_until(lambda: len(running(engine, NEIGHBOUR)) == 2, "the neighbour to be decoding")
+    sock.close()  # the client goes away mid-generation
+    wait_until(lambda: engine.stats()["aborted_requests"] == before["aborted_requests"] + n_victim,
+               "the victim's abort")
+    assert not running(engine, VICTIM)
+    thread.join(30)
+    assert not thread.is_alive()
+
+    after = engine.stats()
+    assert after["blocks_in_use"] == before["blocks_in_use"]  # every page back
+    assert after["decode_tokens"] - before["decode_tokens"] < 2 * 300, "the victim ran to its end"
+    twin = completion(url, NEIGHBOUR, **neighbour)  # alone, after: same seed, same tokens
+    assert tokens(answer) == tokens(twin)
+    assert [len(t) for t, _ in tokens(twin)] == [40, 40]
+    assert engine.stats()["blocks_in_use"] == before["blocks_in_use"]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+def test_facade_aborts_a_named_call_and_leaves_the_rest(server):
+    local, _ = server
+    sampler = local.samplers[0]
+    engine = sampler.backend
+    params = SamplingParams(n=2, max_tokens=300, temperature=1.0, seed=9, logprobs=True,
+                            stop_token_ids=())
+    other = SamplingParams(n=1, max_tokens=30, temperature=0.8, seed=4, logprobs=True,
+                           stop_token_ids=())
+    with pytest.raises(ValueError, match="list of request ids"):
+        sampler.abort("call-a")
+    out: dict = {}
+    threads = [threading.Thread(target=lambda: out.update(a=sampler.generate(
+                   [VICTIM], params, request_id="call-a"))),
+               threading.Thread(target=lambda: out.update(b=sampler.generate(
+                   [NEIGHBOUR], other, request_id="call-b")))]
+    threads[0].start()
+    wait_until(lambda: len(running(engine, VICTIM)) == 2, "call-a to be decoding")
+    with pytest.raises(ValueError, match="already in flight"):
+        sampler.generate([VICTIM], params, request_id="call-a")
+    threads[1].start()
+    wait_until(lambda: len(running(engine, NEIGHBOUR)) == 1, "call-b to be decoding")
+    assert sampler.abort(["call-a", "no-such-call"]) == 1
+    for t in threads:
+        t.join(30)
+    assert all(s.finish_reason == "abort" and 0 < len(s.token_ids) < 300
+               and len(s.logprobs) == len(s.token_ids) for s in out["a"][0])
+    twin = sampler.generate([NEIGHBOUR], other)
+    assert [s.token_ids for s in out["b"][0]] == [s.token_ids for s in twin[0]]
+    assert out["b"][0][0].finish_reason == "length"
+    assert sampler.abort(["call-a"]) == 0  # finished calls are forgotten
+    assert engine.stats()["blocks_in_use"] == 0
+
+
+def test_facade_abort_before_the_call_is_queued(server):
+    """A call named by ``abort`` before its requests were queued is stopped as they are."""
+    local, _ = server
+    sampler = local.samplers[0]
+    engine = sampler.backend
+    before = engine.stats()
+    params = SamplingParams(n=3, max_tokens=50, temperature=1.0, seed=1, logprobs=True)
+    with engine._lock:  # hold the engine between steps: the call registers, then waits here
+        thread = threading.Thread(target=lambda: out.append(sampler.generate(
+            [VICTIM, NEIGHBOUR], params, request_id="early")))
+        out: list = []
+        thread.start()
+        wait_until(lambda: "early" in sampler._calls, "the call to be named")
+        assert sampler.abort(["early"]) == 0  # not queued yet: nothing stopped now
+    thread.join(30)
+    assert [[(s.token_ids, s.finish_reason) for s in g] for g in out[0]] == [[([], "abort")] * 3] * 2
+    after = engine.stats()
+    assert after["aborted_requests"] == before["aborted_requests"] + 2
+    assert after["decode_tokens"] == before["decode_tokens"] and after["blocks_in_use"] == 0
