@@ -81,17 +81,23 @@ def tokens(answer: dict) -> list[tuple[list[int], str]]:
     return [(c["token_ids"], c["finish_reason"]) for c in answer["choices"]]
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/inference/v1/generate"])
+VICTIMS = {  # per route, a request body and the engine requests (prompts) it maps to
+    "/v1/completions": ({"prompt": VICTIM, "n": 2, "max_tokens": 300, "temperature": 1.0,
+                         "seed": 3, "ignore_eos": True}, 1),
+    "/inference/v1/generate": ({"token_ids": [VICTIM, VICTIM[:6]], "sampling_params": {
+        "n": 2, "max_tokens": 300, "temperature": 1.0, "seed": 3, "ignore_eos": True}}, 2),
+    "/rl/generate": ({"prompts": [VICTIM, VICTIM[:7], VICTIM[:5]], "params": {
+        "n": 2, "max_tokens": 300, "temperature": 1.0, "stop_token_ids": []}}, 3),
+}
+
+
+@pytest.mark.parametrize("path", list(VICTIMS))
 def test_disconnect_aborts_only_that_request(server, path):
     local, url = server
     engine = local.samplers[0].backend
     before = engine.stats()
     assert before["blocks_in_use"] == 0
-    victim = ({"prompt": VICTIM, "n": 2, "max_tokens": 300, "temperature": 1.0, "seed": 3,
-               "ignore_eos": True} if path == "/v1/completions" else
-              {"token_ids": [VICTIM, VICTIM[:6]], "sampling_params": {
-                  "n": 2, "max_tokens": 300, "temperature": 1.0, "seed": 3, "ignore_eos": True}})
-    n_victim = 1 if path == "/v1/completions" else 2  # engine requests (prompts) of the victim
+    victim, n_victim = VICTIMS[path]
     neighbour = {"n": 2, "max_tokens": 40, "temperature": 0.9, "seed": 5, "ignore_eos": True}
 
     sock = send_and_leave_open(url, path, victim)
@@ -110,6 +116,7 @@ def test_disconnect_aborts_only_that_request(server, path):
     after = engine.stats()
     assert after["blocks_in_use"] == before["blocks_in_use"]  # every page back
     assert after["decode_tokens"] - before["decode_tokens"] < 2 * 300, "the victim ran to its end"
+    assert after["requests"] == before["requests"] + n_victim + 1
     twin = completion(url, NEIGHBOUR, **neighbour)  # alone, after: same seed, same tokens
     assert tokens(answer) == tokens(twin)
     assert [len(t) for t, _ in tokens(twin)] == [40, 40]
