@@ -176,3 +176,53 @@ def test_facade_abort_before_the_call_is_queued(server):
     after = engine.stats()
     assert after["aborted_requests"] == before["aborted_requests"] + 2
     assert after["decode_tokens"] == before["decode_tokens"] and after["blocks_in_use"] == 0
+
+
+def test_disconnect_while_paused_runs_nothing_for_nobody(server):
+    """A client that leaves while the gate holds its request (``/pause``): whether the server
+    notices before or after ``/resume``, no token is decoded for it and no page is kept."""
+    local, url = server
+    engine = local.samplers[0].backend
+    before = engine.stats()
+    assert httpx.post(f"{url}/pause").status_code == 200
+    try:
+        sock = send_and_leave_open(url, "/v1/completions", VICTIMS["/v1/completions"][0])
+        time.sleep(0.05)
+        sock.close()
+    finally:
+        assert httpx.post(f"{url}/resume").status_code == 200
+    answer = completion(url, NEIGHBOUR, max_tokens=4, seed=2, ignore_eos=True)  # the server still serves
+    assert [len(t) for t, _ in tokens(answer)] == [4]
+    after = engine.stats()
+    started = after["requests"] - before["requests"] - 1
+    assert started in (0, 1) and after["aborted_requests"] - before["aborted_requests"] == started
+    assert after["decode_tokens"] - before["decode_tokens"] < 300
+    assert after["blocks_in_use"] == 0
+
+
+def test_cancelled_handler_aborts_its_requests(server):
+    """The handler task cancelled (server shutdown, a timeout middleware) rather than a
+    disconnect: ``Generations`` aborts the call's engine requests before re-raising."""
+    import asyncio
+
+    from polynya.client.cancel import Generations
+
+    local, _ = server
+    engine = local.samplers[0].backend
+    before = engine.stats()
+    generations = Generations(local)
+    params = SamplingParams(n=2, max_tokens=300, temperature=1.0, seed=8, stop_token_ids=())
+
+    async def scenario():
+        task = asyncio.ensure_future(generations(None, [VICTIM], params))
+        while len(running(engine, VICTIM)) < 2:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    generations.shutdown()
+    after = engine.stats()  # the abort was applied before the task ended
+    assert after["aborted_requests"] == before["aborted_requests"] + 1
+    assert after["blocks_in_use"] == 0 and not running(engine, VICTIM)
