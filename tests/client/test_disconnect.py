@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-
 from polynya import SamplingParams
 from polynya.client.local import LocalClient
 from polynya.client.server import create_app
@@ -39,8 +38,8 @@ def wait_until(cond, what: str, timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    local = LocalClient(tiny_config("local", sampling=dict(num_blocks=256, block_size=8,
-                                                           max_num_seqs=32)))
+    local = LocalClient(tiny_config("local", sampling={"num_blocks": 256, "block_size": 8,
+                                                         "max_num_seqs": 32}))
     runner = local.samplers[0].backend.runner
     run_step = runner.run
 
