@@ -14,6 +14,7 @@ applies them under a new version (``polynya.sync``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -130,7 +131,31 @@ class LocalClient(ThreadedAsync):
         *, request_id: str | None = None,
     ) -> list[list[Sample]]:
         """``n`` samples per prompt, prompt groups routed to one replica each; ``request_id``
-        names the call for ``abort`` (``SamplingEngine.generate``)."""
+        names the call for ``abort`` (``SamplingEngine.generate``), from the moment it is made:
+        an abort while it waits for the hand-over stops it as it reaches the samplers."""
+        with self._named(request_id):
+            return self._generate(prompts, params, request_id)
+
+    async def generate_async(self, prompts, params, *, request_id: str | None = None
+                             ) -> list[list[Sample]]:
+        with self._named(request_id):  # named before the thread hop: an abort may come first
+            return await asyncio.to_thread(self._generate, prompts, params, request_id)
+
+    @contextlib.contextmanager
+    def _named(self, request_id: str | None):
+        """``request_id`` reserved on every replica for the duration of one generate call."""
+        reserved = []
+        try:
+            if request_id is not None:
+                for s in self.samplers:
+                    s.reserve(request_id)
+                    reserved.append(s)
+            yield
+        finally:
+            for s in reserved:
+                s.release(request_id)
+
+    def _generate(self, prompts, params, request_id: str | None) -> list[list[Sample]]:
         with self._lock:
             self._check_open()
             self._to_sampler()
@@ -151,10 +176,6 @@ class LocalClient(ThreadedAsync):
             with self._lock:
                 self._generating -= 1
                 self._idle.notify_all()
-
-    async def generate_async(self, prompts, params, *, request_id: str | None = None
-                             ) -> list[list[Sample]]:
-        return await asyncio.to_thread(lambda: self.generate(prompts, params, request_id=request_id))
 
     def abort(self, request_ids: Sequence[str] | None = None) -> int:
         """Stop the ``generate`` calls named ``request_ids`` (``None``: every request) on every

@@ -225,3 +225,25 @@ def test_cancelled_handler_aborts_its_requests(server):
     after = engine.stats()  # the abort was applied before the task ended
     assert after["aborted_requests"] == before["aborted_requests"] + 1
     assert after["blocks_in_use"] == 0 and not running(engine, VICTIM)
+
+
+def test_disconnect_while_waiting_for_the_hand_over(server):
+    """A client that leaves while its generate waits for the client's hand-over lock (a
+    training step, a weight sync): the call is named from the start, so it is stopped as it
+    reaches the sampler — not a single token decoded for it."""
+    local, url = server
+    sampler = local.samplers[0]
+    engine = sampler.backend
+    before = engine.stats()
+    with local._lock:  # what a long training step holds
+        sock = send_and_leave_open(url, "/v1/completions", VICTIMS["/v1/completions"][0])
+        wait_until(lambda: len(sampler._calls) == 1, "the call to be named")
+        sock.close()
+        wait_until(lambda: all(c.aborted for c in list(sampler._calls.values())), "the abort")
+    wait_until(lambda: not sampler._calls, "the call to return")
+    after = engine.stats()
+    assert after["requests"] == before["requests"] + 1
+    assert after["aborted_requests"] == before["aborted_requests"] + 1
+    assert after["decode_tokens"] == before["decode_tokens"] and after["blocks_in_use"] == 0
+    answer = completion(url, NEIGHBOUR, max_tokens=4, seed=2, ignore_eos=True)
+    assert [len(t) for t, _ in tokens(answer)] == [4]

@@ -53,11 +53,18 @@ def _build_backend(config: SamplerConfig):
 
 @dataclass
 class _Call:
-    """A named ``generate`` call: its backend request ids once queued, and whether ``abort``
-    named it (before or after it was queued)."""
+    """A named ``generate`` call (or a name ``reserve``d for one): its backend request ids once
+    queued, and whether ``abort`` named it (before or after it was queued)."""
 
     ids: list | None = None
     aborted: bool = False
+    started: bool = False  # a generate runs under this name
+    reserved: bool = False
+
+
+def _check_request_id(request_id) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
 
 
 class SamplingEngine:
@@ -86,14 +93,12 @@ class SamplingEngine:
         """
         if request_id is None:
             return self.backend.generate(prompts, params)
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        call = _Call()
+        _check_request_id(request_id)
         with self._calls_lock:
-            if request_id in self._calls:
-                raise ValueError(f"request_id {request_id!r} is already in flight: give every "
-                                 "concurrent generate its own id")
-            self._calls[request_id] = call
+            call = self._calls.get(request_id)
+            if call is None or call.started:  # not reserved (or in use: _claim refuses)
+                call = self._claim(request_id)
+            call.started = True  # one generate per name
 
         def submitted(ids: list) -> bool:  # the backend queued this call's requests
             with self._calls_lock:
@@ -104,7 +109,28 @@ class SamplingEngine:
             return self.backend.generate(prompts, params, on_submit=submitted)
         finally:
             with self._calls_lock:
-                del self._calls[request_id]
+                if not call.reserved:
+                    del self._calls[request_id]
+
+    def reserve(self, request_id: str) -> None:
+        """Name a ``generate`` call before it is made (it may first wait elsewhere, e.g. for a
+        hand-over): an ``abort([request_id])`` in between stops it as soon as it is queued.
+        ``release`` the name afterwards; ``ValueError`` when the name is in use."""
+        _check_request_id(request_id)
+        with self._calls_lock:
+            self._claim(request_id).reserved = True
+
+    def release(self, request_id: str) -> None:
+        """Forget a ``reserve``d name (its call has returned, or was never made)."""
+        with self._calls_lock:
+            self._calls.pop(request_id, None)
+
+    def _claim(self, request_id: str) -> _Call:
+        if request_id in self._calls:  # caller holds _calls_lock
+            raise ValueError(f"request_id {request_id!r} is already in flight: give every "
+                             "concurrent generate its own id")
+        call = self._calls[request_id] = _Call()
+        return call
 
     def prompt_logprobs(self, sequences: Sequence[TokenSeq], *, top_k: int = 0,
                         temperature: float = 1.0) -> list[PromptLogprobs]:
