@@ -38,7 +38,7 @@ def wait_until(cond, what: str, timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    local = LocalClient(tiny_config("local", sampling={"num_blocks": 256, "block_size": 8,
+    local = LocalClient(tiny_config("local", sampling={"num_blocks": 384, "block_size": 8,
                                                          "max_num_seqs": 32}))
     runner = local.samplers[0].backend.runner
     run_step = runner.run

@@ -13,7 +13,8 @@ GPU) and ``"vllm"`` (needs ``pip install polynya[vllm]``). The facade only dispa
 backend offers ``generate`` (with an ``on_submit`` hook that learns its request ids), ``abort``
 (all, or given backend request ids), ``load_weights``, ``weight_version``, ``weight_checksum``,
 ``sleep``, ``wake`` and ``stats``; the native one also ``prompt_logprobs`` (scoring given
-sequences, ``scoring.py``). The facade names calls (``generate(..., request_id=)``) so that
+sequences, ``scoring.py``). The facade names calls (``generate(..., request_id=)``; ``reserve``
+the name first when the call may wait elsewhere before it reaches the engine) so that
 ``abort([request_id])`` stops one call's requests, as vLLM's ``abort(request_id)`` does.
 
 Bad requests (empty prompt, id >= vocab, ``max_tokens < 1``, prompt not shorter than the
