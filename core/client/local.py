@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -138,8 +139,19 @@ class LocalClient(ThreadedAsync):
 
     async def generate_async(self, prompts, params, *, request_id: str | None = None
                              ) -> list[list[Sample]]:
-        with self._named(request_id):  # named before the thread hop: an abort may come first
-            return await asyncio.to_thread(self._generate, prompts, params, request_id)
+        """``generate`` off the event loop. Cancelling the awaiting task aborts the call in the
+        engine (its requests stop at the next step, their pages are freed) and re-raises once
+        the engine has let go of them; an unnamed call gets a name of its own for that."""
+        name = request_id if request_id is not None else f"local-{uuid.uuid4().hex}"
+        with self._named(name):  # named before the thread hop: an abort may come first
+            work = asyncio.ensure_future(asyncio.to_thread(self._generate, prompts, params, name))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                await asyncio.to_thread(self.abort, [name])
+                with contextlib.suppress(Exception):  # the partial samples go to nobody
+                    await work
+                raise
 
     @contextlib.contextmanager
     def _named(self, request_id: str | None):

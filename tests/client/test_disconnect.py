@@ -247,3 +247,31 @@ def test_disconnect_while_waiting_for_the_hand_over(server):
     assert after["decode_tokens"] == before["decode_tokens"] and after["blocks_in_use"] == 0
     answer = completion(url, NEIGHBOUR, max_tokens=4, seed=2, ignore_eos=True)
     assert [len(t) for t, _ in tokens(answer)] == [4]
+
+
+def test_cancelled_generate_async_aborts_its_call(server):
+    """Cancelling ``LocalClient.generate_async`` (an unnamed call) aborts it in the engine before
+    the cancellation reaches the caller, and the client serves the next call exactly."""
+    import asyncio
+
+    local, _ = server
+    engine = local.samplers[0].backend
+    before = engine.stats()
+    params = SamplingParams(n=2, max_tokens=300, temperature=1.0, seed=8, stop_token_ids=())
+
+    async def scenario():
+        task = asyncio.ensure_future(local.generate_async([VICTIM], params))
+        while len(running(engine, VICTIM)) < 2:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return engine.stats()  # read as the cancellation arrives: the abort is already applied
+
+    at_cancel = asyncio.run(scenario())
+    assert at_cancel["aborted_requests"] == before["aborted_requests"] + 1
+    assert at_cancel["blocks_in_use"] == 0 and not running(engine, VICTIM)
+    assert at_cancel["decode_tokens"] - before["decode_tokens"] < 2 * 300
+    short = SamplingParams(n=1, max_tokens=5, temperature=0.0, stop_token_ids=())
+    again = local.generate([NEIGHBOUR], short)
+    assert [s.finish_reason for s in again[0]] == ["length"] and len(again[0][0].token_ids) == 5
