@@ -2,6 +2,7 @@
 with the server staying up, bearer token, body limit, and the vLLM-style ecosystem routes."""
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -30,6 +31,22 @@ def client(run_dir):
     cfg = tiny_config("http", api_token=TOKEN, max_body_bytes=LIMIT, run_dir=str(run_dir))
     with polynya.create_rl_client(cfg) as c:
         yield c
+
+
+@pytest.fixture()
+def slow_decode(client):
+    """Each sampler step >= 10 ms for one test: requests asked for 120-160 tokens are still
+    decoding when the test acts on them, however late a loaded machine schedules it."""
+    runner = client.server.client.samplers[0].backend.runner
+    run_step = runner.run
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.01)
+        return run_step(*args, **kwargs)
+
+    runner.run = slow_step
+    yield
+    runner.run = run_step
 
 
 @pytest.fixture()
@@ -190,7 +207,7 @@ def test_ecosystem_generation_routes(raw):
     assert result["r"].status_code == 200
 
 
-def test_pause_abort_returns_partial_outputs(client, raw):
+def test_pause_abort_returns_partial_outputs(client, raw, slow_decode):
     """/pause?mode=abort with a /inference/v1/generate and an n=2 /v1/completions in flight:
     both answer at once with partial tokens (the greedy prefix, log-probs equal to a fresh
     greedy run of that length), finish_reason "abort"; new requests wait for /resume; the
@@ -211,6 +228,7 @@ def test_pause_abort_returns_partial_outputs(client, raw):
     def until(count, value: int) -> int:
         while (got := count(sampler.stats())) < value:
             assert all(t.is_alive() for t in threads)
+            time.sleep(0.002)
         return got
 
     def prompt_tokens(st):
@@ -252,7 +270,7 @@ def test_pause_abort_returns_partial_outputs(client, raw):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref.logprobs), rtol=0, atol=1e-5)
 
 
-def test_pause_abort_stops_more_requests_than_the_server_has_threads(client, raw):
+def test_pause_abort_stops_more_requests_than_the_server_has_threads(client, raw, slow_decode):
     """40 generate requests (more than the server's default executor threads, at most 32):
     /pause?mode=abort stops every one of them, the ones still queued for a thread included."""
     sampler = client.server.client.samplers[0]
@@ -266,6 +284,7 @@ def test_pause_abort_stops_more_requests_than_the_server_has_threads(client, raw
         t.start()
     while sampler.stats()["decode_steps"] < steps + 2:
         assert any(t.is_alive() for t in threads)
+        time.sleep(0.002)
     assert raw.post("/pause", params={"mode": "abort"}).json()["status"] == "paused"
     for t in threads:
         t.join(30)
