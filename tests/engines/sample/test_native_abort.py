@@ -98,6 +98,14 @@ def test_abort_all_from_another_thread_while_generate_runs(hf_qwen):
     """``SamplingEngine.abort`` while a ``generate`` call decodes on another thread: the call
     returns partial samples instead of raising; the engine then serves new requests as before."""
     engine = make_engine()
+    runner = engine.backend.runner
+    run_step = runner.run
+
+    def slow_step(*args, **kwargs):  # >= 10 ms a step: the abort lands mid-generation however
+        time.sleep(0.01)             # late a loaded machine schedules this thread
+        return run_step(*args, **kwargs)
+
+    runner.run = slow_step
     prompts = ragged_prompts(22, [9, 6])
     p = SamplingParams(n=2, temperature=1.0, max_tokens=400, seed=7, logprobs=True, stop_token_ids=())
     assert engine.abort() == 0  # nothing in flight
@@ -126,6 +134,7 @@ def test_abort_all_from_another_thread_while_generate_runs(hf_qwen):
             check_logprobs(hf_qwen, prompt, s, 1.0)
     stats = engine.stats()
     assert stats["blocks_in_use"] == 0 and stats["aborted_requests"] == 2
+    runner.run = run_step
     # the engine is consistent afterwards: a seeded request equals a fresh engine's answer
     q = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3, stop_token_ids=())
     again = engine.generate(prompts, q)
