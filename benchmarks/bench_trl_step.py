@@ -161,6 +161,13 @@ def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict
     return row
 
 
+def plot(best: list[tuple[str, float, float]], path: str) -> None:
+    """Step ms per shape: the fastest TRL arm vs the polynya adapter (``best``: shape, TRL, ours)."""
+    paired_bars(path, [b[0] for b in best], [b[1] for b in best], "fastest TRL arm",
+                [b[2] for b in best], "polynya adapter", "GRPO step (ms)",
+                title="TRL GRPOTrainer step, H200, Qwen3-0.6B shape bf16, 8 prompts x 8, 128 new tokens")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen3-0.6b")
@@ -219,8 +226,7 @@ def main() -> None:
         print([ours] + base, flush=True)
     path = checkpoint(True)
     if best:
-        paired_bars(path.replace(".json", ".png"), [b[0] for b in best], [b[1] for b in best],
-                    "fastest TRL arm", [b[2] for b in best], "polynya adapter", "GRPO step ms")
+        plot(best, path.replace(".json", ".png"))
     for r in rows:
         for key in ("prompt_tokens", "generate_ms", "step_ms", "polynya_speedup", "speedup"):
             r.setdefault(key, "")
