@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_zorro import make_batch
-from common import environment, markdown_table, median, paired_bars, save
+from common import environment, markdown_table, paired_bars, save, wall_median_ms
 from polynya.adapters.skyrl import (
     PolicyWorker,
     rollout_from_training_batch,
@@ -61,22 +60,6 @@ def skyrl_layout(P: int, R: int, G: int, groups: int, vocab: int, seed: int) -> 
     return data
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, iters: int) -> float:
-    fn()
-    _sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return median(times)
-
 
 def plot(rows: list[dict], path: str) -> None:
     paired_bars(path, [r["shape"] for r in rows], [r["naive_ms"] for r in rows], "ZoRRo off",
@@ -106,17 +89,18 @@ def main() -> None:
     vocab = workers[True].engine.module.config.vocab_size
     for P, R, G in shapes:
         data = skyrl_layout(P, R, G, a.groups, vocab, seed=P + R + G)
-        t_translate = timed(lambda: rollout_from_training_batch(data, with_ref=True), a.iters)
+        translate_ms = wall_median_ms(lambda: rollout_from_training_batch(data, with_ref=True),
+                                      iters=a.iters)
         ms = {}
         for zorro, w in workers.items():
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            ms[zorro] = timed(lambda: (w.forward_backward(data), w.optim_step()), a.iters) * 1e3
+            ms[zorro] = wall_median_ms(lambda: (w.forward_backward(data), w.optim_step()), iters=a.iters)
             ms[f"mem{zorro}"] = (torch.cuda.max_memory_allocated() / 2**30
                                  if torch.cuda.is_available() else 0.0)
         rows.append(dict(shape=f"P{P}/R{R}/G{G}x{a.groups}", naive_ms=round(ms[False], 1),
                          zorro_ms=round(ms[True], 1), speedup=round(ms[False] / ms[True], 2),
-                         translate_ms=round(t_translate * 1e3, 1),
+                         translate_ms=round(translate_ms, 1),
                          naive_peak_gb=round(ms["memFalse"], 2), zorro_peak_gb=round(ms["memTrue"], 2)))
         print(rows[-1], flush=True)
     print(markdown_table(rows, [("shape", "shape"), ("naive_ms", "naive ms"), ("zorro_ms", "ZoRRo ms"),

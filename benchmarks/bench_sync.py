@@ -397,6 +397,8 @@ def main() -> None:
     if not a.skip_step and not a.receive_only:
         parts.append(("rl_step", lambda: bench_rl_step(a.model, a.steps, a.prompts, a.group,
                                                        a.prompt_len, a.max_tokens)))
+    if not parts:
+        sys.exit("bench_sync.py --receive-only times the Triton receive kernels: it needs a CUDA GPU")
     for name, fn in parts:
         try:
             results[name] = fn()

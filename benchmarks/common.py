@@ -33,6 +33,26 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_median_ms(fn, *, warmup: int = 1, iters: int = 5) -> float:
+    """Median wall-clock ms of ``fn`` over ``iters`` runs after ``warmup``, the device
+    synchronised around each run (host work included, unlike ``cuda_median_ms``)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return median(times)
+
+
 def environment() -> dict:
     return {
         "date": time.strftime("%Y-%m-%d"),

@@ -37,17 +37,15 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_two_gpu import _on_gpu, free_port, grpo_batch, make_prompts
 from common import environment, median, save
+
+from tests.sync.failure_peers import die, die_when_staging
 
 MODEL = "random:qwen3-0.6b"
 BUCKET = 256 << 20
 WAIT_S = 150  # longest the probe waits for any one answer (a model load takes well under it)
-
-
-def _die(conn, how: str) -> None:
-    conn.send(("dying", time.time()))
-    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
 
 def _state(engine) -> dict:
@@ -149,20 +147,13 @@ def receiver_main(conn, cfg: dict, port: int, manifests: int, die_at: int | None
     comes over ``conn``) into a fresh sampler and report ``(version, checksum, ms)`` each."""
     device = _place(cfg, 1)
     try:
-        from polynya.sync import StagedUpdate, apply_update, recv_weights
+        from polynya.sync import apply_update, recv_weights
 
         engine = None
         if die_at is None:
             engine = _sampler(cfg, device)
         else:
-            put = StagedUpdate.put
-
-            def put_or_die(self, index, flat):
-                if index == die_at:
-                    _die(conn, how)
-                put(self, index, flat)
-
-            StagedUpdate.put = put_or_die  # this process only
+            die_when_staging(die_at, conn, how)
         group = _group(cfg, port, 1, device)
         conn.send(("ready", None))
         for _ in range(manifests):
@@ -196,7 +187,7 @@ def sender_dies_main(conn, cfg: dict, port: int) -> None:
         def export_or_die(bucket_bytes):
             for i, piece in enumerate(export(bucket_bytes)):
                 if i == 2:
-                    _die(conn, "kill")
+                    die(conn, "kill")
                 yield piece
 
         engine.export_weights = export_or_die  # this process only

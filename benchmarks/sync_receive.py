@@ -20,35 +20,17 @@ No DeepSpeed, no second process: ``python benchmarks/bench_sync.py --receive-onl
 """
 from __future__ import annotations
 
-import time
 import traceback
 
 import torch
-from common import median
+from common import wall_median_ms
 
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _wall_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return median(times)
 
 
 def _hbm_copy_ms(nbytes: int, device: str) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    return _wall_ms(lambda: dst.copy_(src), 3, 20)
+    return wall_median_ms(lambda: dst.copy_(src), warmup=3, iters=20)
 
 
 def _buckets(params: dict[str, torch.Tensor], kind: str, device: str):
@@ -140,11 +122,11 @@ def _bench_layout(params: dict[str, torch.Tensor], kind: str, iters: int, hbm_gb
     row: dict = {"buckets": len(specs)}
     runs: dict[str, list[float]] = {"old": [], "new": []}
     for name in ("old", "new", "old", "new"):  # interleaved: drift hits both alike
-        runs[name].append(_wall_ms(arms[name], 2, iters))
+        runs[name].append(wall_median_ms(arms[name], warmup=2, iters=iters))
     for name in ("old", "new"):
         row[name + "_ms"] = min(runs[name])
     for name in ("check", "copy", "copy_digest", "trainer_digest", "check_8warps", "copy_8warps"):
-        row[name + "_ms"] = _wall_ms(arms[name], 2, iters)
+        row[name + "_ms"] = wall_median_ms(arms[name], warmup=2, iters=iters)
     for name in arms:
         row[name + "_GBps"] = nbytes / row[name + "_ms"] / 1e6
         row[name + "_vs_hbm"] = row[name + "_GBps"] / hbm_gbps

@@ -15,9 +15,25 @@ import time
 MODEL = "tiny:qwen3"
 
 
-def _die(conn, how: str) -> None:
+def die(conn, how: str) -> None:
     conn.send(("dying", time.time()))
     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
+def die_when_staging(bucket: int, conn, how: str) -> None:
+    """Make this process die (``how``: "kill" / "stop") when a receive is about to stage bucket
+    ``bucket`` (its broadcast has arrived; it never confirms). Patches ``StagedUpdate.put`` for
+    this process only (also used by ``benchmarks/probe_sync_failure.py``)."""
+    from polynya.sync import StagedUpdate
+
+    put = StagedUpdate.put
+
+    def put_or_die(self, index, flat):
+        if index == bucket:
+            die(conn, how)
+        put(self, index, flat)
+
+    StagedUpdate.put = put_or_die
 
 
 def receiver(conn, port: int, world: int, rank: int, manifest, peer_timeout_s: float,
@@ -26,21 +42,14 @@ def receiver(conn, port: int, world: int, rank: int, manifest, peer_timeout_s: f
     sampler and report ``(version, checksum)``."""
     from polynya.config import SamplerConfig
     from polynya.engines import SamplingEngine
-    from polynya.sync import StagedUpdate, SyncGroup, apply_update, recv_weights
+    from polynya.sync import SyncGroup, apply_update, recv_weights
 
     engine = None
     if die_at is None:
         engine = SamplingEngine(SamplerConfig(MODEL, dtype="float32", device="cpu",
                                               num_blocks=32, block_size=8))
     else:
-        put = StagedUpdate.put
-
-        def put_or_die(self, index, flat):
-            if index == die_at:
-                _die(conn, how)
-            put(self, index, flat)
-
-        StagedUpdate.put = put_or_die  # this process only
+        die_when_staging(die_at, conn, how)
     group = SyncGroup("127.0.0.1", port, rank=rank, world_size=world, device="cpu",
                       timeout_s=60, peer_timeout_s=peer_timeout_s)
     staged = recv_weights(group, manifest, "cpu")
@@ -76,7 +85,7 @@ def trainer(conn, port: int, peer_timeout_s: float, bucket_bytes: int, die_at: i
     def export_or_die(bucket_bytes):
         for i, piece in enumerate(export(bucket_bytes)):
             if i == die_at:
-                _die(conn, "kill")
+                die(conn, "kill")
             yield piece
 
     engine.export_weights = export_or_die  # this process only
