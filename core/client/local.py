@@ -94,6 +94,9 @@ class LocalClient(ThreadedAsync):
         self._pool = ThreadPoolExecutor(
             max(1, len(self.samplers)), thread_name_prefix="polynya-local"
         )
+        # aborts wait for an engine step boundary: on threads of their own, since the default
+        # executor may be full of the very generate calls they have to stop
+        self._abort_pool = ThreadPoolExecutor(2, thread_name_prefix="polynya-abort")
         self._closed = False
 
     # ------------------------------------------------------------------ hand-over
@@ -148,7 +151,7 @@ class LocalClient(ThreadedAsync):
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
-                await asyncio.to_thread(self.abort, [name])
+                await asyncio.get_running_loop().run_in_executor(self._abort_pool, self.abort, [name])
                 with contextlib.suppress(Exception):  # the partial samples go to nobody
                     await work
                 raise
@@ -343,4 +346,5 @@ class LocalClient(ThreadedAsync):
             for s in self.samplers:
                 s.shutdown()
             self._pool.shutdown(wait=False)
+            self._abort_pool.shutdown(wait=False)
 
