@@ -55,6 +55,9 @@ class PolynyaCheckpointEngine(CheckpointEngine):
                  timeout_s: float = 300.0) -> None:
         if not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
+        for name, value in (("peer_timeout_s", peer_timeout_s), ("timeout_s", timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -71,6 +71,11 @@ def test_receive_needs_a_rollout_rank():
         asyncio.run(collect(engine))
     with pytest.raises(ValueError, match="bucket_size"):
         PolynyaCheckpointEngine(bucket_size=0)
+    for bad in (0, -1.0, float("nan"), "30", True):
+        with pytest.raises(ValueError, match="peer_timeout_s"):
+            PolynyaCheckpointEngine(bucket_size=1024, peer_timeout_s=bad)
+    with pytest.raises(ValueError, match="timeout_s"):
+        PolynyaCheckpointEngine(bucket_size=1024, timeout_s=0)
 
 
 def _dying_peer(role: str, master: dict) -> subprocess.Popen:
