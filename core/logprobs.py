@@ -30,6 +30,44 @@ from .zorro.attention import FLEX_BLOCK, ZORRO_SUPPORTS, use_zorro_attention, zo
 
 PACKED_SUPPORTS = ZORRO_SUPPORTS  # the packed naive layout runs the same attention hook
 
+# auto: ZoRRo when the naive batch's matmul work per layer (tokens x parameters of one decoder
+# layer) reaches this; below it a step is bound by the host's launches, not the GPU (H200,
+# random Qwen3-0.6B, fwd + bwd with checkpointing, ``benchmarks/profile_zorro_step.py --scan``:
+# ZoRRo 0.66-0.93x the packed naive step up to 12,288 naive tokens, 1.34x at 20,480): 16,384
+# tokens x the 15.7M weights of one Qwen3-0.6B layer.
+ZORRO_MIN_WORK = 16384 * 15_728_640
+
+
+def layer_weights(config) -> int | None:
+    """Weights of one decoder layer's matmuls from an HF config (dense models), or None when
+    the config does not say (e.g. mixture-of-experts)."""
+    cfg = getattr(config, "text_config", None) or config
+    h, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
+    inter = getattr(cfg, "intermediate_size", None)
+    if not (isinstance(h, int) and isinstance(heads, int) and isinstance(inter, int)) or \
+            any(getattr(cfg, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None
+    d = getattr(cfg, "head_dim", None) or h // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return 2 * h * heads * d + 2 * h * kv * d + 3 * h * inter
+
+
+def zorro_pays(model: torch.nn.Module, batch: RolloutBatch, zorro_attention: str) -> bool:
+    """Whether ``zorro=True`` with ``zorro_attention="auto"`` runs the ZoRRo layout for this batch
+    rather than the packed naive one (both exact; see ``ZORRO_MIN_WORK``). A forced attention
+    (``"split"``, ``"flex"``, ``"varlen"``), the CPU, and models whose layer size is unknown
+    always run ZoRRo."""
+    if zorro_attention != "auto" or _device(model).type != "cuda":
+        return True
+    tokens = sum(p.size + r.size for p, r in zip(batch.prompts, batch.responses))
+    return enough_work(tokens, layer_weights(model.config))
+
+
+def enough_work(naive_tokens: int, weights: int | None) -> bool:
+    """The rule of ``zorro_pays``: ``naive_tokens`` x ``weights`` (of one layer; None = unknown,
+    take ZoRRo) reaches ``ZORRO_MIN_WORK``."""
+    return weights is None or naive_tokens * weights >= ZORRO_MIN_WORK
+
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
@@ -120,6 +158,10 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         model: an HF causal LM (under DeepSpeed pass ``engine.module``).
         batch: the samples; rows come back in this order.
         zorro: compute shared prefixes once (exact); False computes every sample on its own.
+            With ``zorro_attention="auto"`` on a GPU a batch too small to keep the GPU busy runs
+            the packed naive layout instead (``zorro_pays``: there the step is bound by kernel
+            launches and ZoRRo's extra attention calls cost more than the work it saves);
+            ``TokenStats.layout`` says which layout ran.
         entropy: also return the entropy of each predictive distribution.
         temperature: logits are divided by it (per call).
         max_tokens_per_row: packing budget per row of the packed layouts (ZoRRo: deduplicated
@@ -143,7 +185,10 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     base = model.base_model
     feats = check_model(model, zorro=zorro, naive_layout=naive_layout)
-    if zorro or naive_layout_for(feats, naive_layout) == "packed":
+    if zorro and not zorro_pays(model, batch, zorro_attention):
+        zorro, naive_layout = False, "packed"  # check_model(zorro=True) covered the packed layout
+    layout = "zorro" if zorro else naive_layout_for(feats, naive_layout)
+    if layout != "padded":
         use_zorro_attention(model)
         rows = pack_rows(batch, max_tokens_per_row=max_tokens_per_row, share=zorro,
                          pad_multiple=FLEX_BLOCK if device.type == "cuda" else 1, pad_id=pad_id).to(device)
@@ -160,4 +205,4 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
     shape = (len(batch), batch.max_response_len)
     out_lp = lp.new_zeros(shape).index_put((orow, ocol), lp)
     out_ent = ent.new_zeros(shape).index_put((orow, ocol), ent) if entropy else None
-    return TokenStats(out_lp, out_ent, batch.response_mask().to(device))
+    return TokenStats(out_lp, out_ent, batch.response_mask().to(device), layout=layout)

@@ -152,12 +152,15 @@ class TokenStats:
     """Per-response-token statistics, rows in the batch's original order.
 
     logprobs: ``[B, Rmax]`` float32 (0 where ``mask`` is False);
-    entropy: ``[B, Rmax]`` float32 or None; mask: ``[B, Rmax]`` bool.
+    entropy: ``[B, Rmax]`` float32 or None; mask: ``[B, Rmax]`` bool;
+    layout: how ``compute_logprobs`` ran the batch (``"zorro"``, ``"packed"``, ``"padded"``),
+    None where the statistics came from elsewhere.
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     mask: torch.Tensor
+    layout: str | None = None
 
 
 @dataclass

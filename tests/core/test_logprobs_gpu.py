@@ -13,6 +13,15 @@ from .batches import random_batch
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def always_zorro(monkeypatch):
+    """These tests check the ZoRRo kernels on small batches: keep ``zorro=True`` on ZoRRo (the
+    size rule that sends small batches to the packed layout is tested in test_logprobs_layout)."""
+    import polynya.logprobs
+
+    monkeypatch.setattr(polynya.logprobs, "ZORRO_MIN_WORK", 0)
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("family", ["tiny:qwen3", "tiny:llama", "tiny:qwen3-moe"])
 def test_zorro_equals_naive_fp32_cuda(family, layout):

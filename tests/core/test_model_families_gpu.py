@@ -19,6 +19,15 @@ from polynya.models import load_model
 from .test_model_families import REFUSED, ZORRO_FAMILIES
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def always_zorro(monkeypatch):
+    """These tests check the ZoRRo kernels on small batches: keep ``zorro=True`` on ZoRRo (the
+    size rule that sends small batches to the packed layout is tested in test_logprobs_layout)."""
+    import polynya.logprobs
+
+    monkeypatch.setattr(polynya.logprobs, "ZORRO_MIN_WORK", 0)
 WINDOW = 160
 WINDOWED = {"mistral", "gemma2", "gemma3", "phi3", "qwen2-window"}
 

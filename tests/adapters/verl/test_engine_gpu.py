@@ -18,7 +18,10 @@ from .test_engine import actor_config, make
 
 
 @pytest.mark.gpu
-def test_zorro_on_off_agree_in_bf16_on_cuda():
+def test_zorro_on_off_agree_in_bf16_on_cuda(monkeypatch):
+    import polynya.logprobs
+
+    monkeypatch.setattr(polynya.logprobs, "ZORRO_MIN_WORK", 0)  # small batch: keep ZoRRo on ZoRRo
     results = []
     for zorro in (True, False):
         cfg = DeepSpeedEngineConfig(dtype="bfloat16", zero_stage=2, zorro=zorro, seed=42, use_dynamic_bsz=True,
