@@ -168,8 +168,8 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
             tokens; packed naive: prompt + response tokens); None: one row; groups never split.
         chunk_size: tokens per LM-head chunk (default: ~256 MiB of logits).
         zorro_attention: GPU attention of the packed layouts: ``"auto"`` (rows that share
-            nothing: FlashAttention-2 varlen, or cuDNN over the padded samples when their
-            lengths are near-equal; shared prefixes: split cuDNN calls per prefix when the
+            nothing: FlashAttention-2 varlen, or cuDNN over the padded samples when they
+            are long and near-equal; shared prefixes: split cuDNN calls per prefix when the
             kernels can take the model and it pays, else FlexAttention), ``"split"``, ``"flex"``
             or ``"varlen"`` (``polynya.zorro.attention``); CPU runs a dense mask + SDPA (ZoRRo)
             or each segment on its own (packed naive).

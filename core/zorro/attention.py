@@ -28,8 +28,8 @@ sample its own causal segment, no padding, as verl's remove-padding runs it) or 
 that shares nothing — needs no mask at all: on GPU its full-attention layers run either one
 FlashAttention-2 varlen call over the segment boundaries (``polynya.kernels.zorro.varlen``:
 no work on padding) or split attention's cuDNN call over the padded batch of segments (faster
-per FLOP on Hopper; ``_leaf_batch_pays`` picks it when the lengths are near-equal, so padding
-costs less than cuDNN gains), ``"varlen"`` / ``"split"`` force one (bf16 / fp16); its windowed
+per FLOP on Hopper; ``_leaf_batch_pays`` picks it for long segments of near-equal lengths;
+shorter ones ran faster as varlen in a whole step), ``"varlen"`` / ``"split"`` force one (bf16 / fp16); its windowed
 and soft-capped layers FlexAttention as above; on CPU each segment runs SDPA (``eager_attention`` when soft-capped) on its own (cost of
 the padded layout, not of a dense mask over all packed tokens).
 

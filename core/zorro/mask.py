@@ -29,6 +29,7 @@ from ..model_features import AttentionFeatures
 FLEX_BLOCK = 128
 SPLIT_MIN_SHARE = 1.5  # auto: split when shared-prefix work >= this x the responses' own work
 CUDNN_OVER_FA2 = 1.3   # auto, segments only: cuDNN's padded batch when its work <= this x varlen's
+LEAF_BATCH_MIN_LEN = 2048  # ... and its segments are at least this long (padded)
 
 
 class ZorroMask(BlockMask):
@@ -157,17 +158,19 @@ def _leaf_batch_pays(nodes) -> bool:
     """Whether ``auto`` should run a forest of leaves only (packed samples) as split attention's
     one cuDNN call over the padded batch of segments rather than as FlashAttention-2 varlen.
 
-    Measured on the H200 (BENCHMARKS.md, ``probe_cudnn_split.py``): 8 x 512 causal, cuDNN batched
-    0.225 ms fwd + bwd vs FlashAttention-2 varlen 0.326 ms (1.45x); the padded batch also pays
-    the gathers into it and the copy out (``CUDNN_OVER_FA2`` = 1.3 leaves them a margin). So:
-    cuDNN when ``leaves x padded_len^2 <= CUDNN_OVER_FA2 x sum(len^2)`` (near-equal lengths),
-    FlashAttention-2 varlen when lengths are ragged enough that padding would cost more.
+    Kernel alone, cuDNN's batch is faster (H200, ``probe_cudnn_split.py``: 8 x 512 causal,
+    0.225 ms fwd + bwd vs FlashAttention-2 varlen 0.326 ms), but in a whole step it also pays
+    the gathers into the padded batch, the copy out and their launches: measured per step
+    (``benchmarks/profile_zorro_step.py --scan``, fwd + bwd of Qwen3-0.6B) varlen was as fast or
+    faster at every segment length up to 1,280 (1.1-1.47x at 256-640, equal at 1,280). So cuDNN
+    only for long segments (``LEAF_BATCH_MIN_LEN``, where attention is a large share of a
+    layer's work) of near-equal lengths: ``leaves x padded_len^2 <= CUDNN_OVER_FA2 x sum(len^2)``.
     """
     lens = (nodes[:, 1] - nodes[:, 0]).astype(float)
     if not lens.size:
         return False
     padded = -(-lens.max() // LEAF_MULTIPLE) * LEAF_MULTIPLE
-    return bool(lens.size * padded ** 2 <= CUDNN_OVER_FA2 * (lens ** 2).sum())
+    return bool(padded >= LEAF_BATCH_MIN_LEN and lens.size * padded ** 2 <= CUDNN_OVER_FA2 * (lens ** 2).sum())
 
 
 def _visible(q_tin, q_tout, q_idx, k_tin, k_tout, k_idx, q_pos=None, k_pos=None, window=None):

@@ -132,7 +132,7 @@ def test_naive_layout_is_validated_everywhere():
         assert cls("tiny:qwen3", zorro_attention="varlen").zorro_attention == "varlen"
 
 
-def test_auto_picks_cudnn_for_near_equal_lengths_and_varlen_for_ragged_ones():
+def test_auto_picks_cudnn_for_long_near_equal_segments_and_varlen_otherwise():
     from polynya.zorro.attention import ZorroMask, _leaf_batch_pays
 
     def leaves(lens):
@@ -140,10 +140,11 @@ def test_auto_picks_cudnn_for_near_equal_lengths_and_varlen_for_ragged_ones():
         return np.stack([ends - np.array(lens), ends, ends], 1)
 
     assert _leaf_batch_pays(leaves([4608] * 32))           # equal: no padding at all
-    assert _leaf_batch_pays(leaves([700, 768, 740, 760]))  # near-equal
-    assert not _leaf_batch_pays(leaves([768, 100, 90, 300, 120]))  # ragged: varlen
-    t = torch.zeros(1, 128, dtype=torch.int32)
-    for lens, path in (([64, 64], "split"), ([1, 70], "varlen")):
+    assert _leaf_batch_pays(leaves([2000, 2048, 2010, 1990]))  # long, near-equal
+    assert not _leaf_batch_pays(leaves([700, 768, 740, 760]))  # near-equal but short: varlen
+    assert not _leaf_batch_pays(leaves([4608, 100, 90, 300, 120]))  # ragged: varlen
+    t = torch.zeros(1, 4096, dtype=torch.int32)
+    for lens, path in (([2048, 2048], "split"), ([64, 64], "varlen"), ([1, 70], "varlen")):
         assert f"path={path}" in repr(ZorroMask(t, t, leaves(lens), "auto"))
     assert "path=varlen" in repr(ZorroMask(t, t, leaves([64, 64]), "varlen"))
     assert "path=flex" in repr(ZorroMask(t, t, leaves([64, 64]), "flex"))
