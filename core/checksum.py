@@ -10,8 +10,10 @@ and every ``load_weights(..., checksum=...)`` use this value.
 
 Fast paths give the same value without a second copy of the weights:
 
-- ``checksum_views(items)``: tensors that are views of a few CUDA storages are digested in
-  place by the Triton kernels, one device -> host transfer;
+- ``checksum_views(items)``: CUDA tensors wherever they lie (one storage each, as a model's
+  parameters, or views of a few) digested in place by the Triton kernels in one launch per
+  dtype plus one, one device -> host transfer (``polynya.kernels.digest.scatter``); with
+  ``scan_views`` the same read also finds NaN/inf (``non_finite_views``: only that);
 - ``checksum_packed(buckets, shapes)``: ``(names, flat)`` buckets as ``export_weights`` yields;
 - ``specs_checksum(specs, dtype, flats)``: flat buckets described by bucket specs (a weight
   sync's manifest), with the digest plan and line prefixes cached per layout;
@@ -29,11 +31,15 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from .kernels.digest import DigestPlan, tensor_digest
-from .kernels.digest.op import MAX_TENSOR, have_triton
+from .kernels.digest import op as digest_op
+from .kernels.digest.copy import non_finite_count
+from .kernels.digest.op import have_triton
+from .kernels.digest.scatter import ScatterPlan, layout_key
 
 __all__ = [
     "DigestPlan", "PendingChecksum", "cached_plan", "checksum_lines", "checksum_named_tensors", "checksum_packed",
-    "checksum_views", "combine_signatures", "gather", "signature_prefix", "specs_checksum",
+    "checksum_views", "combine_signatures", "gather", "non_finite_views", "scan_views",
+    "signature_prefix", "specs_checksum",
     "tensor_digest", "tensor_signature",
 ]
 
@@ -95,26 +101,79 @@ def gather(digests: Sequence[torch.Tensor]) -> list[int]:
     return [v for d in digests for v in d.tolist()]
 
 
-def checksum_views(items: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """``checksum_named_tensors(items)``; fast when the tensors are views of a few CUDA storages."""
+class _ViewsLayout:
+    """A ``ScatterPlan`` of named tensors with their checksum line prefixes (per layout)."""
+
+    __slots__ = ("names", "plan", "prefixes")
+
+    def __init__(self, items: Sequence[tuple[str, torch.Tensor]]):
+        self.plan = ScatterPlan([t for _, t in items])
+        self.prefixes = [signature_prefix(n, t.dtype, t.shape) for n, t in items]
+        self.names = [n for n, _ in items]
+
+
+_VIEWS: OrderedDict = OrderedDict()  # names + layout_key -> _ViewsLayout
+_VIEWS_LOCK = threading.Lock()
+
+
+def _views_layout(items: Sequence[tuple[str, torch.Tensor]]) -> _ViewsLayout | None:
+    """The cached ``_ViewsLayout`` of ``items`` when the Triton path can read them (one CUDA
+    device, or any device with ``KERNEL_ON_CPU``), else None. The key (names, addresses,
+    dtypes, shapes, contiguity, devices) reads no tensor data."""
+    if not items or not have_triton():
+        return None
+    dev = items[0][1].device
+    if not (dev.type == "cuda" or digest_op.KERNEL_ON_CPU):
+        return None
+    key = (tuple(n for n, _ in items), layout_key([t for _, t in items]))
+    with _VIEWS_LOCK:
+        found = _VIEWS.get(key)
+        if found is not None:
+            _VIEWS.move_to_end(key)
+            return found
+    if any(t.device != dev for _, t in items):
+        return None
+    found = _ViewsLayout(items)
+    with _VIEWS_LOCK:
+        _VIEWS[key] = found
+        while len(_VIEWS) > 8:
+            _VIEWS.popitem(last=False)
+    return found
+
+
+def scan_views(items: Sequence[tuple[str, torch.Tensor]], *, finite: bool = True
+               ) -> tuple[str, list[str]]:
+    """``(checksum_named_tensors(items), names of the tensors holding NaN/inf)`` (the second
+    empty unless ``finite``). On CUDA every tensor, wherever it lies (one storage each, as a
+    model's parameters), is read once by the Triton kernels: one launch per dtype, one for the
+    per-tensor sums, one device -> host transfer; the layout's tables and line prefixes are
+    cached. Elsewhere the torch reference, tensor by tensor."""
     items = list(items)
-    if not items or not have_triton() or not all(
-        t.is_cuda and t.is_contiguous() and t.numel() < MAX_TENSOR for _, t in items
-    ):
-        return checksum_named_tensors(items)
-    groups: dict[tuple[int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for name, t in items:
-        groups.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append((name, t))
-    prefixes, digests = [], []
-    for members in groups.values():
-        first = members[0][1]
-        size = first.untyped_storage().nbytes() // first.element_size()
-        flat = torch.empty(0, dtype=first.dtype, device=first.device).set_(
-            first.untyped_storage(), 0, (size,))
-        plan = cached_plan([t.storage_offset() for _, t in members], [t.numel() for _, t in members])
-        digests.append(plan.digest_tensor([flat], kernel=True))
-        prefixes += [signature_prefix(n, t.dtype, t.shape) for n, t in members]
-    return checksum_lines(prefixes, gather(digests))
+    layout = _views_layout(items)
+    if layout is None:
+        bad = [n for n, t in items if t.numel() and int(non_finite_count(t))] if finite else []
+        return checksum_named_tensors(items), bad
+    digests, bad = layout.plan.scan([t for _, t in items], finite=finite)
+    values = (torch.cat([digests, bad]) if finite else digests).tolist()
+    n = len(items)
+    bad_names = [name for name, b in zip(layout.names, values[n:]) if b]
+    return checksum_lines(layout.prefixes, values[:n]), bad_names
+
+
+def checksum_views(items: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """``checksum_named_tensors(items)``; on CUDA in O(1) launches (``scan_views``)."""
+    return scan_views(items, finite=False)[0]
+
+
+def non_finite_views(items: Sequence[tuple[str, torch.Tensor]]) -> list[str] | None:
+    """Names of the tensors of ``items`` holding NaN/inf, read by the Triton kernels in one
+    launch per dtype; None when they cannot take that path (the caller checks with torch)."""
+    items = list(items)
+    layout = _views_layout(items)
+    if layout is None:
+        return None
+    _, bad = layout.plan.scan([t for _, t in items], digest=False, finite=True)
+    return [name for name, b in zip(layout.names, bad.tolist()) if b]
 
 
 def checksum_packed(buckets: Iterable[tuple[Sequence[str], torch.Tensor]],

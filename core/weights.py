@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .checksum import checksum_views
+from .checksum import non_finite_views, scan_views
 
 WeightPieces = Any  # Mapping[str, Tensor] | Iterable[(str | Sequence[str], Tensor)] | one bucket
 
@@ -251,10 +251,15 @@ def _extremes(t: torch.Tensor) -> torch.Tensor:
 def non_finite(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the tensors holding NaN or inf.
 
-    Contiguous tensors that are views of one storage (a sync's flat bucket) are checked with
-    one ``aminmax`` over the storage range they cover; only a range that fails is looked at
-    tensor by tensor (its alignment gaps must not count). One device -> host transfer per
-    device."""
+    On CUDA all of them are read by one Triton launch per dtype wherever they lie
+    (``polynya.checksum.non_finite_views``). Elsewhere contiguous tensors that are views of
+    one storage (a sync's flat bucket) are checked with one ``aminmax`` over the storage range
+    they cover; only a range that fails is looked at tensor by tensor (its alignment gaps must
+    not count). One device -> host transfer per device."""
+    pairs = list(pairs)
+    fast = non_finite_views(pairs)
+    if fast is not None:
+        return fast
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, t in pairs:
         if t.numel() == 0:
@@ -296,15 +301,16 @@ def check_pairs(pairs: list[tuple[str, torch.Tensor]], *, checksum: str | None =
         seen.add(name)
         if not t.is_floating_point():
             raise ValueError(f"load_weights: {name} has dtype {t.dtype}; weights are floating point")
-    bad = non_finite(pairs)
+    if checksum is not None and not isinstance(checksum, str):
+        raise ValueError(f"checksum must be a hex string, got {type(checksum).__name__}")
+    if checksum is None:
+        bad = non_finite(pairs)
+    else:  # one read of the tensors for both on CUDA (``scan_views``)
+        got, bad = scan_views(pairs, finite=True)
     if bad:
         raise ValueError(non_finite_error(bad))
-    if checksum is not None:
-        if not isinstance(checksum, str):
-            raise ValueError(f"checksum must be a hex string, got {type(checksum).__name__}")
-        got = checksum_views(pairs)
-        if got != checksum:
-            raise ValueError(checksum_error(got, checksum))
+    if checksum is not None and got != checksum:
+        raise ValueError(checksum_error(got, checksum))
 
 
 NO_WEIGHTS = "load_weights got no weights: nothing to load (the version stays)"

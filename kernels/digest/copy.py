@@ -143,7 +143,7 @@ class CopyPlan:
             for k, (s, n) in enumerate(zip(st, ln)):
                 src = flat[s:s + n]
                 digests.append(ref.digest_reference(ref.bits_view(src)))
-                bad.append(_non_finite(src))
+                bad.append(non_finite_count(src))
                 if copy:
                     dst = self.dsts[g][k]
                     with torch.no_grad():
@@ -266,11 +266,11 @@ class CopyPlan:
             s, n = self.starts[g][k], self.lengths[g][k]
             src = flats[g][s:s + n]
             digests[index] = ref.digest_tensor_reference(ref.bits_view(src))
-            bad[index] = _non_finite(src)
+            bad[index] = non_finite_count(src)
         return digests, bad
 
 
-def _non_finite(t: torch.Tensor) -> torch.Tensor | int:
+def non_finite_count(t: torch.Tensor) -> torch.Tensor | int:
     """How many values of ``t`` are NaN or inf (a device tensor for floating ``t``, else 0)."""
     return (~torch.isfinite(t)).sum() if t.is_floating_point() else 0
 

@@ -20,7 +20,7 @@ from polynya.kernels.digest.copy import CopyPlan
 from polynya.kernels.digest.reference import bits_view
 from polynya.verified_copy import VerifiedBucketCopy
 from polynya.weights import BucketSpec
-from triton_interp import run_under_interpreter
+from triton_interp import check_under_interpreter, digest_kernels_on_cpu
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -197,18 +197,13 @@ def test_plan_refuses_bad_layouts():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter is on")
 def test_kernel_under_interpreter():
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the compiled kernel is checked by test_kernel_on_gpu")
-    run_under_interpreter(__file__)
+    check_under_interpreter(__file__)
 
 
 def _interp():
     from polynya.kernels.digest import op
 
-    op.KERNEL_ON_CPU = True
-    op.BLOCK = 64  # many blocks (of 64-bit words) per tensor at interpreter-friendly sizes
-    op.RBLOCK = 4  # several iterations of the per-tensor sum
+    digest_kernels_on_cpu()
     check_plan("cpu", 24, op.BLOCK, kernel=True)
     check_verified_load("cpu", 16, op.BLOCK)
     for dtype in DTYPES:  # NaN / inf in every lane of a word are found
