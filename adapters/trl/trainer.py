@@ -41,10 +41,9 @@ from trl.trainer.utils import (
 )
 
 from ...config.sampler import SamplerConfig
-from ...checksum import checksum_views
 from ...engines.sample import SamplingEngine
 from ...logprobs import compute_logprobs
-from ...sync import SyncError
+from ...sync.push import WeightPush
 from ...types import SamplingParams
 from .translate import (
     check_groups,
@@ -92,6 +91,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         with _plain_model_loading(self.args):
             self.sampler = SamplingEngine(self._sampler_config(sampler_config, args, kwargs))
         self._pushed_step: int | None = None
+        self._push = WeightPush()
         self.push_weights()
         self.add_callback(_PushWeights(self))
 
@@ -128,34 +128,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         return config if config.device is not None else dataclasses.replace(config, device=device)
 
     # ------------------------------------------------------------------ weights
-    def _policy_weights(self):
-        """``(name, tensor)`` of the unwrapped policy, gathered one at a time under ZeRO-3."""
-        policy = self.accelerator.unwrap_model(self.model)
-        for name, param in policy.named_parameters():
-            with self._dist.gather_params([param]):
-                yield name, param.data
-
     def push_weights(self) -> None:
-        """Copy the policy's weights into the sampler (cast to its dtype), then check that the
-        sampler's checksum equals the policy's; ``SyncError`` if not. No-op when the optimizer
-        has not stepped since the last push."""
+        """Copy the policy's weights into the sampler (cast to its dtype; gathered under
+        ZeRO-3), verified: the sampler checks NaN/inf and the policy's checksum before it
+        copies anything, and its checksum afterwards must equal the policy's; ``SyncError``
+        (sampler unchanged when refused) if not. No-op when the optimizer has not stepped since
+        the last push. ``polynya.sync.push.WeightPush`` does the work in a fixed number of
+        launches; when a cast or a ZeRO-3 gather is needed it keeps a staging buffer of one
+        copy of the weights in the sampler's dtype between pushes."""
         if self._pushed_step == self.state.global_step:
             return
         start = time.perf_counter()
-        dtype, zero3 = getattr(torch, self.sampler.config.dtype), self._dist.is_zero3
-        # under ZeRO-3 a gathered tensor is released when the next one is gathered: keep a copy
-        want = [(n, t.to(dtype, copy=zero3)) for n, t in self._policy_weights()]
-        # checksum_views == checksum_named_tensors by definition; on CUDA it digests with the
-        # Triton kernels and one device -> host transfer instead of ~30 torch ops and one
-        # .item() per tensor (the reference path it falls back to on CPU)
-        expected = checksum_views(want)
-        try:
-            self.sampler.load_weights(want, checksum=expected)  # checked before anything is copied
-        except ValueError as exc:
-            raise SyncError(f"push of the policy's weights refused (sampler unchanged): {exc}") from exc
-        got = self.sampler.weight_checksum()
-        if got != expected:
-            raise SyncError(f"sampler weights after the push hash to {got}, the policy's to {expected}")
+        policy = self.accelerator.unwrap_model(self.model)
+        gather = self._dist.gather_params if self._dist.is_zero3 else None
+        self._push(self.sampler, policy.named_parameters(), gather=gather)
         self._pushed_step = self.state.global_step
         self._metrics["train"]["polynya/sync_s"].append(time.perf_counter() - start)
 

@@ -14,6 +14,9 @@
 - ``group``: ``SyncGroup`` — the split transport's own process group (NCCL / gloo, its own
   store) with bounded waits: a member that dies, stalls or gives up is detected by heartbeats
   (``liveness``) within ``peer_timeout_s`` and the group is torn down, never a hang.
+- ``push``: ``WeightPush`` — in-process push of a framework's module into an engine (TRL's
+  adapter): the parameters directly, or through a flat staging buffer when a cast or a ZeRO-3
+  gather is needed; verified before the copy and by checksum after, in a fixed number of launches.
 - ``broadcast``: split transport — ``send_weights`` / ``recv_weights`` over a ``SyncGroup``;
   trainer ranks share the sending, packing overlaps sending; ``SyncPeerLost`` on a lost member.
 """
@@ -22,6 +25,7 @@ from .broadcast import recv_weights, send_weights
 from .group import SyncGroup
 from .liveness import SyncPeerLost
 from .manifest import BucketSpec, SyncError, SyncManifest, build_manifest, plan_buckets
+from .push import WeightPush
 from .shared import BucketHandle, SharedExport, open_shared
 from .staging import StagedUpdate, apply_update
 
@@ -33,6 +37,7 @@ __all__ = [
     "BucketSpec",
     "SyncError",
     "SyncManifest",
+    "WeightPush",
     "build_manifest",
     "plan_buckets",
     "BucketHandle",

@@ -244,6 +244,38 @@ def test_a_corrupted_push_is_refused(model_dir, tmp_path):
     assert trainer.sampler.weight_version == version
 
 
+def test_push_casts_to_sampler_dtype_and_refuses_nan(model_dir, tmp_path):
+    """A bf16 sampler under an fp32 policy: the push goes through the staging buffer (cast),
+    the sampler then equals the policy cast to bf16; a NaN weight is refused before anything is
+    copied (sampler and its version unchanged, the step not marked as pushed)."""
+    trainer = GRPOTrainer(model_dir, reward_funcs=reward_digits, args=_args(tmp_path),
+                          train_dataset=_dataset(), processing_class=tiny_tokenizer(),
+                          sampler_config=SamplerConfig(model_dir, dtype="bfloat16", kv_cache_memory_gb=0.05))
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+
+    def policy_in_bf16():
+        return checksum_named_tensors([(n, p.detach().bfloat16()) for n, p in policy.named_parameters()])
+
+    assert trainer._push.last_path == "staged"
+    assert trainer.sampler.weight_checksum() == policy_in_bf16()
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(1.01)
+    trainer.state.global_step = 1  # as after an optimizer step
+    trainer.push_weights()
+    assert trainer._pushed_step == 1 and trainer.sampler.weight_checksum() == policy_in_bf16()
+    trainer.push_weights()  # no optimizer step since: no push
+    assert len(trainer._metrics["train"]["polynya/sync_s"]) == 2
+    before, version = trainer.sampler.weight_checksum(), trainer.sampler.weight_version
+    with torch.no_grad():
+        policy.model.layers[0].self_attn.q_proj.weight[1, 2] = float("nan")
+    trainer.state.global_step = 2
+    with pytest.raises(SyncError, match="NaN or inf"):
+        trainer.push_weights()
+    assert trainer._pushed_step == 1
+    assert (trainer.sampler.weight_checksum(), trainer.sampler.weight_version) == (before, version)
+
+
 def test_bf16_autocast_error_within_twice_trl_own(run):
     """Under bf16 autocast (what TRL's ``accelerator.autocast()`` applies with ``args.bf16``),
     polynya's log-probs are as close to the fp32 values as TRL's own bf16 ones (<= 2x its error)."""

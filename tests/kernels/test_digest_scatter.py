@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from op_count import OpCount
 from polynya.checksum import (
     checksum_named_tensors,
     checksum_views,
@@ -23,20 +24,9 @@ from polynya.checksum import (
 from polynya.kernels.digest import tensor_digest
 from polynya.kernels.digest.scatter import ScatterPlan
 from polynya.weights import check_pairs, non_finite
-from torch.utils._python_dispatch import TorchDispatchMode
 from triton_interp import check_under_interpreter, digest_kernels_on_cpu
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
-class OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def random_named(device: str, count: int, seed: int, block: int) -> list[tuple[str, torch.Tensor]]:
