@@ -24,6 +24,8 @@ torch path (its former self) with that digest.
 
     python benchmarks/bench_push.py --out $OUT                     # H200: random Qwen3-0.6B bf16
     python benchmarks/bench_push.py --model tiny:qwen3 --iters 3   # CPU smoke (torch paths)
+
+The push inside a whole TRL step is the ``push`` phase of ``profile_trl_step.py``.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from common import environment, markdown_table, save, wall_median_ms  # noqa: E402
+from common import cuda_median_ms, environment, markdown_table, median, save, wall_median_ms  # noqa: E402
 from op_count import OpCount  # noqa: E402
 
 
@@ -93,8 +95,11 @@ def old_push(sampler, policy, dtype: torch.dtype) -> None:
 
 
 def hbm_copy_ms(nbytes: int, device: str) -> float:
+    """One device-to-device copy of ``nbytes`` (CUDA events; wall clock on CPU)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
+    if device == "cuda":
+        return median(cuda_median_ms(lambda: dst.copy_(src), warmup=3, iters=20))
     return wall_median_ms(lambda: dst.copy_(src), warmup=3, iters=20)
 
 
