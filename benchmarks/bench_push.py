@@ -40,13 +40,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from common import cuda_median_ms, environment, markdown_table, median, save, wall_median_ms  # noqa: E402
-from op_count import OpCount  # noqa: E402
+from common import cuda_median_ms, environment, markdown_table, median, save, wall_median_ms
+from op_count import OpCount
 
 
 def old_checksum_views(items) -> str:
     """``polynya.checksum.checksum_views`` before the ScatterPlan (one DigestPlan per storage)."""
-    from polynya.checksum import cached_plan, checksum_lines, checksum_named_tensors, gather, signature_prefix
+    from polynya.checksum import (
+        cached_plan,
+        checksum_lines,
+        checksum_named_tensors,
+        gather,
+        signature_prefix,
+    )
     from polynya.kernels.digest.op import MAX_TENSOR, have_triton
 
     items = list(items)
@@ -139,7 +145,7 @@ def main() -> None:
     hbm_ms = hbm_copy_ms(nbytes, device)
     want = checksum_views(pairs)
     push, staged = WeightPush(), WeightPush()
-    no_gather = lambda ps: contextlib.nullcontext()  # noqa: E731
+    no_gather = lambda ps: contextlib.nullcontext()
 
     cases = [
         ("checksum_views", lambda: old_checksum_views(pairs), lambda: checksum_views(pairs)),
