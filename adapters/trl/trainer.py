@@ -57,13 +57,17 @@ from .translate import (
 
 
 class _PushWeights(TrainerCallback):
-    """After every optimizer step, the sampler gets the trainer's weights (checked)."""
+    """After every optimizer step, the sampler gets the trainer's weights (checked); after
+    training, the push's staging buffer is freed."""
 
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.push_weights()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._push.release()  # the staging buffer (if any) is not needed until the next push
 
 
 class GRPOTrainer(trl.GRPOTrainer):

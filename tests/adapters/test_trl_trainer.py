@@ -274,6 +274,11 @@ def test_push_casts_to_sampler_dtype_and_refuses_nan(model_dir, tmp_path):
         trainer.push_weights()
     assert trainer._pushed_step == 1
     assert (trainer.sampler.weight_checksum(), trainer.sampler.weight_version) == (before, version)
+    assert trainer._push._stage is not None
+    for cb in trainer.callback_handler.callbacks:  # the adapter's own callback, as at train end
+        if type(cb).__module__ == GRPOTrainer.__module__:
+            cb.on_train_end(trainer.args, trainer.state, trainer.control)
+    assert trainer._push._stage is None  # the staging buffer is freed after training
 
 
 def test_bf16_autocast_error_within_twice_trl_own(run):
