@@ -83,6 +83,18 @@ def test_push_makes_sampler_equal_policy(tmp_path, dtype, path):
     assert push._stage is None
 
 
+def test_stage_follows_the_layout(tmp_path):
+    """One WeightPush into samplers of two dtypes: the staging buffer is rebuilt for the new
+    dtype (the old one dropped first) and each sampler equals the policy cast to its dtype."""
+    bf16, policy = setup(tmp_path, "bfloat16")
+    f16 = setup(tmp_path, "float16")[0]
+    push = WeightPush()
+    for engine, dtype in ((bf16, "bfloat16"), (f16, "float16"), (bf16, "bfloat16")):
+        assert push(engine, policy.named_parameters()) == cast_checksum(policy, dtype)
+        assert push._stage.flat.dtype == getattr(torch, dtype)
+        assert engine.weight_checksum() == cast_checksum(policy, dtype)
+
+
 def test_chunked_gather_stages_every_parameter_once(tmp_path):
     engine, policy = setup(tmp_path, "float32")
     seen: list[list[str]] = []
