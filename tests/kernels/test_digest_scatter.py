@@ -136,9 +136,8 @@ def test_reference_path():
     check_scatter("cpu", 30, 64)
 
 
+@pytest.mark.gpu
 def test_plan_refuses_mixed_devices():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a second device")
     with pytest.raises(ValueError, match="one device"):
         ScatterPlan([torch.zeros(8), torch.zeros(8, device="cuda")])
 
