@@ -7,8 +7,10 @@ For adapters whose trainer is the framework's own module (TRL), not a polynya
     checksum = push(engine, policy.named_parameters(),    # SyncError: refused, engine unchanged
                     gather=None)                          # ZeRO-3: gather_params(list) context
 
-Per push, whichever way below, a fixed handful of launches and host syncs, not a few per
-tensor: the checksums go through ``polynya.checksum``'s O(1)-launch paths.
+Per push, whichever way below, a fixed handful of launches and three host syncs (the
+expected checksum, the engine's check, its checksum after), not a few per tensor: the checksums
+go through ``polynya.checksum``'s O(1)-launch paths (under ZeRO-3, plus one gather and one
+multi-tensor copy per chunk).
 
 1. **direct** — the parameters are whole (no ``gather``) and already in the engine's dtype: the
    expected checksum is the parameters' own (``checksum_views``); the engine loads them as
