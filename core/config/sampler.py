@@ -44,6 +44,12 @@ class SamplerConfig:
             merge cost more than the saved reads — calibrated on an H200 with the Qwen3-0.6B
             shape: 0.9x at 14k saved tokens, 1.7x at 491k). 0 = whenever pages are shared.
         cuda_graphs: replay decode steps as CUDA graphs (CUDA only; captured per batch bucket).
+        async_scheduling: prepare each decode step on the host while the device runs the one
+            before it, and launch it as soon as that step's tokens are back — before they are
+            booked (``polynya.engines.sample.native.engine``). Same tokens, log-probs and
+            finish reasons as without; steps that need the scheduler (prefills, a row needing a
+            page, preemption) run synchronously. False: every step is scheduled, run and booked
+            in turn.
         seed: engine seed (model init for random specs; default sampling seeds).
     """
 
@@ -60,6 +66,7 @@ class SamplerConfig:
     fca: bool = True
     fca_min_shared_tokens: int = 32768
     cuda_graphs: bool = True
+    async_scheduling: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -83,7 +90,7 @@ class SamplerConfig:
         check_positive(self.max_num_batched_tokens, "SamplerConfig.max_num_batched_tokens", integer=True)
         if self.max_model_len is not None:
             check_positive(self.max_model_len, "SamplerConfig.max_model_len", integer=True)
-        for name in ("fca", "cuda_graphs"):
+        for name in ("fca", "cuda_graphs", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplerConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

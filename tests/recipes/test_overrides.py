@@ -103,6 +103,7 @@ VALUES = {
     "sampling.max_model_len": (256, [], {}),
     "sampling.fca_min_shared_tokens": (0, [], {}),
     "sampling.cuda_graphs": (False, [], {}),
+    "sampling.async_scheduling": (False, [], {}),
 }
 
 

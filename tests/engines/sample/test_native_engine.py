@@ -282,11 +282,11 @@ def test_failed_step_releases_the_call_and_engine_recovers(qwen, monkeypatch):
     runner = qwen.backend.runner
     real_run, calls = runner.run, []
 
-    def flaky(seqs, is_prefill):
+    def flaky(seqs, is_prefill, *args):
         calls.append(is_prefill)
         if len(calls) == 3:
             raise RuntimeError("device fault")
-        return real_run(seqs, is_prefill)
+        return real_run(seqs, is_prefill, *args)
 
     monkeypatch.setattr(runner, "run", flaky)
     with pytest.raises(RuntimeError, match="device fault"):

@@ -19,7 +19,8 @@ def test_defaults_validate():
     ("block_size", 0), ("block_size", 2.5), ("num_blocks", 0), ("kv_cache_memory_gb", -1),
     ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("max_model_len", 0), ("fca", "yes"),
     ("cuda_graphs", 1), ("seed", 1.5), ("seed", True), ("fca_min_shared_tokens", -1),
-    ("fca_min_shared_tokens", 2.0), ("fca_min_shared_tokens", True),
+    ("fca_min_shared_tokens", 2.0), ("fca_min_shared_tokens", True), ("async_scheduling", 1),
+    ("async_scheduling", None),
 ])
 def test_bad_fields_raise_value_error(field, value):
     kwargs = {"model": "tiny:qwen3", field: value}

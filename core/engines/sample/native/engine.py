@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from polynya.config.sampler import SamplerConfig
 from polynya.types import Sample, SamplingParams, TokenSeq
@@ -30,7 +31,9 @@ from polynya.types import Sample, SamplingParams, TokenSeq
 from ..requests import validate_requests
 from ..scoring import PromptLogprobs, validate_scoring
 from .block_manager import BlockManager
+from .decode_inputs import DecodeInputs
 from .model_runner import ModelRunner, WeightPieces
+from .readback import Readback
 from .sampler import SamplingTensors, sample
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence
@@ -43,6 +46,27 @@ class _AbortOrder:
     request_ids: frozenset[int] | None
     applied: threading.Event = field(default_factory=threading.Event)
     count: int = 0
+
+
+@dataclass
+class _Launched:
+    """A step on the device whose tokens are not booked yet (read back by ``Readback``)."""
+
+    rows: list[Sequence]
+    is_prefill: bool
+
+
+@dataclass
+class _Ahead:
+    """The next decode step, prepared while the current one runs: ``rows`` are the current
+    step's rows ``keep`` (those not at their length limit); ``inputs`` lack the ids and, for
+    the rows flagged in ``new_page``, the page their token goes to; ``uniforms`` their draws."""
+
+    keep: np.ndarray
+    rows: list[Sequence]
+    inputs: DecodeInputs
+    uniforms: list[float]
+    new_page: list[bool]
 
 
 @dataclass
@@ -85,9 +109,12 @@ class NativeEngine:
         self._aborts_lock = threading.Lock()  # orders are queued without waiting for a step
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0,
                         "prefill_steps": 0, "decode_steps": 0, "fca_steps": 0, "requests": 0,
-                        "scored_tokens": 0, "aborted_requests": 0}
+                        "scored_tokens": 0, "aborted_requests": 0, "ahead_steps": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
+        self.async_scheduling = config.async_scheduling
+        self._readback = Readback(self.runner.device)
+        self._inflight: _Launched | None = None  # launched ahead, not booked (async scheduling)
 
     # ---------------------------------------------------------------- requests
     def validate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams]
@@ -145,6 +172,7 @@ class NativeEngine:
                     self.step()
         except BaseException:  # a failed step (or an interrupt): drop this call's requests
             with self._lock:
+                self._inflight = None  # never booked: its rows redo that step
                 self.scheduler.abort(set(rids))
                 for r in rids:
                     self._requests.pop(r, None)
@@ -160,6 +188,7 @@ class NativeEngine:
         with self._lock:
             if self.asleep:
                 raise RuntimeError("the sampling engine is asleep; call wake() first")
+            self._finish_inflight()
             out = self.runner.score(toks, k, temp)
             self._counts["scored_tokens"] += sum(map(len, toks))
             return out
@@ -183,6 +212,7 @@ class NativeEngine:
         return order.count
 
     def _apply_aborts(self) -> None:
+        self._finish_inflight()  # an abort lands after the step already on the device
         with self._aborts_lock:
             orders, self._aborts = self._aborts, []
         for order in orders:
@@ -208,15 +238,41 @@ class NativeEngine:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> None:
-        """Apply pending aborts, then schedule, forward, sample and book-keep one engine step."""
+        """Book one engine step: schedule, forward and sample it (unless async scheduling
+        already launched it), read its tokens back, and book them (tokens, stop checks, pages).
+
+        With ``async_scheduling`` the next decode step is launched as soon as this one's tokens
+        are back and before they are booked, from inputs prepared while this step ran on the
+        device; it stays in flight when ``step`` returns, and the next ``step`` books it."""
         start = time.perf_counter()
         if self._aborts:
             self._apply_aborts()
+        cur, self._inflight = self._inflight, None
+        if cur is None:
             if not self.scheduler.has_work():
                 return
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                return
+            cur = self._launch(batch)
+        ahead = self._prepare_ahead(cur) if self.async_scheduling else None
+        tokens, logprobs = self._readback.result()
+        if ahead is not None:
+            self._inflight = self._launch_ahead(cur, ahead, tokens)
+        self._postprocess(cur.rows, tokens, logprobs)
+        self._times["prefill_time_s" if cur.is_prefill else "decode_time_s"] += time.perf_counter() - start
+
+    def _finish_inflight(self) -> None:
+        """Book the step in flight, if any (before anything that must see the engine between
+        two steps: aborts, weight loads, sleep, scoring)."""
+        cur, self._inflight = self._inflight, None
+        if cur is not None:
+            start = time.perf_counter()
+            self._postprocess(cur.rows, *self._readback.result())
+            self._times["decode_time_s"] += time.perf_counter() - start
+
+    def _launch(self, batch: Batch) -> _Launched:
+        """Forward and sample a scheduled step; its tokens are on their way to the host."""
         if batch.copies:
             self.runner.copy_blocks(batch.copies)
         logits = self.runner.run(batch.seqs, batch.is_prefill)
@@ -225,11 +281,69 @@ class NativeEngine:
         rows, parents = self._expand_forks(batch)
         if len(rows) != len(batch.seqs):
             logits = logits[torch.tensor(parents, device=logits.device)]
-        uniforms = [0.0 if s.params.temperature == 0 else s.next_uniform() for s in rows]
-        tokens, logprobs = sample(logits, self._sampling_tensors(rows, uniforms, logits))
-        both = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()  # one sync
-        self._postprocess(rows, both[0].long().tolist(), both[1].tolist())
-        self._times["prefill_time_s" if batch.is_prefill else "decode_time_s"] += time.perf_counter() - start
+        self._sample(rows, logits)
+        return _Launched(rows, batch.is_prefill)
+
+    @staticmethod
+    def _uniforms(rows: list[Sequence], ahead: int = 0) -> list[float]:
+        """Each row's draw for its next token (``ahead=1``: for the token after it)."""
+        return [0.0 if s.params.temperature == 0 else s.uniform(ahead) for s in rows]
+
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor, uniforms: list[float] | None = None) -> None:
+        if uniforms is None:
+            uniforms = self._uniforms(rows)
+        self._readback.start(*sample(logits, self._sampling_tensors(rows, uniforms, logits)))
+
+    def _prepare_ahead(self, cur: _Launched) -> _Ahead | None:
+        """While ``cur`` runs on the device: the inputs of the decode step after it, for the
+        rows that will not reach their length limit — or ``None`` when that step needs the
+        scheduler's judgement (``cur`` is a prefill, a prefill is waiting, a page is shared):
+        it then runs after ``cur`` is booked, exactly as without async scheduling."""
+        if cur.is_prefill or self.scheduler.waiting:
+            return None
+        bm = self.block_manager
+        keep, rows, new_page = [], [], []
+        for i, seq in enumerate(cur.rows):
+            if self._at_length(seq, len(seq) + 1):  # with this step's token: finished
+                continue
+            if bm.needs_copy(seq, ahead=1):
+                return None
+            keep.append(i)
+            rows.append(seq)
+            new_page.append(bm.needs_block(seq, ahead=1))
+        if not rows:
+            return None
+        return _Ahead(np.asarray(keep), rows, DecodeInputs.build(rows, bm.block_size, ahead=1),
+                      self._uniforms(rows, ahead=1), new_page)
+
+    def _launch_ahead(self, cur: _Launched, ahead: _Ahead, tokens: list[int]) -> _Launched | None:
+        """Launch the prepared step once ``cur``'s tokens are known: rows whose token was a
+        stop token leave it, rows at a page boundary get their page now — exactly the rows,
+        order, pages and arrays the scheduler would give after ``cur`` is booked. ``None``
+        (the scheduler decides after booking) when the free pages do not cover every row."""
+        rows, inputs, keep, uniforms = ahead.rows, ahead.inputs, ahead.keep, ahead.uniforms
+        live = [j for j, i in enumerate(keep) if tokens[i] not in rows[j].stop_ids]
+        if not live:
+            return None
+        new_page = [k for k, j in enumerate(live) if ahead.new_page[j]]
+        if len(new_page) > self.block_manager.num_free:
+            return None  # the scheduler preempts (after the stopped rows' pages are back)
+        if len(live) < len(rows):
+            rows, inputs, keep = [rows[j] for j in live], inputs.select(np.asarray(live)), keep[live]
+            uniforms = [uniforms[j] for j in live]
+        if new_page:  # what Scheduler._schedule_decode does for these rows, in its order
+            for k in new_page:
+                assert self.block_manager.append_slot(rows[k]) is None
+            inputs = inputs.with_pages(new_page, [rows[k].block_table[-1] for k in new_page],
+                                       self.block_manager.block_size)
+        inputs = inputs.with_ids(np.asarray(tokens, dtype=np.int64)[keep])
+        logits = self.runner.run(rows, False, inputs)
+        self._counts["decode_steps"] += 1
+        self._counts["ahead_steps"] += 1
+        self._counts["decode_tokens"] += len(rows)
+        self._counts["fca_steps"] += self.runner.last_step_fca
+        self._sample(rows, logits, uniforms)
+        return _Launched(rows, False)
 
     def _sampling_tensors(self, rows: list[Sequence], uniforms: list[float],
                           logits: torch.Tensor) -> SamplingTensors:
@@ -262,16 +376,22 @@ class NativeEngine:
     def _postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
         for seq, tok, lp in zip(rows, tokens, logprobs):
             self.block_manager.commit(seq, len(seq))
+            if seq.params.temperature != 0:
+                seq.advance_uniform()
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
             reason = None
             if tok in seq.stop_ids:
                 reason = "stop"
-            elif len(seq) - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            elif self._at_length(seq, len(seq)):
                 reason = "length"
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._requests[seq.request_id].finished.append(seq)
+
+    def _at_length(self, seq: Sequence, length: int) -> bool:
+        """Whether ``seq`` is finished (``"length"``) once it holds ``length`` tokens."""
+        return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
     def _count(self, batch: Batch) -> None:
         c = self._counts
@@ -293,6 +413,7 @@ class NativeEngine:
             if version is not None and int(version) <= self.weight_version:
                 raise ValueError(f"weight version {version} is not newer than the served "
                                  f"{self.weight_version}")
+            self._finish_inflight()  # it ran on the old weights: book it before they change
             self.runner.load_weights(weights, checksum=checksum)
             self.block_manager.reset_prefix_cache()
             self.weight_version = self.weight_version + 1 if version is None else int(version)
@@ -310,6 +431,7 @@ class NativeEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         with self._lock:
+            self._finish_inflight()
             if self.scheduler.has_work():
                 raise RuntimeError("cannot sleep with requests in flight")
             self.runner.free_kv()
@@ -331,6 +453,8 @@ class NativeEngine:
         ``decode_tokens``, ``scored_tokens`` (``prompt_logprobs``), ``cache_hit_tokens`` /
         ``cache_hit_blocks``, ``aborted_requests`` (requests ``abort`` stopped), ``fca_steps``
         (decode steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached),
+        ``ahead_steps`` (decode steps async scheduling launched before the previous step was
+        booked),
         ``blocks_in_use`` of ``num_blocks``, ``preemptions``, step counts, ``weight_version``,
         and wall time spent
         in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures

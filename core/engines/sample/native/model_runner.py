@@ -26,6 +26,7 @@ from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, checked_p
 from ..scoring import PromptLogprobs, score_hidden
 from . import attention
 from .cuda_graph import DecodeGraphs, GraphCaptureError
+from .decode_inputs import DecodeInputs
 from .kv_memory import KVMemory
 from .sequence import Sequence
 
@@ -212,21 +213,6 @@ class ModelRunner:
         return (np.asarray(ids, dtype=np.int64), np.concatenate(pos), ctx,
                 self._to_device(np.asarray(last, dtype=np.int64), torch.int64))
 
-    def _decode_inputs(self, seqs: list[Sequence]) -> tuple[np.ndarray, ...]:
-        """Host arrays of a decode step: ids, positions, cache slots, block tables, lengths."""
-        n = len(seqs)
-        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-        ids = np.fromiter((s.last_token for s in seqs), dtype=np.int64, count=n)
-        arrays = [s.table_np() for s in seqs]
-        width = max(len(a) for a in arrays)
-        tables = np.zeros((n, width), dtype=np.int32)
-        for i, a in enumerate(arrays):
-            tables[i, :len(a)] = a
-        pos = lens - 1
-        slots = tables[np.arange(n), pos // self.block_size].astype(np.int64) * self.block_size
-        slots += pos % self.block_size
-        return ids, pos, slots, tables, lens
-
     @staticmethod
     def shares_pages(seqs: list[Sequence]) -> bool:
         """Whether any two sequences share KV pages. Shared prefixes start at page 0, so
@@ -262,17 +248,25 @@ class ModelRunner:
             raise RuntimeError("the KV cache is released (engine asleep); call wake() first")
         return [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.num_layers)]
 
+    def use_fca_for(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of ``seqs`` takes FCA (on, pages shared, and it pays)."""
+        return self.use_fca and self.shares_pages(seqs) and self.fca_pays(seqs)
+
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Forward one step. Returns ``[len(seqs), V]`` next-token logits (model dtype)."""
+    def run(self, seqs: list[Sequence], is_prefill: bool, inputs: DecodeInputs | None = None) -> torch.Tensor:
+        """Forward one step. Returns ``[len(seqs), V]`` next-token logits (model dtype).
+        ``inputs``: a decode step's arrays when the caller built them (async scheduling
+        prepares them while the previous step runs); built from ``seqs`` otherwise."""
         if is_prefill:
             ids, pos, ctx, last = self._prefill_inputs(seqs)
             out = self.model(input_ids=self._to_device(ids, torch.int64)[None],
                              position_ids=self._to_device(pos, torch.int64)[None],
                              use_cache=False, logits_to_keep=last, **{attention.CTX_KWARG: ctx})
             return out.logits[0]
-        ids, pos, slots, tables, lens = self._decode_inputs(seqs)
-        fca = self.use_fca and self.shares_pages(seqs) and self.fca_pays(seqs)
+        if inputs is None:
+            inputs = DecodeInputs.build(seqs, self.block_size)
+        ids, pos, slots, tables, lens = inputs.astuple()
+        fca = self.use_fca_for(seqs)
         self.last_step_fca = fca
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
             try:

@@ -37,6 +37,7 @@ class SamplingTensors:
     needs_min_p: bool
     all_greedy: bool
     any_greedy: bool
+    _pinned: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # see with_uniforms
 
     @classmethod
     def build(cls, params: list[SamplingParams], uniforms: list[float], vocab_size: int,
@@ -61,12 +62,18 @@ class SamplingTensors:
                    any_greedy=any(greedy))
 
     def with_uniforms(self, uniforms: list[float]) -> SamplingTensors:
-        """The same row settings with new uniform draws (one small host-to-device copy): a
-        decode step whose rows are the previous step's rows reuses everything else."""
-        host = torch.tensor(uniforms, dtype=torch.float32)
+        """The same row settings with new uniform draws, written in place (one small host-to-
+        device copy from a reused pinned buffer): a decode step whose rows are the previous
+        step's rows reuses everything else. The engine reads each step's tokens back before it
+        launches the next, so the previous copy out of the buffer has finished."""
         if self.uniform.is_cuda:
-            host = host.pin_memory()
-        return dataclasses.replace(self, uniform=host.to(self.uniform.device, non_blocking=True))
+            if self._pinned is None:
+                self._pinned = torch.empty(len(uniforms), dtype=torch.float32).pin_memory()
+            self._pinned.numpy()[:] = uniforms
+            self.uniform.copy_(self._pinned, non_blocking=True)
+        else:
+            self.uniform.copy_(torch.tensor(uniforms, dtype=torch.float32))
+        return self
 
 
 def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

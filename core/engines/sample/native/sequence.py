@@ -64,11 +64,17 @@ class Sequence:
         """Blocks needed to hold the KV of every token."""
         return (len(self.token_ids) + block_size - 1) // block_size
 
-    def next_uniform(self) -> float:
-        """The next U[0, 1) draw of this sequence's generator (drawn 64 at a time)."""
-        if not self._uniforms:
-            self._uniforms = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
-        return self._uniforms.pop()
+    def uniform(self, ahead: int = 0) -> float:
+        """The current U[0, 1) draw of this sequence's generator (drawn 64 at a time); it stays
+        current until ``advance_uniform``, called once the token it sampled is kept, so a step
+        that is never booked (a failed one) uses up nothing. ``ahead=1``: the draw after it
+        (for a step launched before the current one is booked)."""
+        while len(self._uniforms) <= ahead:  # stored last-first: later draws go in front
+            self._uniforms[:0] = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms[-1 - ahead]
+
+    def advance_uniform(self) -> None:
+        self._uniforms.pop()
 
     def table_np(self) -> np.ndarray:
         """``block_table`` as an int32 array, rebuilt only after the block manager changed it."""

@@ -1,0 +1,183 @@
+"""Async scheduling (``SamplerConfig.async_scheduling``) against the synchronous engine (tiny
+models, fp32, CPU — the same code path as on a GPU, where it also overlaps).
+
+Oracle: the same engine built with ``async_scheduling=False``. Every test compares tokens,
+log-probs, finish reasons and the engine's counters, and checks that steps were actually
+launched ahead (``ahead_steps``) so the async path is the one under test.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from polynya import SamplingParams
+from polynya.models import load_model
+
+from .test_native_engine import make_engine, ragged_prompts
+
+COUNTERS = ("prefill_tokens", "decode_tokens", "cache_hit_tokens", "prefill_steps", "decode_steps",
+            "requests", "preemptions", "blocks_in_use", "cache_hit_blocks", "aborted_requests",
+            "fca_steps", "scored_tokens")
+
+
+def pair(**kw):
+    return make_engine(async_scheduling=False, **kw), make_engine(async_scheduling=True, **kw)
+
+
+def steps_until_in_flight(engine, at_least: int) -> int:
+    """Step the async engine until a step is in flight (at least ``at_least`` steps); returns
+    how many ``step`` calls that took."""
+    steps = 0
+    while steps < at_least or engine._inflight is None:
+        engine.step()
+        steps += 1
+        assert steps < 100, "no step was launched ahead"
+    return steps
+
+
+def outputs(result) -> list:
+    return [[(s.token_ids, s.logprobs, s.finish_reason) for s in samples] for samples in result]
+
+
+def same_counters(sync, asyn) -> None:
+    a, b = sync.stats(), asyn.stats()
+    assert {k: a[k] for k in COUNTERS} == {k: b[k] for k in COUNTERS}
+    assert a["ahead_steps"] == 0 and b["ahead_steps"] > 0
+
+
+def mixed_params(rng: np.random.Generator, count: int, stops: list[tuple[int, ...]]) -> list[SamplingParams]:
+    """Seeded and unseeded, greedy and sampled, filters, forks, ragged lengths, stop tokens."""
+    out = []
+    for i in range(count):
+        kind = i % 4
+        out.append(SamplingParams(
+            n=int(rng.integers(1, 5)), temperature=0.0 if kind == 3 else float(rng.uniform(0.7, 1.2)),
+            top_k=50 if kind == 1 else -1, top_p=0.9 if kind == 2 else 1.0,
+            max_tokens=int(rng.integers(3, 24)), seed=None if kind == 2 else int(rng.integers(1 << 30)),
+            stop_token_ids=stops[i], logprobs=True))
+    return out
+
+
+def stops_hit_at_different_steps(engine, prompts: list[list[int]], seed: int) -> list[tuple[int, ...]]:
+    """Per prompt, a stop token its greedy continuation emits at a different step each."""
+    free = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=()))
+    return [(samples[0].token_ids[(2 * i + seed) % 20],) for i, samples in enumerate(free)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_async_equals_sync_on_a_mixed_batch(seed):
+    """Ragged prompts, n > 1 forks, stop tokens hit at different steps, max_tokens reached,
+    greedy / top-k / top-p / unseeded rows: every output and counter equal."""
+    sync, asyn = pair(max_num_seqs=16)
+    rng = np.random.default_rng(seed)
+    prompts = ragged_prompts(100 + seed, rng.integers(3, 40, size=7).tolist())
+    stops = stops_hit_at_different_steps(make_engine(), prompts, seed)
+    params = mixed_params(rng, len(prompts), stops)
+    want, got = sync.generate(prompts, params), asyn.generate(prompts, params)
+    assert outputs(got) == outputs(want)
+    reasons = {s.finish_reason for samples in got for s in samples}
+    assert reasons == {"stop", "length"}, reasons
+    same_counters(sync.backend, asyn.backend)
+    # the engines stay in step: a second call (prefix cache hits, fresh master-seed draws) too
+    assert outputs(asyn.generate(prompts[:4], params[:4])) == outputs(sync.generate(prompts[:4], params[:4]))
+    same_counters(sync.backend, asyn.backend)
+
+
+def test_async_equals_sync_under_preemption():
+    """A cache too small for the batch: preemption, recompute and forks, same results."""
+    sync, asyn = pair(num_blocks=14, max_num_seqs=8)
+    prompts = ragged_prompts(12, [10, 7, 5])
+    params = [SamplingParams(n=4, temperature=1.0, max_tokens=14, seed=5, stop_token_ids=(), logprobs=True),
+              SamplingParams(n=3, temperature=0, max_tokens=11, stop_token_ids=(), logprobs=True),
+              SamplingParams(n=2, temperature=0.8, top_k=20, max_tokens=9, seed=6, logprobs=True)]
+    want, got = sync.generate(prompts, params), asyn.generate(prompts, params)
+    assert outputs(got) == outputs(want)
+    assert sync.stats()["preemptions"] > 0
+    same_counters(sync.backend, asyn.backend)
+
+
+def test_abort_in_flight_lands_after_that_step():
+    """``abort`` while a step is on the device books that step first: the result equals the
+    synchronous engine aborting one step later, for the aborted request and the others."""
+    sync, asyn = pair()
+    prompts = ragged_prompts(21, [7, 13, 10])
+    params = [SamplingParams(n=2, temperature=0.9, max_tokens=14, seed=11, logprobs=True, stop_token_ids=()),
+              SamplingParams(n=3, temperature=1.0, top_k=50, max_tokens=14, seed=12, logprobs=True,
+                             stop_token_ids=()),
+              SamplingParams(temperature=0.8, max_tokens=14, seed=13, logprobs=True, stop_token_ids=())]
+    results, steps = [], 0
+    for engine in (asyn.backend, sync.backend):
+        toks, plist = engine.validate(prompts, params)
+        rids = [engine.add_request(t, p) for t, p in zip(toks, plist)]
+        if engine.async_scheduling:
+            steps = steps_until_in_flight(engine, 5)
+        else:
+            for _ in range(steps + 1):
+                engine.step()
+        assert engine.abort([rids[1]]) == 1
+        assert engine._inflight is None
+        results.append(outputs(engine.wait(rids)))
+    assert results[1] == results[0]
+    assert {s[2] for s in results[0][1]} == {"abort"} and all(len(s[0]) == steps + 1 for s in results[0][1])
+    same_counters(sync.backend, asyn.backend)
+
+
+def test_request_added_while_a_step_is_in_flight():
+    """A request queued between two ``step`` calls joins after the step in flight: equal to the
+    synchronous engine receiving it one step later."""
+    sync, asyn = pair()
+    first = ragged_prompts(31, [9, 14])
+    late = ragged_prompts(32, [6])
+    p = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=3, stop_token_ids=(), logprobs=True)
+    results, steps = [], 0
+    for engine in (asyn.backend, sync.backend):
+        toks, plist = engine.validate(first + late, p)
+        rids = [engine.add_request(t, q) for t, q in zip(toks[:2], plist[:2])]
+        if engine.async_scheduling:
+            steps = steps_until_in_flight(engine, 3)
+        else:
+            for _ in range(steps + 1):
+                engine.step()
+        rids.append(engine.add_request(toks[2], plist[2]))
+        results.append(outputs(engine.wait(rids)))
+    assert results[1] == results[0]
+    same_counters(sync.backend, asyn.backend)
+
+
+def test_scoring_weight_load_and_sleep_between_steps():
+    """``prompt_logprobs`` while a step is in flight, then a weight load and sleep / wake
+    between generates: the same answers as the synchronous engine, in the same order."""
+    sync, asyn = pair()
+    new = dict(load_model("tiny:qwen3", dtype="float32", seed=1).named_parameters())
+    prompts = ragged_prompts(41, [8, 15])
+    p = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=8, stop_token_ids=(), logprobs=True)
+    results, steps = [], 0
+    for engine in (asyn.backend, sync.backend):
+        toks, plist = engine.validate(prompts, p)
+        rids = [engine.add_request(t, q) for t, q in zip(toks, plist)]
+        if engine.async_scheduling:
+            steps = steps_until_in_flight(engine, 3)
+        else:
+            for _ in range(steps + 1):
+                engine.step()
+        scored = engine.prompt_logprobs(prompts, top_k=3)
+        assert engine._inflight is None
+        first = outputs(engine.wait(rids))
+        engine.load_weights(new)
+        second = outputs(engine.generate(prompts, p))
+        engine.sleep(level=1)
+        engine.wake()
+        third = outputs(engine.generate(prompts, p))
+        results.append((first, second, third, [(s.logprobs.tolist(), s.top_ids.tolist()) for s in scored]))
+    assert results[1] == results[0]
+    assert results[0][1] != results[0][0]  # the new weights answer differently
+    same_counters(sync.backend, asyn.backend)
+
+
+def test_async_scheduling_with_llama_and_greedy_forks():
+    """Another family, greedy forks that stop on the default EOS at their own steps."""
+    sync, asyn = pair(model="tiny:llama", max_num_seqs=12)
+    prompts = ragged_prompts(51, [4, 19, 11, 27])
+    p = SamplingParams(n=3, temperature=1.3, max_tokens=30, seed=9, logprobs=True)
+    want, got = sync.generate(prompts, p), asyn.generate(prompts, p)
+    assert outputs(got) == outputs(want)
+    same_counters(sync.backend, asyn.backend)
