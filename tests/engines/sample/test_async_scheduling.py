@@ -39,9 +39,14 @@ def outputs(result) -> list:
 
 
 def same_counters(sync, asyn) -> None:
+    """Same counters and the same block-manager state: free-page order (what later requests
+    get), prefix-cache keys and reference counts."""
     a, b = sync.stats(), asyn.stats()
     assert {k: a[k] for k in COUNTERS} == {k: b[k] for k in COUNTERS}
     assert a["ahead_steps"] == 0 and b["ahead_steps"] > 0
+    bm, bn = sync.block_manager, asyn.block_manager
+    assert list(bm.free) == list(bn.free) and bm.key == bn.key and bm.ref_count == bn.ref_count
+    assert bm.hash_to_block == bn.hash_to_block
 
 
 def mixed_params(rng: np.random.Generator, count: int, stops: list[tuple[int, ...]]) -> list[SamplingParams]:
@@ -76,6 +81,8 @@ def test_async_equals_sync_on_a_mixed_batch(seed):
     assert outputs(got) == outputs(want)
     reasons = {s.finish_reason for samples in got for s in samples}
     assert reasons == {"stop", "length"}, reasons
+    stats = asyn.stats()
+    assert stats["ahead_steps"] >= stats["decode_steps"] // 2  # the async path did the work
     same_counters(sync.backend, asyn.backend)
     # the engines stay in step: a second call (prefix cache hits, fresh master-seed draws) too
     assert outputs(asyn.generate(prompts[:4], params[:4])) == outputs(sync.generate(prompts[:4], params[:4]))

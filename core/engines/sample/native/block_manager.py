@@ -166,10 +166,11 @@ class BlockManager:
         bid = self._page(seq, ahead)
         return bid is not None and self.ref_count[bid] > 1
 
-    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make the page for the last token writable; returns a ``(src, dst)`` page copy to do
-        before the step when the page was shared (copy-on-write), else ``None``."""
-        pos = len(seq) - 1
+    def append_slot(self, seq: Sequence, ahead: int = 0) -> tuple[int, int] | None:
+        """Make the page for the last token (``ahead=1``: the token after it) writable; returns
+        a ``(src, dst)`` page copy to do before the step when the page was shared
+        (copy-on-write), else ``None``."""
+        pos = len(seq) - 1 + ahead
         idx = pos // self.block_size
         if idx == len(seq.block_table):
             seq.block_table.append(self._take_free())

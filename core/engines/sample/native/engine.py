@@ -333,7 +333,7 @@ class NativeEngine:
             uniforms = [uniforms[j] for j in live]
         if new_page:  # what Scheduler._schedule_decode does for these rows, in its order
             for k in new_page:
-                assert self.block_manager.append_slot(rows[k]) is None
+                assert self.block_manager.append_slot(rows[k], ahead=1) is None
             inputs = inputs.with_pages(new_page, [rows[k].block_table[-1] for k in new_page],
                                        self.block_manager.block_size)
         inputs = inputs.with_ids(np.asarray(tokens, dtype=np.int64)[keep])
