@@ -23,15 +23,22 @@ def pair(**kw):
     return make_engine(async_scheduling=False, **kw), make_engine(async_scheduling=True, **kw)
 
 
-def steps_until_in_flight(engine, at_least: int) -> int:
-    """Step the async engine until a step is in flight (at least ``at_least`` steps); returns
-    how many ``step`` calls that took."""
+def start(engine, prompts, params, at_least: int, steps: int) -> tuple[list[int], int]:
+    """Queue the requests and step: the async engine until a step is in flight (at least
+    ``at_least`` steps), the synchronous one ``steps + 1`` times (one step further: the step the
+    async engine has in flight). Returns the request ids and the async engine's step count."""
+    toks, plist = engine.validate(prompts, params)
+    rids = [engine.add_request(t, p) for t, p in zip(toks, plist)]
+    if not engine.async_scheduling:
+        for _ in range(steps + 1):
+            engine.step()
+        return rids, steps
     steps = 0
     while steps < at_least or engine._inflight is None:
         engine.step()
         steps += 1
         assert steps < 100, "no step was launched ahead"
-    return steps
+    return rids, steps
 
 
 def outputs(result) -> list:
@@ -113,13 +120,7 @@ def test_abort_in_flight_lands_after_that_step():
               SamplingParams(temperature=0.8, max_tokens=14, seed=13, logprobs=True, stop_token_ids=())]
     results, steps = [], 0
     for engine in (asyn.backend, sync.backend):
-        toks, plist = engine.validate(prompts, params)
-        rids = [engine.add_request(t, p) for t, p in zip(toks, plist)]
-        if engine.async_scheduling:
-            steps = steps_until_in_flight(engine, 5)
-        else:
-            for _ in range(steps + 1):
-                engine.step()
+        rids, steps = start(engine, prompts, params, 5, steps)
         assert engine.abort([rids[1]]) == 1
         assert engine._inflight is None
         results.append(outputs(engine.wait(rids)))
@@ -137,14 +138,9 @@ def test_request_added_while_a_step_is_in_flight():
     p = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=3, stop_token_ids=(), logprobs=True)
     results, steps = [], 0
     for engine in (asyn.backend, sync.backend):
-        toks, plist = engine.validate(first + late, p)
-        rids = [engine.add_request(t, q) for t, q in zip(toks[:2], plist[:2])]
-        if engine.async_scheduling:
-            steps = steps_until_in_flight(engine, 3)
-        else:
-            for _ in range(steps + 1):
-                engine.step()
-        rids.append(engine.add_request(toks[2], plist[2]))
+        rids, steps = start(engine, first, p, 3, steps)
+        (tok,), (q,) = engine.validate(late, p)
+        rids.append(engine.add_request(tok, q))
         results.append(outputs(engine.wait(rids)))
     assert results[1] == results[0]
     same_counters(sync.backend, asyn.backend)
@@ -159,13 +155,7 @@ def test_scoring_weight_load_and_sleep_between_steps():
     p = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=8, stop_token_ids=(), logprobs=True)
     results, steps = [], 0
     for engine in (asyn.backend, sync.backend):
-        toks, plist = engine.validate(prompts, p)
-        rids = [engine.add_request(t, q) for t, q in zip(toks, plist)]
-        if engine.async_scheduling:
-            steps = steps_until_in_flight(engine, 3)
-        else:
-            for _ in range(steps + 1):
-                engine.step()
+        rids, steps = start(engine, prompts, p, 3, steps)
         scored = engine.prompt_logprobs(prompts, top_k=3)
         assert engine._inflight is None
         first = outputs(engine.wait(rids))

@@ -14,6 +14,20 @@ sample their first token from the same logits, so ``n`` samples cost one prefill
 ``"abort"``; a sample not yet started is empty) instead of raising. The other requests of the
 batch go on as if the aborted ones had never been there (each sample draws from its own
 generator, so seeded samples do not depend on their neighbours).
+
+A step is launched (forward and sampling queued on the device, its tokens and log-probs on
+their way back by one async copy), then booked (tokens appended, stop and length checks, pages
+keyed or freed). With ``SamplerConfig.async_scheduling`` the decode step after it is prepared
+while it runs (``_prepare_ahead``: rows not at their length limit, their positions, slots,
+tables and random draws) and launched the moment its tokens are back (``_launch_ahead``: rows
+that drew a stop token leave, rows at a page boundary get their page) — *before* it is booked,
+so booking and preparing hide behind the device. Each launched step has exactly the rows,
+pages and inputs the scheduler gives after booking (pages come from the front of the free
+list, booking frees to its back, and a step launched ahead never preempts: when free pages
+run short it waits for the booking and the scheduler), so the results are the synchronous
+engine's. A step launched ahead is in flight when ``step`` returns; anything that must see the
+engine between two steps (``abort``, ``load_weights``, ``prompt_logprobs``, ``sleep``) books
+it first.
 """
 from __future__ import annotations
 
@@ -194,7 +208,8 @@ class NativeEngine:
             return out
 
     def abort(self, request_ids: Iterable[int] | None = None) -> int:
-        """Stop these requests (``None``: every request in flight) at the next step boundary.
+        """Stop these requests (``None``: every request in flight) at the next step boundary
+        (with async scheduling: after the step on the device, if any).
 
         Their pages are released and their ``generate`` / ``wait`` returns the partial samples
         (``finish_reason="abort"``). Returns once applied, with the number of requests that were
@@ -295,25 +310,17 @@ class NativeEngine:
         self._readback.start(*sample(logits, self._sampling_tensors(rows, uniforms, logits)))
 
     def _prepare_ahead(self, cur: _Launched) -> _Ahead | None:
-        """While ``cur`` runs on the device: the inputs of the decode step after it, for the
-        rows that will not reach their length limit — or ``None`` when that step needs the
-        scheduler's judgement (``cur`` is a prefill, a prefill is waiting, a page is shared):
-        it then runs after ``cur`` is booked, exactly as without async scheduling."""
-        if cur.is_prefill or self.scheduler.waiting:
+        """While ``cur`` runs on the device: the inputs of the decode step after it
+        (``Scheduler.plan_ahead``), or ``None`` when that step is left to the scheduler after
+        ``cur`` is booked."""
+        if cur.is_prefill:
             return None
-        bm = self.block_manager
-        keep, rows, new_page = [], [], []
-        for i, seq in enumerate(cur.rows):
-            if self._at_length(seq, len(seq) + 1):  # with this step's token: finished
-                continue
-            if bm.needs_copy(seq, ahead=1):
-                return None
-            keep.append(i)
-            rows.append(seq)
-            new_page.append(bm.needs_block(seq, ahead=1))
-        if not rows:
+        plan = self.scheduler.plan_ahead(cur.rows, lambda s: self._at_length(s, len(s) + 1))
+        if plan is None:
             return None
-        return _Ahead(np.asarray(keep), rows, DecodeInputs.build(rows, bm.block_size, ahead=1),
+        keep, new_page = plan
+        rows = [cur.rows[i] for i in keep]
+        return _Ahead(np.asarray(keep), rows, DecodeInputs.build(rows, self.block_manager.block_size, ahead=1),
                       self._uniforms(rows, ahead=1), new_page)
 
     def _launch_ahead(self, cur: _Launched, ahead: _Ahead, tokens: list[int]) -> _Launched | None:
@@ -325,17 +332,15 @@ class NativeEngine:
         live = [j for j, i in enumerate(keep) if tokens[i] not in rows[j].stop_ids]
         if not live:
             return None
-        new_page = [k for k, j in enumerate(live) if ahead.new_page[j]]
-        if len(new_page) > self.block_manager.num_free:
-            return None  # the scheduler preempts (after the stopped rows' pages are back)
+        at_boundary = [k for k, j in enumerate(live) if ahead.new_page[j]]
         if len(live) < len(rows):
             rows, inputs, keep = [rows[j] for j in live], inputs.select(np.asarray(live)), keep[live]
             uniforms = [uniforms[j] for j in live]
-        if new_page:  # what Scheduler._schedule_decode does for these rows, in its order
-            for k in new_page:
-                assert self.block_manager.append_slot(rows[k], ahead=1) is None
-            inputs = inputs.with_pages(new_page, [rows[k].block_table[-1] for k in new_page],
-                                       self.block_manager.block_size)
+        if at_boundary:
+            pages = self.scheduler.take_pages_ahead([rows[k] for k in at_boundary])
+            if pages is None:
+                return None  # the scheduler preempts (after the stopped rows' pages are back)
+            inputs = inputs.with_pages(at_boundary, pages, self.block_manager.block_size)
         inputs = inputs.with_ids(np.asarray(tokens, dtype=np.int64)[keep])
         logits = self.runner.run(rows, False, inputs)
         self._counts["decode_steps"] += 1

@@ -15,6 +15,7 @@ the cache size.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -93,6 +94,38 @@ class Scheduler:
         self.running.extend(scheduled)
         assert scheduled or self.waiting, "nothing to run: the cache cannot hold a single sequence"
         return Batch(scheduled, is_prefill=False, copies=copies)
+
+    def plan_ahead(self, rows: list[Sequence], finishing: Callable[[Sequence], bool]
+                   ) -> tuple[list[int], list[bool]] | None:
+        """The decode step after the running step of ``rows`` (the running list, in order),
+        planned before that step's tokens are booked (async scheduling): the indices of the
+        rows not ``finishing`` by length and whether each needs a new page. ``None`` when the
+        step is for ``schedule`` to decide once the tokens are booked: a sequence is waiting (a
+        prefill may take precedence) or a row's page is shared (copy-on-write). Rows that then
+        draw a stop token leave; ``take_pages_ahead`` gives the others their pages."""
+        if self.waiting:
+            return None
+        keep, new_page = [], []
+        for i, seq in enumerate(rows):
+            if finishing(seq):
+                continue
+            if self.bm.needs_copy(seq, ahead=1):
+                return None
+            keep.append(i)
+            new_page.append(self.bm.needs_block(seq, ahead=1))
+        return (keep, new_page) if keep else None
+
+    def take_pages_ahead(self, seqs: list[Sequence]) -> list[int] | None:
+        """A new page each for ``seqs`` (running, in order, at a page boundary one token ahead),
+        the pages ``_schedule_decode`` would give them after booking: the front of the free
+        list, which booking only appends to. ``None`` (nothing taken) when they do not all fit:
+        that step may preempt, which only ``schedule`` decides."""
+        if len(seqs) > self.bm.num_free:
+            return None
+        for seq in seqs:
+            copy = self.bm.append_slot(seq, ahead=1)
+            assert copy is None, "a page was shared"
+        return [seq.block_table[-1] for seq in seqs]
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
