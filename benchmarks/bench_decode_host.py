@@ -12,6 +12,9 @@ adds a stop token that ends rows at different steps). Per arm it reports:
 - per phase, host ms per decode step (inclusive wall time of the engine's own methods:
   scheduling, input building + forward launch, sampling launch, ahead preparation, booking;
   prefill steps' forwards excluded, their scheduling and booking not);
+- ``critical_ms`` (async arm): host time per step launched ahead from its predecessor's tokens
+  being back to its forward being launched (stop checks, pages, inputs, graph replay) — the
+  host's part of the device's idle gap;
 - on CUDA, GPU kernel time per decode step (``torch.profiler``) and the gap ``ms_per_step -
   kernel_ms``: device idle time per step.
 
@@ -56,6 +59,7 @@ class PhaseTimer:
 
     def __init__(self, backend) -> None:
         self.t: dict[str, float] = defaultdict(float)
+        self.outer: list[str] = []  # labels being timed, outermost first
         self.originals = []
         for label, (attr, name) in PHASES.items():
             obj = backend if attr is None else getattr(backend, attr)
@@ -66,11 +70,16 @@ class PhaseTimer:
     def _wrap(self, label, fn):
         def timed(*a, **k):
             t0 = time.perf_counter()
+            self.outer.append(label)
             try:
                 return fn(*a, **k)
             finally:
+                self.outer.pop()
+                dt = time.perf_counter() - t0
                 prefill = label == "forward_launch" and a[1]  # runner.run(seqs, is_prefill, ...)
-                self.t["prefill_forward" if prefill else label] += time.perf_counter() - t0
+                self.t["prefill_forward" if prefill else label] += dt
+                if label == "sample_launch" and "launch_ahead" in self.outer:
+                    self.t["sample_launch_in_ahead"] += dt
         return timed
 
     def restore(self) -> None:
@@ -110,8 +119,12 @@ def run_arm(engine: SamplingEngine, args, prompts, timer: PhaseTimer | None = No
     d["tokens"] = sum(len(s.token_ids) for o in out for s in o)
     if timer is not None:
         d["phases_ms_per_step"] = {k: 1e3 * v / steps for k, v in timer.t.items() if k != "prefill_forward"}
-        d["wait_ms"] = d["phases_ms_per_step"].get("wait_tokens", 0.0)
+        ph = d["phases_ms_per_step"]
+        in_ahead = ph.pop("sample_launch_in_ahead", 0.0)
+        d["wait_ms"] = ph.get("wait_tokens", 0.0)
         d["host_ms"] = d["ms_per_step"] - d["wait_ms"]
+        if "launch_ahead" in ph:  # host work between a step's tokens and the next forward's launch
+            d["critical_ms"] = (ph["launch_ahead"] - in_ahead) * d["decode_steps"] / max(d["ahead_steps"], 1)
     return d
 
 
@@ -208,6 +221,8 @@ def main() -> None:
         results["arms"][name] = best
         phases = "  ".join(f"{k} {v:.3f}" for k, v in best["phases_ms_per_step"].items())
         extra = f"  kernels {best['kernel_ms']:.3f}  device idle {best['device_idle_ms']:.3f}" if cuda else ""
+        if "critical_ms" in best:
+            extra += f"  critical path {best['critical_ms']:.3f}"
         print(f"{name:5s}: {best['ms_per_step']:.3f} ms/step (runs {statistics.median(best['ms_per_step_runs']):.3f} "
               f"median of {len(runs)}), host {best['host_ms']:.3f} + wait {best['wait_ms']:.3f}{extra}; "
               f"ahead steps {best['ahead_steps']}/{best['decode_steps']}\n       per step: {phases}", flush=True)

@@ -151,20 +151,12 @@ class BlockManager:
         child.block_table, child.table_array = list(parent.block_table), parent.table_array
 
     # ---------------------------------------------------------------- decode
-    def _page(self, seq: Sequence, ahead: int) -> int | None:
-        idx = (len(seq) - 1 + ahead) // self.block_size
-        return seq.block_table[idx] if idx < len(seq.block_table) else None
-
-    def needs_block(self, seq: Sequence, ahead: int = 0) -> bool:
-        """Whether writing the KV of ``seq``'s last token takes a fresh page (new or CoW);
-        ``ahead=1``: of the token after it (the next step's, asked before it is sampled)."""
-        bid = self._page(seq, ahead)
-        return bid is None or self.ref_count[bid] > 1
-
-    def needs_copy(self, seq: Sequence, ahead: int = 0) -> bool:
-        """Whether that page exists but is shared (``append_slot`` would copy it on write)."""
-        bid = self._page(seq, ahead)
-        return bid is not None and self.ref_count[bid] > 1
+    def needs_block(self, seq: Sequence) -> bool:
+        """Whether writing the KV of ``seq``'s last token takes a fresh page (new or CoW)."""
+        pos = len(seq) - 1
+        if pos % self.block_size == 0 and pos // self.block_size == len(seq.block_table):
+            return True
+        return self.ref_count[seq.block_table[pos // self.block_size]] > 1
 
     def append_slot(self, seq: Sequence, ahead: int = 0) -> tuple[int, int] | None:
         """Make the page for the last token (``ahead=1``: the token after it) writable; returns

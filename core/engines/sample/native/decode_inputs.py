@@ -44,13 +44,25 @@ class DecodeInputs:
         tables = np.zeros((n, int(widths.max())), dtype=np.int32)
         for i, a in enumerate(arrays):
             tables[i, :len(a)] = a
+        out = cls._at(ids, lens, tables, widths, block_size)
+        assert ahead or (out.slots >= 0).all(), "a row's block table does not hold its decode position"
+        return out
+
+    @classmethod
+    def _at(cls, ids: np.ndarray, lens: np.ndarray, tables: np.ndarray, widths: np.ndarray,
+            block_size: int) -> DecodeInputs:
+        """Positions and slots for rows of these lengths; slot -1 where the table lacks the page
+        (a row at a page boundary, one step ahead: ``with_pages`` gives it)."""
         pos = lens - 1
         page = pos // block_size
-        has = page < widths  # ahead=1: a row at a page boundary gets its page later (with_pages)
-        assert ahead or has.all(), "a row's block table does not hold its decode position"
-        slots = tables[np.arange(n), np.minimum(page, widths - 1)].astype(np.int64) * block_size
-        slots = np.where(has, slots + pos % block_size, -1)
+        slots = tables[np.arange(len(lens)), np.minimum(page, widths - 1)].astype(np.int64) * block_size
+        slots = np.where(page < widths, slots + pos % block_size, -1)
         return cls(ids, pos, slots, tables, lens, widths)
+
+    def advanced(self, block_size: int) -> DecodeInputs:
+        """The decode step after this one for the same rows, whose tables have not changed
+        since (``build(seqs, ahead=1)`` without reading the sequences); ids left at 0."""
+        return self._at(np.zeros_like(self.ids), self.lens + 1, self.tables, self.widths, block_size)
 
     def select(self, keep: np.ndarray) -> DecodeInputs:
         """The rows ``keep`` (indices, in order), table columns trimmed to their longest table."""

@@ -68,6 +68,7 @@ class _Launched:
 
     rows: list[Sequence]
     is_prefill: bool
+    inputs: DecodeInputs | None = None  # a step launched ahead: its arrays (the next one's basis)
 
 
 @dataclass
@@ -310,18 +311,28 @@ class NativeEngine:
         self._readback.start(*sample(logits, self._sampling_tensors(rows, uniforms, logits)))
 
     def _prepare_ahead(self, cur: _Launched) -> _Ahead | None:
-        """While ``cur`` runs on the device: the inputs of the decode step after it
-        (``Scheduler.plan_ahead``), or ``None`` when that step is left to the scheduler after
-        ``cur`` is booked."""
+        """While ``cur`` runs on the device: the inputs of the decode step after it for the
+        rows not finished by length, or ``None`` when that step is left to the scheduler after
+        ``cur`` is booked (``Scheduler.can_plan_ahead``). Vectorised: ``cur``'s own inputs one
+        position further when it has them, the sequences read once otherwise."""
         if cur.is_prefill:
             return None
-        plan = self.scheduler.plan_ahead(cur.rows, lambda s: self._at_length(s, len(s) + 1))
-        if plan is None:
+        bs = self.block_manager.block_size
+        rows = cur.rows
+        inputs = cur.inputs.advanced(bs) if cur.inputs is not None else DecodeInputs.build(rows, bs, ahead=1)
+        n = len(rows)
+        prompt = np.fromiter((s.num_prompt_tokens for s in rows), dtype=np.int64, count=n)
+        limit = np.fromiter((s.params.max_tokens for s in rows), dtype=np.int64, count=n)
+        keep = np.flatnonzero(~self._at_length(inputs.lens, prompt, limit))  # with this step's token
+        if not len(keep):
             return None
-        keep, new_page = plan
-        rows = [cur.rows[i] for i in keep]
-        return _Ahead(np.asarray(keep), rows, DecodeInputs.build(rows, self.block_manager.block_size, ahead=1),
-                      self._uniforms(rows, ahead=1), new_page)
+        if len(keep) < n:
+            rows, inputs = [rows[i] for i in keep], inputs.select(keep)
+        new_page = inputs.slots < 0
+        written = inputs.slots[~new_page] // bs  # the pages the step writes to that exist already
+        if not self.scheduler.can_plan_ahead(written.tolist()):
+            return None
+        return _Ahead(keep, rows, inputs, self._uniforms(rows, ahead=1), new_page.tolist())
 
     def _launch_ahead(self, cur: _Launched, ahead: _Ahead, tokens: list[int]) -> _Launched | None:
         """Launch the prepared step once ``cur``'s tokens are known: rows whose token was a
@@ -348,7 +359,7 @@ class NativeEngine:
         self._counts["decode_tokens"] += len(rows)
         self._counts["fca_steps"] += self.runner.last_step_fca
         self._sample(rows, logits, uniforms)
-        return _Launched(rows, False)
+        return _Launched(rows, False, inputs)
 
     def _sampling_tensors(self, rows: list[Sequence], uniforms: list[float],
                           logits: torch.Tensor) -> SamplingTensors:
@@ -388,15 +399,16 @@ class NativeEngine:
             reason = None
             if tok in seq.stop_ids:
                 reason = "stop"
-            elif self._at_length(seq, len(seq)):
+            elif self._at_length(len(seq), seq.num_prompt_tokens, seq.params.max_tokens):
                 reason = "length"
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._requests[seq.request_id].finished.append(seq)
 
-    def _at_length(self, seq: Sequence, length: int) -> bool:
-        """Whether ``seq`` is finished (``"length"``) once it holds ``length`` tokens."""
-        return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
+    def _at_length(self, length, prompt, max_tokens):
+        """Whether a sequence of ``length`` tokens (``prompt`` of them the prompt) is finished
+        (``"length"``); scalars, or arrays of rows."""
+        return (length - prompt >= max_tokens) | (length >= self.max_model_len)
 
     def _count(self, batch: Batch) -> None:
         c = self._counts

@@ -15,7 +15,6 @@ the cache size.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -95,25 +94,15 @@ class Scheduler:
         assert scheduled or self.waiting, "nothing to run: the cache cannot hold a single sequence"
         return Batch(scheduled, is_prefill=False, copies=copies)
 
-    def plan_ahead(self, rows: list[Sequence], finishing: Callable[[Sequence], bool]
-                   ) -> tuple[list[int], list[bool]] | None:
-        """The decode step after the running step of ``rows`` (the running list, in order),
-        planned before that step's tokens are booked (async scheduling): the indices of the
-        rows not ``finishing`` by length and whether each needs a new page. ``None`` when the
-        step is for ``schedule`` to decide once the tokens are booked: a sequence is waiting (a
-        prefill may take precedence) or a row's page is shared (copy-on-write). Rows that then
-        draw a stop token leave; ``take_pages_ahead`` gives the others their pages."""
-        if self.waiting:
-            return None
-        keep, new_page = [], []
-        for i, seq in enumerate(rows):
-            if finishing(seq):
-                continue
-            if self.bm.needs_copy(seq, ahead=1):
-                return None
-            keep.append(i)
-            new_page.append(self.bm.needs_block(seq, ahead=1))
-        return (keep, new_page) if keep else None
+    def can_plan_ahead(self, pages: list[int]) -> bool:
+        """Whether the decode step after the running one may be planned before that step's
+        tokens are booked (async scheduling), writing to ``pages`` (rows at a page boundary
+        aside): it may unless a sequence is waiting (a prefill may take precedence) or one of
+        those pages is shared (copy-on-write) — then ``schedule`` decides after booking. The
+        planned step's rows are the running list in order, less those finished by length or a
+        stop token; ``take_pages_ahead`` gives the rows at a boundary their pages."""
+        rc = self.bm.ref_count
+        return not self.waiting and all(rc[p] == 1 for p in pages)
 
     def take_pages_ahead(self, seqs: list[Sequence]) -> list[int] | None:
         """A new page each for ``seqs`` (running, in order, at a page boundary one token ahead),
