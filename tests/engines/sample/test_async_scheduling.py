@@ -178,3 +178,14 @@ def test_async_scheduling_with_llama_and_greedy_forks():
     want, got = sync.generate(prompts, p), asyn.generate(prompts, p)
     assert outputs(got) == outputs(want)
     same_counters(sync.backend, asyn.backend)
+
+
+def test_rows_stop_at_the_model_length():
+    """Rows that reach ``max_model_len`` (not ``max_tokens``) leave the step launched ahead."""
+    sync, asyn = pair(max_model_len=22)
+    prompts = ragged_prompts(61, [5, 12, 17, 9])
+    p = SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=4, stop_token_ids=(), logprobs=True)
+    want, got = sync.generate(prompts, p), asyn.generate(prompts, p)
+    assert outputs(got) == outputs(want)
+    assert [len(s.token_ids) for samples in got for s in samples] == [17, 17, 10, 10, 5, 5, 13, 13]
+    same_counters(sync.backend, asyn.backend)

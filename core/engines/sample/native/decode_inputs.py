@@ -1,10 +1,11 @@
 """The host arrays of one decode step — token ids, positions, cache slots, block tables, lengths.
 
-Built once per step from the rows' sequences (``DecodeInputs.build``), or one step *ahead* of
-them: the engine's async scheduling prepares step ``n + 1`` while the device still runs step
-``n``, before step ``n``'s tokens are known (``ahead=1``: positions and slots one further, ids
-filled in with ``with_ids`` once the tokens are back). ``select`` drops rows that finished in
-the meantime, giving exactly the arrays ``build`` would give for the remaining rows.
+Built from the rows' sequences (``DecodeInputs.build``), or from the previous step's arrays one
+position further (``advanced``): the engine's async scheduling prepares step ``n + 1`` while the
+device still runs step ``n``, before step ``n``'s tokens are known; ``select`` drops rows that
+finished, ``with_pages`` gives rows at a page boundary their new page, ``with_ids`` fills in
+step ``n``'s tokens once they are back — giving exactly the arrays ``build`` would give after
+step ``n`` is booked.
 """
 from __future__ import annotations
 
@@ -29,23 +30,18 @@ class DecodeInputs:
     widths: np.ndarray
 
     @classmethod
-    def build(cls, seqs: list[Sequence], block_size: int, ahead: int = 0) -> DecodeInputs:
-        """Arrays of a decode step of ``seqs``. ``ahead=0``: the step that writes the KV of each
-        row's last token; ``ahead=1``: the step after it (the block tables must already hold
-        that position's page; ``ids`` are left at 0 for ``with_ids``)."""
+    def build(cls, seqs: list[Sequence], block_size: int) -> DecodeInputs:
+        """Arrays of the decode step of ``seqs`` that writes the KV of each row's last token."""
         n = len(seqs)
-        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n) + ahead
-        if ahead:
-            ids = np.zeros(n, dtype=np.int64)
-        else:
-            ids = np.fromiter((s.last_token for s in seqs), dtype=np.int64, count=n)
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        ids = np.fromiter((s.last_token for s in seqs), dtype=np.int64, count=n)
         arrays = [s.table_np() for s in seqs]
         widths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=n)
         tables = np.zeros((n, int(widths.max())), dtype=np.int32)
         for i, a in enumerate(arrays):
             tables[i, :len(a)] = a
         out = cls._at(ids, lens, tables, widths, block_size)
-        assert ahead or (out.slots >= 0).all(), "a row's block table does not hold its decode position"
+        assert (out.slots >= 0).all(), "a row's block table does not hold its decode position"
         return out
 
     @classmethod
@@ -61,7 +57,8 @@ class DecodeInputs:
 
     def advanced(self, block_size: int) -> DecodeInputs:
         """The decode step after this one for the same rows, whose tables have not changed
-        since (``build(seqs, ahead=1)`` without reading the sequences); ids left at 0."""
+        since; ids left at 0 (``with_ids``), slot -1 for rows at a page boundary
+        (``with_pages``)."""
         return self._at(np.zeros_like(self.ids), self.lens + 1, self.tables, self.widths, block_size)
 
     def select(self, keep: np.ndarray) -> DecodeInputs:
@@ -88,7 +85,7 @@ class DecodeInputs:
         return dataclasses.replace(self, slots=slots, tables=tables, widths=widths)
 
     def with_ids(self, ids: np.ndarray) -> DecodeInputs:
-        """The same step with its token ids filled in (``ahead=1`` inputs)."""
+        """The same step with its token ids filled in."""
         return dataclasses.replace(self, ids=np.asarray(ids, dtype=np.int64))
 
     def astuple(self) -> tuple[np.ndarray, ...]:

@@ -68,7 +68,7 @@ class _Launched:
 
     rows: list[Sequence]
     is_prefill: bool
-    inputs: DecodeInputs | None = None  # a step launched ahead: its arrays (the next one's basis)
+    inputs: DecodeInputs | None = None  # a decode step's arrays (the next step's basis)
 
 
 @dataclass
@@ -291,14 +291,15 @@ class NativeEngine:
         """Forward and sample a scheduled step; its tokens are on their way to the host."""
         if batch.copies:
             self.runner.copy_blocks(batch.copies)
-        logits = self.runner.run(batch.seqs, batch.is_prefill)
+        inputs = None if batch.is_prefill else DecodeInputs.build(batch.seqs, self.block_manager.block_size)
+        logits = self.runner.run(batch.seqs, batch.is_prefill, inputs)
         self._count(batch)  # before the new tokens are appended
         self._counts["fca_steps"] += not batch.is_prefill and self.runner.last_step_fca
         rows, parents = self._expand_forks(batch)
         if len(rows) != len(batch.seqs):
             logits = logits[torch.tensor(parents, device=logits.device)]
         self._sample(rows, logits)
-        return _Launched(rows, batch.is_prefill)
+        return _Launched(rows, batch.is_prefill, inputs)
 
     @staticmethod
     def _uniforms(rows: list[Sequence], ahead: int = 0) -> list[float]:
@@ -314,12 +315,12 @@ class NativeEngine:
         """While ``cur`` runs on the device: the inputs of the decode step after it for the
         rows not finished by length, or ``None`` when that step is left to the scheduler after
         ``cur`` is booked (``Scheduler.can_plan_ahead``). Vectorised: ``cur``'s own inputs one
-        position further when it has them, the sequences read once otherwise."""
+        position further (no page was taken between its launch and now)."""
         if cur.is_prefill:
             return None
         bs = self.block_manager.block_size
         rows = cur.rows
-        inputs = cur.inputs.advanced(bs) if cur.inputs is not None else DecodeInputs.build(rows, bs, ahead=1)
+        inputs = cur.inputs.advanced(bs)
         n = len(rows)
         prompt = np.fromiter((s.num_prompt_tokens for s in rows), dtype=np.int64, count=n)
         limit = np.fromiter((s.params.max_tokens for s in rows), dtype=np.int64, count=n)
