@@ -15,6 +15,7 @@ class Readback:
     travel as float64: token ids are far below 2**53, float32 values convert exactly)."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self.buf: torch.Tensor | None = None
         self.event = torch.cuda.Event() if self.cuda else None
@@ -30,7 +31,7 @@ class Readback:
             self.buf = torch.empty((2, max(b, 64)), dtype=torch.float64).pin_memory()
         self.host = self.buf[:, :b]
         self.host.copy_(both, non_blocking=True)
-        self.event.record()
+        self.event.record(torch.cuda.current_stream(self.device))  # the engine's device, not the current one
 
     def result(self) -> tuple[list[int], list[float]]:
         """Wait for the copy ``start`` queued; the tokens and log-probs as lists."""
