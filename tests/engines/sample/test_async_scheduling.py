@@ -189,3 +189,37 @@ def test_rows_stop_at_the_model_length():
     assert outputs(got) == outputs(want)
     assert [len(s.token_ids) for samples in got for s in samples] == [17, 17, 10, 10, 5, 5, 13, 13]
     same_counters(sync.backend, asyn.backend)
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_continuous_batching_with_sequences_waiting(seed):
+    """More rows than ``max_num_seqs``: sequences wait while the batch decodes, and join as
+    rows stop (stop tokens, ``max_tokens``) — steps are launched ahead while nothing would
+    admit them, and the prefills happen at the same steps as without async scheduling."""
+    sync, asyn = pair(max_num_seqs=6, block_size=8)
+    rng = np.random.default_rng(seed)
+    prompts = ragged_prompts(200 + seed, rng.integers(3, 30, size=9).tolist())
+    stops = stops_hit_at_different_steps(make_engine(), prompts, seed)
+    params = mixed_params(rng, len(prompts), stops)
+    want, got = sync.generate(prompts, params), asyn.generate(prompts, params)
+    assert outputs(got) == outputs(want)
+    same_counters(sync.backend, asyn.backend)
+    stats = asyn.stats()
+    assert stats["prefill_steps"] > 3 and stats["ahead_steps"] >= stats["decode_steps"] // 3, stats
+
+
+@pytest.mark.parametrize("num_blocks, m", [(6, 6), (6, 10), (7, 10)])
+def test_waiting_sequence_admitted_by_a_page_keyed_this_step(num_blocks, m):
+    """A waiting prompt that fits only once the running request's newest page is in the prefix
+    cache (its prompt continues that request's greedy answer; a cache of a few pages): the
+    step launched ahead must see the page keyed exactly when booking would key it."""
+    first = ragged_prompts(7, [10])[0]
+    greedy = make_engine().generate([first], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=()))
+    prompts = [first, first + greedy[0][0].token_ids[:m]]
+    params = [SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=()),
+              SamplingParams(temperature=0, max_tokens=6, stop_token_ids=())]
+    sync, asyn = pair(num_blocks=num_blocks, max_num_seqs=4)
+    want, got = sync.generate(prompts, params), asyn.generate(prompts, params)
+    assert outputs(got) == outputs(want)
+    assert sync.stats()["cache_hit_tokens"] > 0
+    same_counters(sync.backend, asyn.backend)

@@ -324,9 +324,12 @@ class NativeEngine:
         n = len(rows)
         prompt = np.fromiter((s.num_prompt_tokens for s in rows), dtype=np.int64, count=n)
         limit = np.fromiter((s.params.max_tokens for s in rows), dtype=np.int64, count=n)
-        keep = np.flatnonzero(~self._at_length(inputs.lens, prompt, limit))  # with this step's token
-        if not len(keep):
-            return None
+        done = self._at_length(inputs.lens, prompt, limit)  # with this step's token
+        keep = np.flatnonzero(~done)
+        if not len(keep) or (self.scheduler.waiting and done.any()):
+            return None  # with a sequence waiting, booking's freed rows and pages may admit it
+        for i in np.flatnonzero(cur.inputs.lens % bs == 0):  # key the pages cur fills (as booking
+            self.block_manager.commit(rows[i], int(cur.inputs.lens[i]))  # would) before the check
         if len(keep) < n:
             rows, inputs = [rows[i] for i in keep], inputs.select(keep)
         new_page = inputs.slots < 0
@@ -342,8 +345,8 @@ class NativeEngine:
         (the scheduler decides after booking) when the free pages do not cover every row."""
         rows, inputs, keep, uniforms = ahead.rows, ahead.inputs, ahead.keep, ahead.uniforms
         live = [j for j, i in enumerate(keep) if tokens[i] not in rows[j].stop_ids]
-        if not live:
-            return None
+        if not live or (len(live) < len(rows) and self.scheduler.waiting):
+            return None  # no rows left, or stopped rows' room may admit a waiting sequence
         at_boundary = [k for k, j in enumerate(live) if ahead.new_page[j]]
         if len(live) < len(rows):
             rows, inputs, keep = [rows[j] for j in live], inputs.select(np.asarray(live)), keep[live]

@@ -57,22 +57,23 @@ class Scheduler:
         tokens = 0
         while self.waiting:
             seq = self.waiting[0]
-            new_rows = 1 + seq.pending_forks  # its forks join the running batch after prefill
-            alone = not seqs and not self.running
-            if rows + new_rows > self.max_num_seqs and not alone:
-                break
             if seqs and tokens + len(seq) > self.max_num_batched_tokens:
                 break
-            if not self.bm.can_allocate(seq):
+            if not self._admits(seq, rows, alone=not seqs and not self.running):
                 break
             self.bm.allocate(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seqs.append(seq)
             self.running.append(seq)
-            rows += new_rows
+            rows += 1 + seq.pending_forks
             tokens += len(seq) - seq.num_cached_tokens
         return Batch(seqs, is_prefill=True)
+
+    def _admits(self, seq: Sequence, rows: int, alone: bool) -> bool:
+        """Whether a prefill may take ``seq`` next to ``rows`` rows (its forks join them after
+        the prefill; a sequence alone always fits the batch) and its pages."""
+        return (rows + 1 + seq.pending_forks <= self.max_num_seqs or alone) and self.bm.can_allocate(seq)
 
     def _schedule_decode(self) -> Batch:
         scheduled: list[Sequence] = []
@@ -97,12 +98,16 @@ class Scheduler:
     def can_plan_ahead(self, pages: list[int]) -> bool:
         """Whether the decode step after the running one may be planned before that step's
         tokens are booked (async scheduling), writing to ``pages`` (rows at a page boundary
-        aside): it may unless a sequence is waiting (a prefill may take precedence) or one of
-        those pages is shared (copy-on-write) — then ``schedule`` decides after booking. The
-        planned step's rows are the running list in order, less those finished by length or a
-        stop token; ``take_pages_ahead`` gives the rows at a boundary their pages."""
+        aside). The caller vouches that booking will free nothing when a sequence is waiting
+        (no row finishes); then ``schedule`` would start a prefill after booking exactly when
+        it would now. It may unless ``schedule`` would start a prefill or one of those pages is
+        shared (copy-on-write) — then ``schedule`` decides after booking. The planned step's
+        rows are the running list in order, less those finished by length or a stop token;
+        ``take_pages_ahead`` gives the rows at a boundary their pages."""
         rc = self.bm.ref_count
-        return not self.waiting and all(rc[p] == 1 for p in pages)
+        if any(rc[p] != 1 for p in pages):
+            return False
+        return not (self.waiting and self._admits(self.waiting[0], len(self.running), not self.running))
 
     def take_pages_ahead(self, seqs: list[Sequence]) -> list[int] | None:
         """A new page each for ``seqs`` (running, in order, at a page boundary one token ahead),
