@@ -75,17 +75,22 @@ def stops_hit_at_different_steps(engine, prompts: list[list[int]], seed: int) ->
     return [(samples[0].token_ids[(2 * i + seed) % 20],) for i, samples in enumerate(free)]
 
 
+def mixed_run(sync, asyn, seed: int, count: int, longest: int):
+    """``count`` ragged prompts with ``mixed_params`` through both engines; outputs equal."""
+    rng = np.random.default_rng(seed)
+    prompts = ragged_prompts(100 + seed, rng.integers(3, longest, size=count).tolist())
+    params = mixed_params(rng, count, stops_hit_at_different_steps(make_engine(), prompts, seed))
+    want, got = sync.generate(prompts, params), asyn.generate(prompts, params)
+    assert outputs(got) == outputs(want)
+    return prompts, params, got
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_async_equals_sync_on_a_mixed_batch(seed):
     """Ragged prompts, n > 1 forks, stop tokens hit at different steps, max_tokens reached,
     greedy / top-k / top-p / unseeded rows: every output and counter equal."""
     sync, asyn = pair(max_num_seqs=16)
-    rng = np.random.default_rng(seed)
-    prompts = ragged_prompts(100 + seed, rng.integers(3, 40, size=7).tolist())
-    stops = stops_hit_at_different_steps(make_engine(), prompts, seed)
-    params = mixed_params(rng, len(prompts), stops)
-    want, got = sync.generate(prompts, params), asyn.generate(prompts, params)
-    assert outputs(got) == outputs(want)
+    prompts, params, got = mixed_run(sync, asyn, seed, 7, 40)
     reasons = {s.finish_reason for samples in got for s in samples}
     assert reasons == {"stop", "length"}, reasons
     stats = asyn.stats()
@@ -197,12 +202,7 @@ def test_continuous_batching_with_sequences_waiting(seed):
     rows stop (stop tokens, ``max_tokens``) — steps are launched ahead while nothing would
     admit them, and the prefills happen at the same steps as without async scheduling."""
     sync, asyn = pair(max_num_seqs=6, block_size=8)
-    rng = np.random.default_rng(seed)
-    prompts = ragged_prompts(200 + seed, rng.integers(3, 30, size=9).tolist())
-    stops = stops_hit_at_different_steps(make_engine(), prompts, seed)
-    params = mixed_params(rng, len(prompts), stops)
-    want, got = sync.generate(prompts, params), asyn.generate(prompts, params)
-    assert outputs(got) == outputs(want)
+    mixed_run(sync, asyn, seed, 9, 30)
     same_counters(sync.backend, asyn.backend)
     stats = asyn.stats()
     assert stats["prefill_steps"] > 3 and stats["ahead_steps"] >= stats["decode_steps"] // 3, stats

@@ -54,6 +54,17 @@ def test_async_equals_sync_bf16_64_rows(graphs):
     assert stats["ahead_steps"] >= stats["decode_steps"] // 2, stats
 
 
+def test_async_equals_sync_with_sequences_waiting_on_gpu():
+    """64 rows through a batch of 24: sequences wait and join as rows stop."""
+    sync, asyn = engines(max_num_seqs=24)
+    prompts, params = workload(2)
+    params = [SamplingParams(**{**p.__dict__, "n": 8}) for p in params]
+    want, got = sync.generate(prompts, params), asyn.generate(prompts, params)
+    assert outputs(got) == outputs(want)
+    same_counters(sync.backend, asyn.backend)
+    assert asyn.stats()["prefill_steps"] > 2
+
+
 def test_async_equals_sync_under_preemption_on_gpu():
     sync, asyn = engines(num_blocks=40, kv_cache_memory_gb=None, max_num_seqs=32)
     prompts, params = workload(1)
