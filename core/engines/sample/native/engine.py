@@ -24,8 +24,9 @@ that drew a stop token leave, rows at a page boundary get their page) — *befor
 so booking and preparing hide behind the device. Each launched step has exactly the rows,
 pages and inputs the scheduler gives after booking (pages come from the front of the free
 list, booking frees to its back, and a step launched ahead never preempts: when free pages
-run short it waits for the booking and the scheduler), so the results are the synchronous
-engine's. A step launched ahead is in flight when ``step`` returns; anything that must see the
+run short it waits for the booking and the scheduler; while sequences wait for room, a step is
+launched ahead only when booking would admit none of them: no row finishes and the first
+waiting sequence does not fit), so the results are the synchronous engine's. A step launched ahead is in flight when ``step`` returns; anything that must see the
 engine between two steps (``abort``, ``load_weights``, ``prompt_logprobs``, ``sleep``) books
 it first.
 """
