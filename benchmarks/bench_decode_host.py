@@ -20,7 +20,8 @@ adds a stop token that ends rows at different steps). Per arm it reports:
 
 Arms: ``sync`` (``async_scheduling=False``: schedule, launch, wait, book in turn) and ``async``
 (the next decode step prepared while the device runs the current one and launched as soon as
-its tokens are back). The CPU run (tiny model) exercises the same code but overlaps nothing.
+its tokens are back). The CPU run (tiny model) exercises the same code but overlaps nothing (the
+forward runs inside ``forward_launch`` there); ``--stub-forward`` leaves only the host's work.
 
     python benchmarks/bench_decode_host.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128
     -> results/bench_decode_host.json, results/bench_decode_host.png
