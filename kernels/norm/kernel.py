@@ -22,8 +22,8 @@ def _round(x, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         up = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        keep = bits >> 16  # NaN: keep its top bits (adding could carry it into another value)
-        out = tl.where(x == x, up, keep | 0x40).to(tl.uint16)
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000  # keep a NaN's top bits (adding could carry it
+        out = tl.where(nan, (bits >> 16) | 0x40, up).to(tl.uint16)  # into another value)
         return out.to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)
