@@ -29,7 +29,7 @@ try:
     from polynya.kernels.norm.kernel import _round
 except ImportError:  # the reference tests still run; the Triton ones skip
     triton = None
-from triton_interp import run_under_interpreter
+from triton_interp import interpreter_test
 
 EPS = 1e-6
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}  # spacing at 1.0
@@ -48,7 +48,8 @@ def _inputs(shape, dtype, device, seed, w_dtype=None):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(*shape, generator=g) * 3 + 0.5).to(device=device, dtype=dtype)
     w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(device=device, dtype=w_dtype or dtype)
-    dy = torch.randn(*shape, generator=g).to(device=device, dtype=torch.promote_types(dtype, w.dtype))
+    out_dtype = torch.promote_types(dtype, w.dtype)
+    dy = torch.randn(*shape, generator=g).to(device=device, dtype=out_dtype)
     return x, w, dy
 
 
@@ -215,10 +216,7 @@ def test_bad_inputs_are_refused():
 # ------------------------------------------------------------------ Triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter is on")
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the compiled kernels are checked by test_kernels_on_gpu")
-    run_under_interpreter(__file__)
+    interpreter_test(__file__, "test_kernels_on_gpu")
 
 
 def _interp():
