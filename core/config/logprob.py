@@ -39,6 +39,8 @@ class LogProbConfig:
         micro_batch_tokens: token budget of a forward micro-batch (whole prompt groups).
         max_tokens_per_row: ZoRRo packing budget per row (None: one row per micro-batch).
         seed: model init for random specs (same seed as the trainer = same weights).
+        fused_kernels: run the model's RMSNorms as fused Triton kernels on CUDA
+            (``polynya.fused.fuse_model``); CPU unchanged.
         device: ``"cpu"``, ``"cuda"``; ``None`` = CUDA when available.
         deepspeed: raw DeepSpeed settings merged over the generated config.
     """
@@ -53,6 +55,7 @@ class LogProbConfig:
     micro_batch_tokens: int = 32768
     max_tokens_per_row: int | None = None
     seed: int = 0
+    fused_kernels: bool = False
     device: str | None = None
     deepspeed: dict[str, Any] = field(default_factory=dict)
 
@@ -68,5 +71,6 @@ class LogProbConfig:
         if self.max_tokens_per_row is not None:
             check_positive(self.max_tokens_per_row, "LogProbConfig.max_tokens_per_row", integer=True)
         _check_seed(self.seed, "LogProbConfig.seed")
+        _check_bool(self.fused_kernels, "LogProbConfig.fused_kernels")
         check_device(self.device, "LogProbConfig")
         check_deepspeed_overrides(self.deepspeed, "LogProbConfig")

@@ -173,6 +173,8 @@ class TrainConfig:
         max_tokens_per_row: ZoRRo packing budget per row inside a micro-batch (None: one row).
         temperature: sampling temperature of the rollouts (log-probs are taken at it).
         gradient_checkpointing: recompute decoder layers in the backward pass.
+        fused_kernels: run the model's RMSNorms as fused Triton kernels on CUDA
+            (``polynya.fused.fuse_model``: HF's exact math, fewer launches); CPU unchanged.
         log_entropy: compute the entropy metric even when ``entropy_coef == 0``.
         device: ``"cpu"``, ``"cuda"``; ``None`` = CUDA when available (``LOCAL_RANK``'s GPU).
         deepspeed: raw DeepSpeed settings merged over the generated config (nested dicts merge).
@@ -195,6 +197,7 @@ class TrainConfig:
     max_tokens_per_row: int | None = None
     temperature: float = 1.0
     gradient_checkpointing: bool = False
+    fused_kernels: bool = False
     log_entropy: bool = True
     device: str | None = None
     deepspeed: dict[str, Any] = field(default_factory=dict)
@@ -224,6 +227,7 @@ class TrainConfig:
             check_positive(self.max_tokens_per_row, "TrainConfig.max_tokens_per_row", integer=True)
         check_positive(self.temperature, "TrainConfig.temperature")
         _check_bool(self.gradient_checkpointing, "TrainConfig.gradient_checkpointing")
+        _check_bool(self.fused_kernels, "TrainConfig.fused_kernels")
         _check_bool(self.log_entropy, "TrainConfig.log_entropy")
         check_device(self.device, "TrainConfig")
         check_deepspeed_overrides(self.deepspeed, "TrainConfig")

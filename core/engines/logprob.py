@@ -78,6 +78,10 @@ class LogProbEngine:
         deepspeed = dsu.import_deepspeed()
         model = load_model(config.model, dtype=config.dtype, device=self.device, seed=config.seed)
         check_model(model, zorro=config.zorro, naive_layout=config.naive_layout)  # refuse before DeepSpeed starts
+        if config.fused_kernels:
+            from ..fused import fuse_model
+
+            fuse_model(model)
         model.requires_grad_(False)
         ds_cfg = dsu.ds_config(zero_stage=config.zero_stage, dtype=resolve_dtype(config.dtype),
                                train=False, overrides=config.deepspeed,

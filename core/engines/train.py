@@ -109,6 +109,10 @@ class TrainingEngine:
         torch.manual_seed(cfg.seed)
         model = load_model(cfg.model, dtype=cfg.dtype, device=self.device, seed=cfg.seed)
         check_model(model, zorro=cfg.zorro, train=True, naive_layout=cfg.naive_layout)  # refuse before DeepSpeed starts
+        if cfg.fused_kernels:
+            from ..fused import fuse_model
+
+            fuse_model(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.optim.betas,
