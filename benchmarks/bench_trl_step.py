@@ -3,6 +3,8 @@
 reward and settings, one GPU.
 
     python benchmarks/bench_trl_step.py --shapes gsm8k       # H200: one shape per device call
+    python benchmarks/bench_trl_step.py --shapes gsm8k --polynya-arms polynya,polynya-fused \\
+        --trl-arms static                                      # H200: fused kernels on vs off
     python benchmarks/bench_trl_step.py --model tiny:qwen3 --prompt-tokens 32 \\
         --long-prompt-tokens 96 --max-new-tokens 8 --steps 2   # CPU smoke run of the script
 
@@ -22,8 +24,9 @@ pick in ``GRPOConfig`` — ``dynamic`` (HF ``generate``, TRL's default), ``stati
 (``cache_implementation="static"``; TRL always sets ``disable_compile=True``, and
 ``generation_kwargs`` cannot undo it, so it runs without torch.compile) and ``cb``
 (``use_transformers_continuous_batching=True``: transformers' paged ``generate_batch``). The
-polynya arm runs first, then the TRL arms in ``--trl-arms`` order; its speed-up is against the
-fastest TRL arm that ran; an arm that fails is recorded with its error and the others still run;
+polynya arms (``--polynya-arms``: ``polynya`` by default; ``polynya-fused`` is the adapter with
+``fused_kernels=True``) run first, then the TRL arms in ``--trl-arms`` order; each polynya arm's
+speed-up is against the fastest TRL arm that ran (the table's per-TRL-arm column: the first's); an arm that fails is recorded with its error and the others still run;
 the JSON is rewritten after every arm (``complete: false`` until the end), so a run cut short by
 a time limit keeps what it measured.
 
@@ -115,9 +118,14 @@ TRL_ARMS = {
     "cb": ("TRL (transformers continuous batching)", {"use_transformers_continuous_batching": True}),
 }
 
-# polynya's arms: the adapter with ZoRRo (``bench_trl_step.py`` runs this one) and without it
-# (``zorro=False``: compute_logprobs' packed naive layout; ``profile_trl_step.py --arms``)
-POLYNYA_ARMS = {"polynya": ("polynya adapter", True), "polynya-nozorro": ("polynya adapter, zorro=False", False)}
+# polynya's arms (label, adapter options): the adapter with ZoRRo (``bench_trl_step.py`` runs it
+# by default), without it (``zorro=False``: compute_logprobs' packed naive layout), and with the
+# fused RMSNorm kernels (``fused_kernels=True``); ``--polynya-arms`` / ``profile_trl_step.py --arms``
+POLYNYA_ARMS = {"polynya": ("polynya adapter", {"zorro": True}),
+                "polynya-nozorro": ("polynya adapter, zorro=False", {"zorro": False}),
+                "polynya-fused": ("polynya adapter, fused kernels", {"zorro": True, "fused_kernels": True}),
+                "polynya-nozorro-fused": ("polynya adapter, zorro=False, fused kernels",
+                                          {"zorro": False, "fused_kernels": True})}
 
 
 def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict:
@@ -142,7 +150,7 @@ def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict
     else:
         sampler = SamplerConfig(model_dir, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb,
                                 max_num_seqs=max(64, args.prompts * args.group_size))
-        trainer = GRPOTrainer(model_dir, sampler_config=sampler, zorro=POLYNYA_ARMS[arm][1], **common)
+        trainer = GRPOTrainer(model_dir, sampler_config=sampler, **POLYNYA_ARMS[arm][1], **common)
     timer = StepTimer(trainer, cuda)
     start = time.perf_counter()
     trainer.train()
@@ -182,6 +190,8 @@ def main() -> None:
     ap.add_argument("--trl-arms", default="static,dynamic,cb",
                     help=f"TRL generation settings to run, of {sorted(TRL_ARMS)}; speed-ups are against "
                          "the fastest that ran")
+    ap.add_argument("--polynya-arms", default="polynya",
+                    help=f"adapter arms to run, of {sorted(POLYNYA_ARMS)}; the first is plotted")
     ap.add_argument("--kv-cache-gb", type=float, default=16.0)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -200,15 +210,22 @@ def main() -> None:
     unknown = sorted(set(trl_arms) - set(TRL_ARMS))
     if unknown:
         raise SystemExit(f"--trl-arms: unknown {unknown}; choose from {sorted(TRL_ARMS)}")
+    our_arms = args.polynya_arms.split(",")
+    unknown = sorted(set(our_arms) - set(POLYNYA_ARMS))
+    if unknown:
+        raise SystemExit(f"--polynya-arms: unknown {unknown}; choose from {sorted(POLYNYA_ARMS)}")
     rows, best = [], []
 
     def checkpoint(complete: bool) -> str:  # after every arm: a timed-out run keeps what it measured
         return save(dict(environment(), **vars(args), complete=complete, rows=rows), args.out, "bench_trl_step")
 
     for shape in args.shapes.split(","):
-        ours = run_arm("polynya", shape, args, model_dir, tok, cuda)
-        rows.append(ours)
-        checkpoint(False)
+        mine = []
+        for arm in our_arms:
+            mine.append(run_arm(arm, shape, args, model_dir, tok, cuda))
+            rows.append(mine[-1])
+            checkpoint(False)
+        ours = mine[0]
         base = []
         for arm in trl_arms:
             base.append(try_arm(arm, shape, args, model_dir, tok, cuda))
@@ -217,13 +234,14 @@ def main() -> None:
         ran = [r for r in base if "error" not in r]
         if ran:
             fastest = min(ran, key=lambda r: r["step_ms"])
-            ours["baseline"] = fastest["arm"]
-            ours["speedup"] = round(fastest["step_ms"] / ours["step_ms"], 2)
-            ours["generate_speedup"] = round(min(r["generate_ms"] for r in ran) / ours["generate_ms"], 2)
+            for r in mine:
+                r["baseline"] = fastest["arm"]
+                r["speedup"] = round(fastest["step_ms"] / r["step_ms"], 2)
+                r["generate_speedup"] = round(min(x["generate_ms"] for x in ran) / r["generate_ms"], 2)
             for r in ran:
                 r["polynya_speedup"] = round(r["step_ms"] / ours["step_ms"], 2)
             best.append((shape, fastest["step_ms"], ours["step_ms"]))
-        print([ours] + base, flush=True)
+        print(mine + base, flush=True)
     path = checkpoint(True)
     if best:
         plot(best, path.replace(".json", ".png"))
@@ -232,7 +250,8 @@ def main() -> None:
             r.setdefault(key, "")
     print(markdown_table(rows, [("shape", "shape"), ("arm", "arm"), ("prompt_tokens", "prompt tokens"),
                                 ("generate_ms", "generate ms"), ("step_ms", "step ms"),
-                                ("polynya_speedup", "polynya step speed-up over this arm")]))
+                                ("polynya_speedup", "polynya step speed-up over this arm"),
+                                ("speedup", "step speed-up over the fastest TRL arm")]))
 
 
 def try_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict:

@@ -18,6 +18,8 @@ callbacks, batching).
 
     python benchmarks/profile_trl_step.py --arms polynya,polynya-nozorro,dynamic --out $OUT
                                         # H200: GSM8K shape, 3 arms, ~2.5 min (estimate)
+    python benchmarks/profile_trl_step.py --arms polynya,polynya-fused --out $OUT
+                                        # H200: the adapter with and without fused RMSNorms
     python benchmarks/profile_trl_step.py --model tiny:qwen3 --prompt-tokens 32 \\
         --max-new-tokens 8 --prompts 2 --group-size 4 --steps 3   # CPU, seconds
     python benchmarks/profile_trl_step.py --layers 2 --prompt-tokens 64 --max-new-tokens 16 \\

@@ -23,6 +23,14 @@ arm — the measurement that places the point where ZoRRo starts to pay::
 
     python benchmarks/profile_zorro_step.py --scan 128/128/8x1,256/128/8x1,256/128/8x4 \\
         --arms naive,padded,auto --rounds 7 --out $OUT                          # H200
+
+An arm suffixed ``+fused`` (``naive+fused``) runs the same step with the model's RMSNorms fused
+(``polynya.fused.fuse_model``; toggled outside the timed region, the same model and batch);
+``--fused`` adds ``<arm>+fused`` after every arm::
+
+    python benchmarks/profile_zorro_step.py --shape 384/0/8 --arms naive --fused --out $OUT
+    python benchmarks/profile_zorro_step.py --scan 256/128/8x1,256/128/8x4 --arms naive,auto \\
+        --fused --rounds 9 --out $OUT                                           # H200
 """
 from __future__ import annotations
 
@@ -38,7 +46,30 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_zorro import make_batch, step_fn  # noqa: E402
 from common import environment, save  # noqa: E402
 
+from polynya.fused import fuse_model, unfuse_model  # noqa: E402
 from polynya.models import load_model  # noqa: E402
+
+FUSED = "+fused"
+
+
+def arm_parts(arm: str) -> tuple[str, bool]:
+    """``"naive+fused"`` -> ``("naive", True)``; any other suffix is refused."""
+    base, plus, rest = arm.partition("+")
+    if plus and plus + rest != FUSED:
+        raise ValueError(f"unknown arm suffix in {arm!r}: only {FUSED!r}")
+    return base, bool(plus)
+
+
+def set_fused(model, arm: str) -> None:
+    """Fuse the model's norms for a ``+fused`` arm, unfuse for any other (outside timing)."""
+    (fuse_model if arm_parts(arm)[1] else unfuse_model)(model)
+
+
+def arm_list(args) -> list[str]:
+    arms = args.arms.split(",")
+    for arm in arms:
+        arm_parts(arm)
+    return [x for arm in arms for x in ((arm, arm + FUSED) if args.fused else (arm,))]
 
 
 def busy_ms(events) -> float:
@@ -58,7 +89,8 @@ def busy_ms(events) -> float:
 
 
 def profile_arm(model, batch, arm: str, iters: int, device: str) -> dict:
-    fn = step_fn(model, batch, arm)
+    set_fused(model, arm)
+    fn = step_fn(model, batch, arm_parts(arm)[0])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(3):
         fn()
@@ -95,18 +127,20 @@ def profile_arm(model, batch, arm: str, iters: int, device: str) -> dict:
 def scan(model, args) -> None:
     """``--scan``: interleaved wall times per shape and arm (module docstring)."""
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    arms = args.arms.split(",")
+    arms = arm_list(args)
     rows = []
     for item in args.scan.split(","):
         shape, _, groups = item.partition("x")
         P, R, G = map(int, shape.split("/"))
         batch = make_batch(P, R, G, int(groups or 1), model.config.vocab_size, seed=P + R + G)
-        fns = {arm: step_fn(model, batch, arm) for arm in arms}
-        for fn in fns.values():  # warm-up: compiles, plans, allocator
+        fns = {arm: step_fn(model, batch, arm_parts(arm)[0]) for arm in arms}
+        for arm, fn in fns.items():  # warm-up: compiles, plans, allocator
+            set_fused(model, arm)
             fn(), fn()
         times = {arm: [] for arm in arms}
         for _ in range(args.rounds):
             for arm, fn in fns.items():
+                set_fused(model, arm)
                 model.zero_grad(set_to_none=True)
                 sync()
                 t0 = time.perf_counter()
@@ -133,6 +167,8 @@ def main() -> None:
     ap.add_argument("--shape", default="256/128/8", help="P/R/G")
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--arms", default="naive,padded,split")
+    ap.add_argument("--fused", action="store_true",
+                    help="also run every arm with fused RMSNorms (<arm>+fused)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-checkpointing", action="store_true")
     ap.add_argument("--scan", default=None, help="P/R/GxN,...: interleaved timing instead of profiles")
@@ -150,7 +186,7 @@ def main() -> None:
     P, R, G = map(int, args.shape.split("/"))
     batch = make_batch(P, R, G, args.groups, model.config.vocab_size, seed=P + R + G)
     rows = []
-    for arm in args.arms.split(","):
+    for arm in arm_list(args):
         model.zero_grad(set_to_none=True)
         row = profile_arm(model, batch, arm, args.iters, args.device)
         rows.append(row)
