@@ -23,6 +23,7 @@ MAX_H = 65536  # widest row one program holds in registers
 TILE = 4096  # elements per program tile (forward); rows per tile = TILE // next_pow2(H)
 BWD_TILE = 2048  # the backward holds dy, x and their products: half the forward's tile
 PROGS_PER_SM = 4  # backward programs per SM (each keeps one fp32 partial row of dw)
+COL_BLOCK = 64  # columns per program of the dw partial-row sum
 KERNEL_ON_CPU = False  # tests: the Triton path for CPU tensors too (TRITON_INTERPRET=1)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -104,9 +105,9 @@ def rms_norm_backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
     dw = torch.empty(h, device=x2.device, dtype=weight.dtype)
     if not n:
         return dx, dw.zero_()
-    block_c = min(1024, block_h)
-    _col_sum_kernel[(_cdiv(h, block_c),)](partial, dw, progs, h, BLOCK_P=8, BLOCK_H=block_c,
-                                                num_warps=4)
+    # narrow column blocks: several programs share the (up to SMs x PROGS_PER_SM)-row sum
+    _col_sum_kernel[(_cdiv(h, COL_BLOCK),)](partial, dw, progs, h, BLOCK_P=32, BLOCK_H=COL_BLOCK,
+                                            num_warps=4)
     return dx, dw
 
 
