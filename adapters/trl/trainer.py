@@ -81,9 +81,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             policy's dtype on the accelerator's device, sampling seed ``args.seed`` + the
             process index. Its weights are replaced by the policy's at construction either way.
         zorro: log-probs with ZoRRo (shared prompts computed once); False: one row per sample.
-        fused_kernels: the policy's and the reference model's RMSNorms run as fused Triton
-            kernels on CUDA (``polynya.fused.fuse_model``: HF's exact math in fewer launches);
-            default off. CPU runs are unchanged either way.
+        fused_kernels: the policy's and the reference model's RMSNorms and RoPE run as fused
+            Triton kernels on CUDA (``polynya.fused.fuse_model``: HF's exact math in fewer
+            launches); default off. CPU runs are unchanged either way.
     """
 
     def __init__(self, *args, sampler_config: SamplerConfig | None = None, zorro: bool = True,

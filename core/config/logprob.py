@@ -39,7 +39,7 @@ class LogProbConfig:
         micro_batch_tokens: token budget of a forward micro-batch (whole prompt groups).
         max_tokens_per_row: ZoRRo packing budget per row (None: one row per micro-batch).
         seed: model init for random specs (same seed as the trainer = same weights).
-        fused_kernels: run the model's RMSNorms as fused Triton kernels on CUDA
+        fused_kernels: run the model's RMSNorms and RoPE as fused Triton kernels on CUDA
             (``polynya.fused.fuse_model``); CPU unchanged.
         device: ``"cpu"``, ``"cuda"``; ``None`` = CUDA when available.
         deepspeed: raw DeepSpeed settings merged over the generated config.

@@ -173,7 +173,7 @@ class TrainConfig:
         max_tokens_per_row: ZoRRo packing budget per row inside a micro-batch (None: one row).
         temperature: sampling temperature of the rollouts (log-probs are taken at it).
         gradient_checkpointing: recompute decoder layers in the backward pass.
-        fused_kernels: run the model's RMSNorms as fused Triton kernels on CUDA
+        fused_kernels: run the model's RMSNorms and RoPE as fused Triton kernels on CUDA
             (``polynya.fused.fuse_model``: HF's exact math, fewer launches); CPU unchanged.
         log_entropy: compute the entropy metric even when ``entropy_coef == 0``.
         device: ``"cpu"``, ``"cuda"``; ``None`` = CUDA when available (``LOCAL_RANK``'s GPU).

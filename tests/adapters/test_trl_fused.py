@@ -1,6 +1,6 @@
 """``polynya.adapters.trl.GRPOTrainer(..., fused_kernels=True)``: the option is checked before
-TRL builds anything, and the policy and TRL's reference model come out fused (every RMSNorm;
-on CPU they keep HF's forward, which ``tests/core/test_fused.py`` shows)."""
+TRL builds anything, and the policy and TRL's reference model come out fused (every RMSNorm and
+attention; on CPU they keep HF's forward, which ``tests/core/test_fused.py`` shows)."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +21,8 @@ def test_fused_kernels_fuse_policy_and_reference(model_dir, tmp_path):  # noqa: 
                                                        kv_cache_memory_gb=0.05),
                           fused_kernels=True)
     policy = fused_modules(trainer.accelerator.unwrap_model(trainer.model))
-    assert len(policy) == 1 + 4 * 2 and "model.layers.0.self_attn.q_norm" in policy
+    assert len(policy) == 1 + 5 * 2  # final norm; per layer 4 norms + the attention (RoPE)
+    assert "model.layers.0.self_attn.q_norm" in policy and "model.layers.0.self_attn" in policy
     assert fused_modules(trainer.ref_model) == policy
 
 

@@ -19,12 +19,12 @@ from polynya.models import load_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from triton_interp import interpreter_test  # noqa: E402
 
-NORMS = {"qwen3": "Qwen3RMSNorm", "llama": "LlamaRMSNorm", "qwen3-moe": "Qwen3MoeRMSNorm",
-         "qwen2": "Qwen2RMSNorm", "mistral": "MistralRMSNorm"}
+PREFIX = {"qwen3": "Qwen3", "llama": "Llama", "qwen3-moe": "Qwen3Moe", "qwen2": "Qwen2",
+          "mistral": "Mistral"}
 
 
-def _norm_names(model, cls_name):
-    return [n for n, m in model.named_modules() if type(m).__name__ == cls_name]
+def _names(model, *cls_names):
+    return [n for n, m in model.named_modules() if type(m).__name__ in cls_names]
 
 
 def _loss_and_grads(model, ids):
@@ -38,20 +38,24 @@ def _ids(n_rows=2, n_tok=12, seed=0):
     return torch.randint(3, 500, (n_rows, n_tok), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("family", sorted(NORMS))
-def test_fuses_every_listed_norm_and_nothing_else(family):
+@pytest.mark.parametrize("family", sorted(PREFIX))
+def test_fuses_every_listed_norm_and_attention_and_nothing_else(family):
     model = load_model(f"tiny:{family}", dtype="float32")
-    want = _norm_names(model, NORMS[family])
-    assert len(want) >= 1 + 2 * model.config.num_hidden_layers  # final norm + two per layer
+    p = PREFIX[family]
+    want = _names(model, p + "RMSNorm", p + "Attention")
+    layers = model.config.num_hidden_layers
+    assert len(_names(model, p + "Attention")) == layers
+    assert len(want) >= 1 + 3 * layers  # final norm + two norms and an attention per layer
     assert fuse_model(model) == want
     others = [n for n, m in model.named_modules() if "forward" in m.__dict__ and n not in want]
     assert others == []
     assert fused_modules(model) == want
 
 
-def test_gemma_norms_are_not_fused():
+def test_gemma_is_not_fused():
     model = load_model("tiny:gemma2", dtype="float32")
     assert any("RMSNorm" in type(m).__name__ for m in model.modules())
+    assert any("Attention" in type(m).__name__ for m in model.modules())
     assert fuse_model(model) == []
     assert all("forward" not in m.__dict__ for m in model.modules())
 
@@ -113,6 +117,29 @@ def test_changed_math_is_refused(monkeypatch):
     assert "forward" not in model[1].__dict__
 
 
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-J's interleaved pairing (x0, x1), (x2, x3), ...: not HF Llama's rotate_half."""
+    def rot(x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+class InterleavedAttention(torch.nn.Module):
+    def forward(self, q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def test_changed_rope_math_is_refused(monkeypatch):
+    name = f"{InterleavedAttention.__module__}.{InterleavedAttention.__qualname__}"
+    monkeypatch.setattr(fused, "ATTENTION_CLASSES", (*fused.ATTENTION_CLASSES, name))
+    model = torch.nn.Sequential(InterleavedAttention())
+    with pytest.warns(UserWarning, match="no longer computes HF's"):
+        assert fuse_model(model) == []
+    assert apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
+    assert not hasattr(sys.modules[__name__].apply_rotary_pos_emb, "polynya_original")
+
+
 def test_someone_elses_forward_is_left_alone():
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -127,34 +154,59 @@ def test_someone_elses_forward_is_left_alone():
 
 
 # ------------------------------------------------------------------ the fused path itself
-def check_fused_model(device: str, family: str = "qwen3") -> None:
-    """A fused model's loss and every gradient against the same model unfused, fp32, gradient
-    checkpointing on (HF's non-reentrant): the kernels run in the forward and in the recompute."""
-    from polynya.kernels.norm import op
+def _counted(calls: dict):
+    """Count the kernels' launches (norm forward/backward, RoPE forward/backward) in ``calls``;
+    -> a function that puts the launchers back."""
+    from polynya.kernels.norm import op as norm_op
+    from polynya.kernels.rope import op as rope_op
 
-    calls = {"fwd": 0, "bwd": 0}
-    fwd, bwd = op.rms_norm_forward, op.rms_norm_backward
+    saved = (norm_op.rms_norm_forward, norm_op.rms_norm_backward, rope_op.rope_launch)
 
     def count(key, fn):
         def inner(*a, **k):
-            calls[key] += 1
+            calls[key(k) if callable(key) else key] += 1
             return fn(*a, **k)
         return inner
 
-    op.rms_norm_forward, op.rms_norm_backward = count("fwd", fwd), count("bwd", bwd)
+    norm_op.rms_norm_forward = count("norm_fwd", saved[0])
+    norm_op.rms_norm_backward = count("norm_bwd", saved[1])
+    rope_op.rope_launch = count(lambda k: "rope_bwd" if k["backward"] else "rope_fwd", saved[2])
+
+    def restore():
+        norm_op.rms_norm_forward, norm_op.rms_norm_backward, rope_op.rope_launch = saved
+    return restore
+
+
+def check_fused_model(device: str, family: str = "qwen3") -> None:
+    """A fused model's loss and every gradient against the same model unfused, fp32, gradient
+    checkpointing on (HF's non-reentrant): the kernels run in the forward, the recompute and the
+    backward; a second, unfused model in the same process, and the model after ``unfuse_model``,
+    launch none of them."""
+    calls = dict.fromkeys(("norm_fwd", "norm_bwd", "rope_fwd", "rope_bwd"), 0)
+    zero = dict(calls)
+    restore = _counted(calls)
     try:
         model = load_model(f"tiny:{family}", dtype="float32", device=device)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
+        other = load_model(f"tiny:{family}", dtype="float32", device=device)
+        for m in (model, other):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.train()
         ids = _ids(3, 17).to(device)
         loss0, grads0 = _loss_and_grads(model, ids)
-        assert calls == {"fwd": 0, "bwd": 0}
+        assert calls == zero
         names = fuse_model(model)
         loss1, grads1 = _loss_and_grads(model, ids)
+        seen = dict(calls)
+        assert torch.equal(_loss_and_grads(other, ids)[0], loss0) and calls == seen
+        unfuse_model(model)
+        assert torch.equal(_loss_and_grads(model, ids)[0], loss0) and calls == seen
     finally:
-        op.rms_norm_forward, op.rms_norm_backward = fwd, bwd
-    in_layers = sum(".layers." in n for n in names)
-    assert calls == {"fwd": len(names) + in_layers, "bwd": len(names)}, (calls, len(names))
+        restore()
+    layers = model.config.num_hidden_layers
+    norms = len(names) - layers
+    in_layers = sum(".layers." in n for n in names) - layers
+    assert seen == {"norm_fwd": norms + in_layers, "norm_bwd": norms,  # + checkpoint recompute
+                    "rope_fwd": 2 * layers, "rope_bwd": layers}, (seen, names)
     assert abs(float(loss1 - loss0)) <= 1e-5 * abs(float(loss0))
     for k, g in grads0.items():
         scale = float(g.abs().max())
@@ -173,9 +225,10 @@ def test_fused_model_on_gpu(family):
 
 
 def _interp():
-    from polynya.kernels.norm import op
+    from polynya.kernels.norm import op as norm_op
+    from polynya.kernels.rope import op as rope_op
 
-    op.KERNEL_ON_CPU = True
+    norm_op.KERNEL_ON_CPU = rope_op.KERNEL_ON_CPU = True
     check_fused_model("cpu")
     print("INTERP OK")
 

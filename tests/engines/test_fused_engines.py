@@ -1,8 +1,8 @@
 """``fused_kernels`` on the engines: validated, applied where each engine loads its model, and
 (under ``TRITON_INTERPRET=1`` in a child process, so the Triton kernels run on CPU tensors) a
 ZeRO-3 training step with gradient checkpointing gives the unfused step's loss, gradient norm
-and updated weights, the kernels running inside ZeRO-3's gathered forward, the checkpoint
-recompute and the backward."""
+and updated weights, the kernels (RMSNorm and RoPE) running inside ZeRO-3's gathered forward,
+the checkpoint recompute and the backward."""
 from __future__ import annotations
 
 import sys
@@ -35,7 +35,8 @@ def test_logprob_engine_fuses_its_model_only_when_asked():
     fused = LogProbEngine(LogProbConfig(MODEL, dtype="float32", fused_kernels=True))
     assert fused_modules(plain.module) == []
     names = fused_modules(fused.module)
-    assert len(names) == 1 + 4 * 2 and "model.layers.1.self_attn.k_norm" in names
+    assert len(names) == 1 + 5 * 2  # final norm; per layer 4 norms + the attention (RoPE)
+    assert "model.layers.1.self_attn.k_norm" in names and "model.layers.1.self_attn" in names
     from .common import make_batch
 
     batch = make_batch(5)
@@ -45,14 +46,12 @@ def test_logprob_engine_fuses_its_model_only_when_asked():
 
 def check_zero3_step() -> None:
     from polynya.engines.train import TrainingEngine
-    from polynya.kernels.norm import op
 
+    from tests.core.test_fused import _counted
     from tests.engines.common import full_weights, make_batch, train_config
 
-    calls = {"fwd": 0, "bwd": 0}
-    fwd, bwd = op.rms_norm_forward, op.rms_norm_backward
-    op.rms_norm_forward = lambda *a: (calls.__setitem__("fwd", calls["fwd"] + 1), fwd(*a))[1]
-    op.rms_norm_backward = lambda *a: (calls.__setitem__("bwd", calls["bwd"] + 1), bwd(*a))[1]
+    calls = dict.fromkeys(("norm_fwd", "norm_bwd", "rope_fwd", "rope_bwd"), 0)
+    _counted(calls)  # a child process of its own: nothing to restore
     batch = make_batch(11, old=True)
     out = []
     for fuse in (False, True):
@@ -63,9 +62,10 @@ def check_zero3_step() -> None:
         s = engine.step()
         out.append((m["loss"], s["grad_norm"], full_weights(engine.module), dict(calls)))
     (l0, g0, w0, c0), (l1, g1, w1, c1) = out
-    assert c0 == {"fwd": 0, "bwd": 0}
-    # 9 norms: each layer's 4 run twice (forward + checkpoint recompute), the final one once
-    assert c1["bwd"] == 9 and c1["fwd"] == 9 + 8, c1
+    assert not any(c0.values())
+    # 9 norms: each layer's 4 run twice (forward + checkpoint recompute), the final one once;
+    # RoPE once per layer in the forward, once in the recompute
+    assert c1 == {"norm_fwd": 9 + 8, "norm_bwd": 9, "rope_fwd": 4, "rope_bwd": 2}, c1
     assert l1 == pytest.approx(l0, rel=1e-5) and g1 == pytest.approx(g0, rel=1e-4)
     for name in w0:
         torch.testing.assert_close(w1[name], w0[name], rtol=1e-5, atol=1e-6)
@@ -77,9 +77,10 @@ def test_zero3_checkpointed_step_under_interpreter():
 
 
 def _interp():
-    from polynya.kernels.norm import op
+    from polynya.kernels.norm import op as norm_op
+    from polynya.kernels.rope import op as rope_op
 
-    op.KERNEL_ON_CPU = True
+    norm_op.KERNEL_ON_CPU = rope_op.KERNEL_ON_CPU = True
     check_zero3_step()
     print("INTERP OK")
 
