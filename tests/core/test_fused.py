@@ -17,7 +17,7 @@ from polynya.fused import fuse_model, fused_modules, unfuse_model
 from polynya.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-from triton_interp import interpreter_test  # noqa: E402
+from triton_interp import check_under_interpreter  # noqa: E402
 
 PREFIX = {"qwen3": "Qwen3", "llama": "Llama", "qwen3-moe": "Qwen3Moe", "qwen2": "Qwen2",
           "mistral": "Mistral"}
@@ -215,7 +215,7 @@ def check_fused_model(device: str, family: str = "qwen3") -> None:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter is on")
 def test_fused_model_under_interpreter():
-    interpreter_test(__file__, "test_fused_model_on_gpu")
+    check_under_interpreter(__file__)
 
 
 @pytest.mark.gpu

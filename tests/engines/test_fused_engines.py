@@ -16,7 +16,7 @@ from polynya.engines.logprob import LogProbEngine
 from polynya.fused import fused_modules
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-from triton_interp import interpreter_test  # noqa: E402
+from triton_interp import check_under_interpreter  # noqa: E402
 
 MODEL = "tiny:qwen3"
 
@@ -73,7 +73,7 @@ def check_zero3_step() -> None:
 
 @pytest.mark.slow
 def test_zero3_checkpointed_step_under_interpreter():
-    interpreter_test(__file__, "tests/core/test_fused.py::test_fused_model_on_gpu")
+    check_under_interpreter(__file__)
 
 
 def _interp():

@@ -29,7 +29,7 @@ try:
     from polynya.kernels.norm.kernel import _round
 except ImportError:  # the reference tests still run; the Triton ones skip
     triton = None
-from triton_interp import interpreter_test
+from triton_interp import check_under_interpreter
 
 EPS = 1e-6
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}  # spacing at 1.0
@@ -216,7 +216,7 @@ def test_bad_inputs_are_refused():
 # ------------------------------------------------------------------ Triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter is on")
 def test_triton_kernels_under_interpreter():
-    interpreter_test(__file__, "test_kernels_on_gpu")
+    check_under_interpreter(__file__)
 
 
 def _interp():

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from polynya.kernels.rope import kernel_applies, rope, rope_reference
-from triton_interp import interpreter_test
+from triton_interp import check_under_interpreter
 
 
 def hf_rope(q, k, cos, sin):
@@ -112,7 +112,7 @@ def test_what_the_kernel_does_not_take_goes_to_the_reference():
 # ------------------------------------------------------------------ Triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter is on")
 def test_triton_kernel_under_interpreter():
-    interpreter_test(__file__, "test_kernel_on_gpu")
+    check_under_interpreter(__file__)
 
 
 def _interp():

@@ -34,15 +34,3 @@ def digest_kernels_on_cpu(block: int = 64, rblock: int = 4) -> None:
     op.KERNEL_ON_CPU = True
     op.BLOCK = block
     op.RBLOCK = rblock
-
-
-def interpreter_test(test_file: str, gpu_test: str) -> None:
-    """The body of a module's ``test_..._under_interpreter``: skip without Triton, and on a GPU
-    (where ``gpu_test`` checks the compiled kernels), else ``run_under_interpreter``."""
-    import pytest
-    import torch
-
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip(f"on a GPU the compiled kernels are checked by {gpu_test}")
-    run_under_interpreter(test_file)
