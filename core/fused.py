@@ -47,6 +47,11 @@ import warnings
 
 import torch
 
+from .kernels.norm import kernel_applies as _norm_applies
+from .kernels.norm import rms_norm, rms_norm_reference
+from .kernels.rope import kernel_applies as _rope_applies
+from .kernels.rope import rope, rope_reference
+
 _T = "transformers.models."
 RMS_NORM_CLASSES = (  # each checked in transformers 5.17: the same five-line forward
     _T + "llama.modeling_llama.LlamaRMSNorm",
@@ -73,10 +78,8 @@ def _class_name(cls: type) -> str:
 # ------------------------------------------------------------------ the installed forwards
 def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """The norm forward ``fuse_model`` installs: the Triton kernels where they apply, else HF's."""
-    from .kernels.norm import kernel_applies, rms_norm
-
     weight = self.weight
-    if kernel_applies(hidden_states, weight):
+    if _norm_applies(hidden_states, weight):
         return rms_norm(hidden_states, weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)
 
@@ -97,11 +100,9 @@ def _rope_dispatcher(original):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if (getattr(_in_fused_attention, "depth", 0) > 0 and args in ((), (1,))
-                and kwargs in ({}, {"unsqueeze_dim": 1})):  # HF's default [B, H, T, D] layout
-            from .kernels.rope import kernel_applies, rope
-
-            if kernel_applies(q, k, cos, sin):
-                return rope(q, k, cos, sin)
+                and kwargs in ({}, {"unsqueeze_dim": 1})  # HF's default [B, H, T, D] layout
+                and _rope_applies(q, k, cos, sin)):
+            return rope(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.polynya_original = original
@@ -130,8 +131,6 @@ def _probe_equal(fn, reference, make_args) -> bool:
 def _norm_math_matches(cls: type) -> bool:
     """``cls.forward`` equals ``rms_norm_reference`` (a weight far from 1, so ``1 + weight`` or
     another cast order shows)."""
-    from .kernels.norm import rms_norm_reference
-
     def args(g, dtype):
         probe = types.SimpleNamespace(weight=(torch.randn(48, generator=g) * 2).to(dtype),
                                       variance_epsilon=1e-5)
@@ -145,8 +144,6 @@ def _norm_math_matches(cls: type) -> bool:
 def _rope_math_matches(cls: type) -> bool:
     """``cls.forward`` calls its file's ``apply_rotary_pos_emb`` and that equals
     ``rope_reference`` (cos/sin halves that differ, so a non-rotate_half pairing shows)."""
-    from .kernels.rope import rope_reference
-
     if _ROPE_FN not in inspect.unwrap(cls.forward).__code__.co_names:
         return False
     fn = getattr(sys.modules[cls.__module__], _ROPE_FN, None)
