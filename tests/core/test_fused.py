@@ -197,9 +197,12 @@ def check_fused_model(device: str, family: str = "qwen3") -> None:
         names = fuse_model(model)
         loss1, grads1 = _loss_and_grads(model, ids)
         seen = dict(calls)
-        assert torch.equal(_loss_and_grads(other, ids)[0], loss0) and calls == seen
+
+        def same(loss):  # HF's code again: equal (to fp32 noise of a second GPU run)
+            return abs(float(loss - loss0)) <= (0 if device == "cpu" else 1e-6 * abs(float(loss0)))
+        assert same(_loss_and_grads(other, ids)[0]) and calls == seen
         unfuse_model(model)
-        assert torch.equal(_loss_and_grads(model, ids)[0], loss0) and calls == seen
+        assert same(_loss_and_grads(model, ids)[0]) and calls == seen
     finally:
         restore()
     layers = model.config.num_hidden_layers
