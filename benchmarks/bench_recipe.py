@@ -19,7 +19,8 @@ can be compared with it (``generate / direct``). The difference is the colocated
 ``--budget-s`` stops before starting an arm that would not fit (the table shows what ran).
 The ZoRRo-off arm's engines run ``zorro=False`` in ``--naive-layout`` (default ``auto``: packed
 samples without padding, FlashAttention-2 varlen, as verl's remove-padding; ``padded`` gives the
-previous one-row-per-sample baseline for reference).
+previous one-row-per-sample baseline for reference). ``--fused`` runs both arms' trainer and
+log-prob engine with ``fused_kernels=True`` (compare with a run without it).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def compose_recipe(args, on: bool, out: str):
                  f"client.zorro_train={on}", f"client.fca={on}",
                  f"client.train.naive_layout={args.naive_layout}",
                  f"client.logprob.naive_layout={args.naive_layout}",
-                 "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true"]
+                 "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true",
+                 f"client.train.fused_kernels={args.fused}", f"client.logprob.fused_kernels={args.fused}"]
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         return compose("config", overrides=overrides)
 
@@ -179,6 +181,8 @@ def main() -> None:
     ap.add_argument("--direct-calls", type=int, default=3, help="direct generate calls (first one not counted)")
     ap.add_argument("--naive-layout", default="auto", choices=("auto", "packed", "padded"),
                     help="layout of the ZoRRo-off arm's engines (auto: packed varlen on GPU)")
+    ap.add_argument("--fused", action="store_true",
+                    help="both arms' trainer and log-prob engine with fused RMSNorm + RoPE kernels")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
