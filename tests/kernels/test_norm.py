@@ -193,9 +193,17 @@ def test_reference_is_hf_bit_for_bit(dtype, shape):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_cpu_tensors_take_the_reference():
+def test_cpu_tensors_take_the_reference(monkeypatch):
+    from polynya.kernels.norm import op
+
     x, w, dy = _inputs((4, 33), torch.bfloat16, "cpu", 12)
     assert not kernel_applies(x, w)
+    monkeypatch.setattr(op, "KERNEL_ON_CPU", True)
+    assert kernel_applies(x, w) and not kernel_applies(x.double(), w.double())
+    wide = torch.ones(op.MAX_H + 1, dtype=torch.bfloat16)
+    assert not kernel_applies(wide[None], wide)  # wider than a program holds
+    assert not kernel_applies(x, w.float().double())
+    monkeypatch.setattr(op, "KERNEL_ON_CPU", False)
     for a, b in zip(_run(_fused, x, w, dy), _hf_run(x, w, dy)):
         assert torch.equal(a, b)
     assert not kernel_applies(x.double(), w.double())
