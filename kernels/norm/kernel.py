@@ -7,8 +7,9 @@ run of rows: ``dx`` row by row, and its partial ``sum_rows round_out(dy * round_
 of the weight gradient in fp32 (one row of ``DWP`` per program); ``_col_sum_kernel`` adds those
 partial rows into ``dw`` in the weight's dtype. Every rounding HF's autograd graph makes (the
 normalised row to the input dtype, ``dy * w`` to the output dtype and then the input dtype,
-``dy * h`` to the output dtype) is made here at the same point, so only the order of the fp32
-sums differs from HF's.
+``dy * h`` to the output dtype) is made here at the same point, so only fp32 evaluation order
+differs from HF's: the order of the sums, and ``dx = rstd * g - x * (rstd^3 * (g . x) / H)`` as
+one expression (HF's autograd forms the same terms node by node).
 """
 import triton
 import triton.language as tl

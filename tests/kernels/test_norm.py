@@ -7,10 +7,10 @@ bit for bit. The Triton kernels run under ``TRITON_INTERPRET=1`` in a child proc
 compiled on a GPU (``gpu`` marker). Tolerances:
 
 - float32: 2e-6 of the output's largest magnitude (forward, dx, dw). The kernels make every
-  operation HF makes; only the order of the fp32 sums (the row's sum of squares, ``dy*w . x``,
-  the column sums of dw) differs, which moves results by a few fp32 ulps.
+  operation HF makes; only fp32 evaluation order (the row's sum of squares, ``dy*w . x``, the
+  column sums of dw, the terms of dx) differs, which moves results by a few fp32 ulps.
 - bfloat16 / float16: HF's module rounds at four points (the normalised row, ``w * h``, ``dy * w``,
-  ``dx``); the kernels round at the same points, so a difference appears only where an fp32 sum
+  ``dx``); the kernels round at the same points, so a difference appears only where an fp32 value
   differing in its last bit moves a value across a rounding boundary: each element within one
   ulp of the low-precision dtype (at the element's magnitude, floored at 1e-3 of the largest),
   and the largest error against the fp32 computation (no intermediate rounding) at most 2x
