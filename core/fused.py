@@ -2,7 +2,7 @@
 
 At the micro-batches RL trains on (a few thousand tokens), a forward + backward of a 0.6B model
 is bound by the host launching ~10k small kernels. HF's RMSNorm (~8 ops forward, ~12 backward,
-four per Qwen3 layer) and rotary embedding (~14 ops forward per layer) are a large share of
+four per Qwen3 layer) and rotary embedding (~16 ops forward per layer) are a large share of
 them. ``fuse_model(model)`` makes them run polynya's Triton kernels on CUDA tensors::
 
     from polynya.fused import fuse_model, unfuse_model
