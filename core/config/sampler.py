@@ -50,6 +50,13 @@ class SamplerConfig:
             finish reasons as without; steps that need the scheduler (prefills, a row needing a
             page, preemption) run synchronously. False: every step is scheduled, run and booked
             in turn.
+        compile_decode: run the decode step's model through ``torch.compile`` (Inductor fuses
+            the norms, RoPE, activations and residuals around the GEMMs; the paged / FCA
+            attention stays one opaque op per layer), captured into the same CUDA graphs.
+            Compiles once per process and attention path (~tens of seconds the first time,
+            Inductor's on-disk cache after that); a model that cannot be compiled decodes
+            eagerly with a ``RuntimeWarning``. ``None`` (default): on CUDA, off on the CPU
+            (where the compile costs more than a short run saves); ``True`` / ``False`` force it.
         seed: engine seed (model init for random specs; default sampling seeds).
     """
 
@@ -67,6 +74,7 @@ class SamplerConfig:
     fca_min_shared_tokens: int = 32768
     cuda_graphs: bool = True
     async_scheduling: bool = True
+    compile_decode: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -93,8 +101,15 @@ class SamplerConfig:
         for name in ("fca", "cuda_graphs", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplerConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
+            raise ValueError("SamplerConfig.compile_decode must be True, False or None (on for "
+                             f"CUDA, off on the CPU), got {self.compile_decode!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"SamplerConfig.seed must be an int, got {self.seed!r}")
+
+    def decode_compiled(self, device_type: str) -> bool:
+        """Whether the decode step is compiled on a device of this type (``compile_decode``)."""
+        return self.compile_decode if self.compile_decode is not None else device_type == "cuda"
 
     @property
     def torch_device(self) -> str:

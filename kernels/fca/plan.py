@@ -70,6 +70,24 @@ class ForestPlan:
     def batch_size(self) -> int:
         return self.block_tables.shape[0]
 
+    def work_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The read-only work lists in :data:`WORK_FIELDS` order (``counters`` apart: the
+        kernels write it). With :meth:`from_tensors` this carries a plan through code that
+        takes tensors only (a ``torch.library`` custom op)."""
+        return tuple(getattr(self, name) for name in WORK_FIELDS)
+
+    @classmethod
+    def from_tensors(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                     max_shared_slots: int, work: tuple[torch.Tensor, ...] | list[torch.Tensor],
+                     counters: torch.Tensor) -> ForestPlan:
+        """The plan whose ``work_tensors()`` are ``work`` (``max_group`` and ``cap`` are read
+        from ``sh_mem``'s shape)."""
+        fields = dict(zip(WORK_FIELDS, work, strict=True))
+        sh_mem = fields["sh_mem"]
+        return cls(block_tables=block_tables, seq_lens=seq_lens, block_size=block_size,
+                   max_group=sh_mem.shape[1], max_shared_slots=max_shared_slots,
+                   cap=sh_mem.shape[0] - 1, counters=counters, checked_num_blocks=None, **fields)
+
     def stats(self) -> dict[str, int]:
         """Host-side summary (synchronises; for logs and tests, not the hot path)."""
         nsh = int(self.n_shared.item())
@@ -79,6 +97,10 @@ class ForestPlan:
             "max_shared_slots_used": int(self.n_sh_slots.max().item()),
             "private_tokens": int(self.pv_len.sum().item()),
         }
+
+
+WORK_FIELDS = ("n_sh_slots", "n_shared", "sh_row", "sh_c0", "sh_c1", "sh_slot", "sh_nmem",
+               "sh_mem", "pv_bt", "pv_len", "block_id_range")
 
 
 def _is_capturing(device: torch.device) -> bool:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from polynya.eager_attention import causal_mask, eager_attention
-from polynya.kernels.fca import fca_decode, paged_decode
+from polynya.kernels.fca import ForestPlan, fca_decode, paged_decode
 from polynya.model_features import SOFTCAP, WINDOWS, AttentionFeatures
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -59,6 +59,9 @@ class StepContext:
         block_tables: decode: ``[B, max_blocks]`` int32. seq_lens: decode: ``[B]`` int32 KV length.
         plan: decode with FCA: the ``ForestPlan`` of this step (shared by every layer).
         features: the model's attention features (per-layer windows); None = all full.
+        cache: the compiled decode (``compiled.py``): the whole cache
+            ``[layers, 2, num_blocks, block_size, Hkv, D]`` (``kv_caches`` is then empty);
+            each layer's cache write and attention run as one opaque op that mutates it.
     """
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -71,6 +74,7 @@ class StepContext:
     seq_lens: torch.Tensor | None = None
     plan: Any = None
     features: AttentionFeatures | None = None
+    cache: torch.Tensor | None = None
 
 
 def register() -> None:
@@ -104,17 +108,26 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    if ctx.cache is not None:  # compiled decode: cache write + attention as one opaque op
+        return _decode_op(q, k, v, ctx, module.layer_idx, scaling, window, softcap).unsqueeze(0), None
     k_cache = v_cache = None
     if ctx.slot_mapping is not None:  # None: a scoring pass, which neither reads nor writes pages
         k_cache, v_cache = ctx.kv_caches[module.layer_idx]
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+        write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
     if ctx.is_prefill:
         out = _prefill(q, k, v, k_cache, v_cache, ctx, scaling, window, softcap)
     else:
-        out = _decode(q, k_cache, v_cache, ctx, scaling, window, softcap)
+        out = _decode(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.plan, scaling,
+                      window, softcap)
     return out.unsqueeze(0), None
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Store new keys / values ``[T, Hkv, D]`` at flat cache slots ``[T]``."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 # Prefill SDPA backends on CUDA: cuDNN is left out because it builds an execution plan for every
@@ -164,7 +177,8 @@ def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, plan: ForestPlan | None,
             scale: float | None, window: int | None = None,
             softcap: float | None = None) -> torch.Tensor:
     """One query per sequence over its pages (its last ``window`` positions in a windowed
@@ -172,9 +186,69 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: 
     # block tables come from the block manager (valid by construction): skip the host-syncing
     # value checks so neither path stalls the GPU once per layer
     q = q.contiguous()
-    if ctx.plan is not None and window is None:
-        return fca_decode(q, k_cache, v_cache, ctx.plan, scale=scale, validate=False,
+    if plan is not None and window is None:
+        return fca_decode(q, k_cache, v_cache, plan, scale=scale, validate=False,
                           softcap=softcap)
-    return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, scale=scale,
+    return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                         validate=False, softcap=softcap, window=window)
+
+
+# ---------------------------------------------------------------- the compiled decode's ops
+# ``torch.compile`` sees each layer's cache write + decode attention as one op: Dynamo does not
+# trace into the Triton launchers, the plan or the cache layout; the op declares that it writes
+# the cache (and FCA's scheduler counters), and its fake implementation gives the output's
+# shape. The forest plan travels as its tensors (``ForestPlan.work_tensors``).
+
+
+@torch.library.custom_op("polynya::paged_decode_layer", mutates_args=("cache",))
+def paged_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                       layer: int, slots: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, scale: float | None, window: int | None,
+                       softcap: float | None) -> torch.Tensor:
+    """Write layer ``layer``'s new keys / values ``[B, Hkv, D]`` into ``cache`` (the whole
+    ``[layers, 2, ...]`` cache) and attend ``q [B, Hq, D]`` over the pages; ``[B, Hq, D]``."""
+    k_cache, v_cache = cache[layer, 0], cache[layer, 1]
+    write_kv(k_cache, v_cache, slots, k, v)
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, window,
+                   softcap).contiguous()
+
+
+@torch.library.custom_op("polynya::fca_decode_layer", mutates_args=("cache", "counters"))
+def fca_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                     layer: int, slots: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, work: list[torch.Tensor], counters: torch.Tensor,
+                     max_shared_slots: int, scale: float | None,
+                     softcap: float | None) -> torch.Tensor:
+    """``paged_decode_layer`` through FCA with the step's plan (``ForestPlan.work_tensors``
+    and its ``counters``, which the kernels use and reset)."""
+    k_cache, v_cache = cache[layer, 0], cache[layer, 1]
+    write_kv(k_cache, v_cache, slots, k, v)
+    plan = ForestPlan.from_tensors(block_tables, seq_lens, cache.shape[3], max_shared_slots,
+                                   work, counters)
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, plan, scale, None,
+                   softcap).contiguous()
+
+
+@paged_decode_layer.register_fake
+def _(q, k, v, cache, layer, slots, block_tables, seq_lens, scale, window, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@fca_decode_layer.register_fake
+def _(q, k, v, cache, layer, slots, block_tables, seq_lens, work, counters, max_shared_slots,
+      scale, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
+               scale: float | None, window: int | None, softcap: float | None) -> torch.Tensor:
+    """One layer of the compiled decode: FCA's op for full-attention layers of an FCA step,
+    the paged op otherwise (windowed layers read only their window)."""
+    plan = ctx.plan
+    if plan is not None and window is None:
+        return fca_decode_layer(q, k, v, ctx.cache, layer, ctx.slot_mapping, plan.block_tables,
+                                plan.seq_lens, list(plan.work_tensors()), plan.counters,
+                                plan.max_shared_slots, scale, softcap)
+    return paged_decode_layer(q, k, v, ctx.cache, layer, ctx.slot_mapping, ctx.block_tables,
+                              ctx.seq_lens, scale, window, softcap)
 

@@ -480,10 +480,14 @@ class NativeEngine:
         ``blocks_in_use`` of ``num_blocks``, ``preemptions``, step counts, ``weight_version``,
         and wall time spent
         in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures
-        and their wall time (``graph_captures`` / ``graph_capture_s``, inside the step times)."""
+        and their wall time (``graph_captures`` / ``graph_capture_s``, inside the step times),
+        compiles of the decode step (``compile_decode``) and the wall time of the steps that
+        compiled (``compiles`` / ``compile_s``, inside the step and capture times)."""
         with self._lock:
             captures, capture_s = self.runner.graph_stats()
+            compiles, compile_s = self.runner.compile_stats()
             return dict(self._counts, **self._times, cache_hit_blocks=self.block_manager.hit_blocks,
                         graph_captures=captures, graph_capture_s=capture_s,
+                        compiles=compiles, compile_s=compile_s,
                         blocks_in_use=self.block_manager.num_used, num_blocks=self.block_manager.num_blocks,
                         preemptions=self.scheduler.num_preemptions, weight_version=self.weight_version)

@@ -25,6 +25,7 @@ from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, checked_p
 
 from ..scoring import PromptLogprobs, score_hidden
 from . import attention
+from .compiled import CompiledDecode
 from .cuda_graph import DecodeGraphs, GraphCaptureError
 from .decode_inputs import DecodeInputs
 from .kv_memory import KVMemory
@@ -88,6 +89,10 @@ class ModelRunner:
         self.graphs_error: str | None = None  # why decode runs without CUDA graphs
         self._graphs_kv_ptr = 0
         self._retired_captures = [0, 0.0]  # captures / seconds of graphs since dropped
+        self.compiled = None  # the compiled decode step (compiled.py), when compile_decode is on
+        if config.decode_compiled(self.device.type):
+            self.compiled = CompiledDecode(self.model, self._decode_context, self._decode_eager,
+                                           self.num_blocks, self.block_size, config.model)
         shape = (self.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
                  self.head_dim)
         self._kv_memory = KVMemory(shape, self.dtype, self.device)
@@ -150,6 +155,14 @@ class ModelRunner:
         if self.graphs is not None:
             n, s = n + self.graphs.captures, s + self.graphs.capture_s
         return n, s
+
+    def compile_stats(self) -> tuple[int, float]:
+        """Compiles of the decode step this runner triggered and the wall seconds of the calls
+        that compiled (0, 0.0 with ``compile_decode`` off or when another runner of the same
+        model in this process compiled it first)."""
+        if self.compiled is None:
+            return 0, 0.0
+        return self.compiled.compiles, self.compiled.compile_s
 
     def _disable_graphs(self, exc: GraphCaptureError) -> None:
         """Decode eagerly from now on (the path every correctness test checks), and say why."""
@@ -234,14 +247,28 @@ class ModelRunner:
 
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                         tables: torch.Tensor, lens: torch.Tensor, fca: bool) -> torch.Tensor:
-        """One decode step on device tensors (eager, or being captured into a CUDA graph)."""
-        plan = None
-        if fca:  # once per step; every layer reuses it
-            plan = plan_forest(tables, lens, self.block_size, validate=False)
-        ctx = attention.StepContext(self._caches(), slots, is_prefill=False, block_tables=tables,
-                                    seq_lens=lens, plan=plan, features=self.features)
+        """One decode step on device tensors (eager or compiled, maybe being captured into a
+        CUDA graph): ids / pos ``[1, B]``, slots ``[B]``, tables ``[B, width]`` int32, lens
+        ``[B]`` int32; ``[B, V]`` logits."""
+        if self.compiled is not None:
+            return self.compiled(ids, pos, slots, tables, lens, fca)
+        return self._decode_eager(ids, pos, slots, tables, lens, fca)
+
+    def _decode_eager(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                      tables: torch.Tensor, lens: torch.Tensor, fca: bool) -> torch.Tensor:
+        ctx = self._decode_context(slots, tables, lens, fca, whole_cache=False)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **{attention.CTX_KWARG: ctx})
         return out.logits[0]
+
+    def _decode_context(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                        fca: bool, whole_cache: bool = True) -> attention.StepContext:
+        """A decode step's context; plans FCA (once per step, every layer reuses it). With
+        ``whole_cache`` (the compiled step) layers get the cache as one tensor."""
+        caches = [] if whole_cache and self.kv is not None else self._caches()
+        plan = plan_forest(tables, lens, self.block_size, validate=False) if fca else None
+        return attention.StepContext(caches, slots, is_prefill=False,
+                                     block_tables=tables, seq_lens=lens, plan=plan,
+                                     features=self.features, cache=self.kv if whole_cache else None)
 
     def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.kv is None:

@@ -1,0 +1,169 @@
+"""The decode forward compiled by ``torch.compile`` (Inductor) into fused kernels.
+
+An eager HF decoder step launches ~50 small element-wise kernels per layer (RMSNorms, RoPE,
+SiLU * mul, casts, residual adds); a CUDA graph removes their launch cost but not their
+count. Compiled, Inductor fuses them around the GEMMs, and the result is captured into the
+same ``DecodeGraphs`` buckets as the eager step (the compile runs on the warm-up calls before
+the capture; replays run no Python at all).
+
+What is compiled is the HF model's forward only: the forest plan is built eagerly before it
+(inside the CUDA graph, as before) and each layer's cache write + decode attention is one
+opaque ``torch.library`` op (``attention.paged_decode_layer`` / ``fca_decode_layer``), so
+Dynamo never traces into the Triton launchers. Prefill stays eager: its shapes change every
+step (new prompt lengths), a compile per shape would cost more than it saves.
+
+Compiles are bounded:
+
+* one graph for every batch size: the batch dimension of every input (and of the plan's
+  tensors) is marked dynamic; a batch of one is padded to two rows (the extra row decodes into
+  the scratch page, like a CUDA-graph padding row) because torch specialises sizes 0 and 1;
+* FCA and plain paged steps call different ops, so a process compiles at most one graph per
+  attention path (two), plus whatever a guard failure costs, up to ``MAX_COMPILES`` per runner;
+  past it, and while a CUDA graph is being captured, a recompile raises instead;
+* any failure to compile (a graph break, an unsupported op, a limit hit) makes the runner
+  decode eagerly from then on, with a ``RuntimeWarning`` saying why — never a crash and never
+  different numbers.
+
+``compiles`` / ``compile_s`` count the compiles this runner triggered and the wall seconds of
+the calls that compiled (Dynamo trace + Inductor + the first run).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from . import attention
+
+MAX_COMPILES = 4  # per runner: two attention paths, and room for one guard failure each
+
+_backend_calls = 0  # Inductor compiles in this process (every runner's)
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """Inductor, counted (the compiled step's backend)."""
+    global _backend_calls
+    from torch._inductor.compile_fx import compile_fx
+
+    _backend_calls += 1
+    return compile_fx(gm, example_inputs)
+
+
+def _decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
+                 ctx: attention.StepContext) -> torch.Tensor:
+    """The function ``torch.compile`` traces: one decode forward; ``[B, V]`` logits."""
+    out = model(input_ids=ids, position_ids=pos, use_cache=False, **{attention.CTX_KWARG: ctx})
+    return out.logits[0]
+
+
+_COMPILED = torch.compile(_decode_step, backend=_inductor, fullgraph=True, dynamic=None)
+
+
+def pad_single_row(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                   tables: torch.Tensor, lens: torch.Tensor, scratch_block: int,
+                   block_size: int) -> tuple[torch.Tensor, ...]:
+    """A batch of one plus one padding row (token 0 at position 0, written into the scratch
+    page), all on the device: no host sync, capturable."""
+    pad_table = torch.zeros_like(tables[:1])
+    pad_table[:, 0] = scratch_block
+    return (torch.cat([ids, torch.zeros_like(ids)], dim=1),
+            torch.cat([pos, torch.zeros_like(pos)], dim=1),
+            torch.cat([slots, torch.full_like(slots, scratch_block * block_size)]),
+            torch.cat([tables, pad_table]),
+            torch.cat([lens, torch.ones_like(lens)]))
+
+
+def _mark(t: torch.Tensor, dim: int, mark: Callable = torch._dynamo.mark_dynamic) -> None:
+    """Mark ``t``'s ``dim`` dynamic, and the matching dim of the tensor it views (Dynamo
+    builds a view input from its base)."""
+    mark(t, dim)
+    base = t._base
+    if base is not None:
+        for d in range(base.dim()):
+            if base.shape[d] == t.shape[dim] and base.stride(d) == t.stride(dim):
+                mark(base, d)
+                break
+
+
+def _mark_dynamic(ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> None:
+    """Every size that follows the batch is dynamic (one compile serves every bucket), and so
+    is the block-table width, which only the eager (non-graph) path varies; a width of one
+    block is specialised by torch (``maybe_mark_dynamic``): one more compile when it grows."""
+    _mark(ids, 1)
+    _mark(pos, 1)
+    for t in (ctx.slot_mapping, ctx.block_tables, ctx.seq_lens):
+        _mark(t, 0)
+    _mark(ctx.block_tables, 1, torch._dynamo.maybe_mark_dynamic)
+    plan = ctx.plan
+    if plan is not None:
+        for t in plan.work_tensors():
+            if t is not plan.block_id_range and t is not plan.n_shared:
+                _mark(t, 0)
+        _mark(plan.pv_bt, 1, torch._dynamo.maybe_mark_dynamic)
+
+
+class CompiledDecode:
+    """The compiled decode step of one model runner, with its eager fallback.
+
+    Args:
+        model: the HF model (``attn_implementation="polynya_paged"``).
+        context: ``(slots, block_tables, seq_lens, fca) -> StepContext`` over the whole cache
+            (plans FCA when ``fca``).
+        eager: the eager decode step ``(ids, pos, slots, tables, lens, fca) -> logits``.
+        scratch_block / block_size: the page padding rows write into.
+        name: how warnings name the model.
+    """
+
+    def __init__(self, model: torch.nn.Module, context: Callable[..., attention.StepContext],
+                 eager: Callable[..., torch.Tensor], scratch_block: int, block_size: int,
+                 name: str) -> None:
+        self.model, self.context, self.eager = model, context, eager
+        self.scratch_block, self.block_size, self.name = scratch_block, block_size, name
+        self.compiles = 0
+        self.compile_s = 0.0
+        self.error: str | None = None  # why decode runs eagerly
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor, lens: torch.Tensor, fca: bool) -> torch.Tensor:
+        """One decode step (same arguments and result as the eager step)."""
+        if self.error is not None:
+            return self.eager(ids, pos, slots, tables, lens, fca)
+        batch = ids.shape[1]
+        args = (ids, pos, slots, tables, lens)
+        if batch == 1:
+            args = pad_single_row(*args, self.scratch_block, self.block_size)
+        ctx = self.context(*args[2:], fca)
+        _mark_dynamic(args[0], args[1], ctx)
+        before, start = _backend_calls, time.perf_counter()
+        try:
+            with self._limits():
+                logits = _COMPILED(self.model, args[0], args[1], ctx)
+        except Exception as exc:  # noqa: BLE001 - any compile failure: decode eagerly, say why
+            self._fail(exc)
+            return self.eager(ids, pos, slots, tables, lens, fca)
+        finally:
+            if _backend_calls != before:
+                self.compiles += _backend_calls - before
+                self.compile_s += time.perf_counter() - start
+        return logits[:batch]
+
+    def _limits(self):
+        """Recompiles raise (rather than run eagerly unnoticed, or compile per step) past
+        ``MAX_COMPILES`` and during a CUDA-graph capture, where a compile cannot run."""
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        stance = "fail_on_recompile" if capturing or self.compiles >= MAX_COMPILES else "default"
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.compiler.set_stance(stance))
+        stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
+        return stack
+
+    def _fail(self, exc: BaseException) -> None:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self.error = f"{type(exc).__name__}: {first}"
+        warnings.warn(f"{self.name}: the decode step cannot be compiled ({self.error}); decoding "
+                      "with the eager model from now on (set compile_decode=False to silence)",
+                      RuntimeWarning, stacklevel=4)
+
