@@ -34,19 +34,19 @@ def calls(seed: int) -> list[tuple[list[list[int]], SamplingParams]]:
               g.integers(4, 500, size=3).tolist()]
     params = dict(temperature=0, max_tokens=NEW, logprobs=True, stop_token_ids=())
     return [(ragged, SamplingParams(n=2, **params)),
-            ([g.integers(4, 500, size=9).tolist()], SamplingParams(n=1, **params))]
+            ([g.integers(4, 500, size=19).tolist()], SamplingParams(n=1, **params))]
 
 
 def decode_logits(runner, forward, fca: bool) -> torch.Tensor:
     """One decode step of three ragged rows over pages the generates left in the cache (rows 0
     and 1 share two full pages); both forwards write the same keys into the same slots."""
     bs = runner.block_size
-    tables = torch.tensor([[3, 4, 7], [3, 4, 9], [11, 12, 0]], dtype=torch.int32)
-    lens = torch.tensor([2 * bs + 5, 2 * bs + 1, bs + 7], dtype=torch.int32)
-    pos = (lens - 1).long()
-    slots = tables[torch.arange(3), pos // bs].long() * bs + pos % bs
-    ids = torch.tensor([[17, 250, 4]])
-    with torch.inference_mode():
+    with torch.inference_mode():  # as the engine's steps
+        tables = torch.tensor([[3, 4, 7], [3, 4, 9], [11, 12, 0]], dtype=torch.int32)
+        lens = torch.tensor([2 * bs + 5, 2 * bs + 1, bs + 7], dtype=torch.int32)
+        pos = (lens - 1).long()
+        slots = tables[torch.arange(3), pos // bs].long() * bs + pos % bs
+        ids = torch.tensor([[17, 250, 4]])
         return forward(ids, pos[None], slots, tables, lens, fca).float()
 
 
@@ -67,10 +67,9 @@ def test_compiled_decode_equals_eager(family):
     stats = comp.stats()
     assert runner.compiled.error is None
     assert 0 < stats["fca_steps"] < stats["decode_steps"]  # both attention paths ran compiled
-    # one graph per attention path serves every batch size (the width of one block, which
-    # only the graph-less path sees, is specialised once); bounded, never one per step
-    assert stats["compiles"] <= compiled.MAX_COMPILES and stats["compiles"] < stats["decode_steps"]
-    assert stats["compile_s"] > 0 or stats["compiles"] == 0  # another test may have compiled it
+    # one graph per attention path serves every batch size and table width (0: a runner of the
+    # same model compiled it earlier in this process)
+    assert stats["compiles"] in (0, 2) and (stats["compile_s"] > 0) == (stats["compiles"] > 0)
     assert eager.stats()["compiles"] == 0 and eager.backend.runner.compiled is None
 
 

@@ -38,7 +38,10 @@ import torch
 
 from . import attention
 
-MAX_COMPILES = 4  # per runner: two attention paths, and room for one guard failure each
+# per runner: one graph per attention path under CUDA graphs (fixed block-table width); the
+# graph-less path may add a specialisation for a one-block width and one per 2048 tokens of
+# context (FCA's slot count follows the width)
+MAX_COMPILES = 8
 
 _backend_calls = 0  # Inductor compiles in this process (every runner's)
 
@@ -157,7 +160,10 @@ class CompiledDecode:
         stance = "fail_on_recompile" if capturing or self.compiles >= MAX_COMPILES else "default"
         stack = contextlib.ExitStack()
         stack.enter_context(torch.compiler.set_stance(stance))
-        stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
+        # sizes not marked dynamic stay static: another model's sizes (the compiled function
+        # is shared by every runner of the process) must not make this one's dims dynamic
+        stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True,
+                                                       automatic_dynamic_shapes=False))
         return stack
 
     def _fail(self, exc: BaseException) -> None:
