@@ -9,6 +9,15 @@ both arms, FCA switched on the model runner between runs; each arm gets fresh pr
 prefix cache cannot help it. Every (batch, FCA) CUDA graph is captured and every Triton kernel
 compiled in a warm-up on other prompts, so the timed runs measure the steady state.
 
+``--compile both`` adds the decode step compiled by ``torch.compile`` (``SamplerConfig.
+compile_decode``) as a second engine in the same process (same seed: the same weights; its own
+KV cache of ``--kv-gb``), timed interleaved with the eager one; each arm reports its compiles,
+compile seconds and graph captures from the warm-up, and the greedy tokens of the two arms are
+compared (``--check-greedy``). The goal shape of issue 15 (64 sequences, P256)::
+
+    python benchmarks/bench_sampler.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128 \
+        --Gs 8 --compile both --kv-gb 8 --out benchmarks/results
+
     python benchmarks/bench_sampler.py --out benchmarks/results
     -> results/bench_sampler.json, results/bench_sampler.png
 """
@@ -18,6 +27,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -94,6 +104,50 @@ def greedy_check(engine: SamplingEngine, vocab: int, tokens: int) -> dict:
     return report
 
 
+ARMS = {"on": (True,), "off": (False,), "both": (True, False)}
+
+
+def arm_name(compiled: bool) -> str:
+    return "compiled" if compiled else "eager"
+
+
+def warm_up(engine: SamplingEngine, args, cases: list[int], vocab: int) -> dict:
+    """Capture each (batch, fca) graph and compile (Triton kernels, the compiled step) on
+    other prompts; returns what that cost."""
+    runner = engine.backend.runner
+    t0 = time.perf_counter()
+    for fca in (True, False):
+        runner.use_fca = fca
+        for G in cases:
+            run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=1000 + 10 * G + fca), G, 8)
+    st = engine.stats()
+    out = {"warmup_s": time.perf_counter() - t0, "compiles": st["compiles"], "compile_s": st["compile_s"],
+           "graph_captures": st["graph_captures"], "graph_capture_s": st["graph_capture_s"],
+           "compile_error": runner.compiled.error if runner.compiled is not None else None}
+    print(f"{arm_name(runner.compiled is not None)} warm-up: {out}", flush=True)
+    return out
+
+
+def arms_agree(engines: dict, vocab: int, tokens: int) -> dict:
+    """Greedy tokens of the compiled and the eager arm (n=2 forks, FCA on and off): per prompt
+    x fork, how many leading tokens agree (bf16 may flip a near-tie)."""
+    g = np.random.default_rng(11)
+    longest = next(iter(engines.values())).backend.max_model_len - tokens - 1
+    prompts = [g.integers(100, vocab - 100, size=min(n, longest)).tolist() for n in (37, 300, 129)]
+    report = {}
+    for fca in (True, False):
+        outs = []
+        for engine in engines.values():
+            engine.backend.runner.use_fca = fca
+            outs.append(engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=tokens,
+                                                                stop_token_ids=())))
+        report["fca" if fca else "paged"] = [
+            [next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), tokens)
+             for x, y in zip(ox, oy)] for ox, oy in zip(*outs)]
+    print(f"greedy agreement compiled vs eager (leading tokens of {tokens}): {report}", flush=True)
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-0.6b")
@@ -103,11 +157,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument("--kv-gb", type=float, default=24.0, help="KV cache per engine (arm)")
     ap.add_argument("--Gs", type=int, nargs="+", default=None, help="cases to run (default: G and 1)")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--compile", choices=sorted(ARMS), default="on",
+                    help="decode step compiled (SamplerConfig.compile_decode), eager, or both arms")
     ap.add_argument("--check-greedy", type=int, default=0, metavar="TOKENS",
-                    help="first compare greedy tokens with HF generate on the same weights")
+                    help="first compare greedy tokens with HF generate on the same weights "
+                         "(and, with --compile both, the two arms with each other)")
     ap.add_argument("--profile", action="store_true",
                     help="also time the decode attention kernels per step (torch.profiler)")
     ap.add_argument("--out", default="benchmarks/results")
@@ -119,38 +176,49 @@ def main() -> None:
                         kv_cache_memory_gb=args.kv_gb, max_num_seqs=max(args.groups * max(cases), 8),
                         max_model_len=args.prompt_len + args.new_tokens + args.block_size,
                         cuda_graphs=not args.no_graphs)
-    engine = SamplingEngine(cfg)
-    runner = engine.backend.runner  # one model for both arms: FCA toggled per run (A/B switch)
-    vocab = runner.vocab_size
-    results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    # one engine per arm (same seed: same weights); FCA toggled on each model runner per run
+    engines = {c: SamplingEngine(replace(cfg, compile_decode=c)) for c in ARMS[args.compile]}
+    first = next(iter(engines.values()))
+    vocab = first.backend.runner.vocab_size
+    results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "arms": {}}
     if args.check_greedy:
-        results["greedy_check"] = greedy_check(engine, vocab, args.check_greedy)
-    for fca in (True, False):  # warm-up: capture each (batch, fca) graph, compile the kernels
-        runner.use_fca = fca
-        for G in cases:
-            run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=1000 + 10 * G + fca), G, 8)
+        results["greedy_check"] = greedy_check(first, vocab, args.check_greedy)
+    for c, engine in engines.items():
+        results["arms"][arm_name(c)] = warm_up(engine, args, cases, vocab)
+    if args.check_greedy and len(engines) == 2:
+        results["arms_agree"] = arms_agree(engines, vocab, args.check_greedy)
 
     for G in cases:
-        row = {}
-        for fca in (True, False):  # fresh prompts per arm: each must compute its own prefill
-            runner.use_fca = fca
-            r = run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=10 * G + fca),
-                         G, args.new_tokens)
-            assert r["prefill_tokens"] == args.groups * args.prompt_len, r
-            row["fca" if fca else "paged"] = r
-            print(f"G={G:3d} fca={fca!s:5}: {r['decode_tok_per_s']:10.0f} tok/s  "
-                  f"{r['ms_per_step']:7.3f} ms/step  prefill {r['prefill_tokens']} tok "
-                  f"in {r['prefill_time_s']:.2f}s  preemptions {r['preemptions']}", flush=True)
-        row["speedup"] = row["fca"]["decode_tok_per_s"] / row["paged"]["decode_tok_per_s"]
-        print(f"G={G}: FCA decode speedup {row['speedup']:.2f}x", flush=True)
-        results[f"G{G}"] = row
-        if args.profile:
-            for fca in (True, False):
+        for c, engine in engines.items():  # arms interleaved per case
+            runner = engine.backend.runner
+            row = {}
+            for fca in (True, False):  # fresh prompts per arm: each must compute its own prefill
                 runner.use_fca = fca
-                prompts = make_prompts(args.groups, args.prompt_len, vocab, seed=2000 + 10 * G + fca)
-                attn = attention_ms_per_step(engine, prompts, G, steps=min(16, args.new_tokens - 1))
-                row["fca" if fca else "paged"]["attention_ms_per_step"] = attn
-                print(f"G={G:3d} fca={fca!s:5}: decode attention kernels {attn:.3f} ms/step", flush=True)
+                r = run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=10 * G + fca),
+                             G, args.new_tokens)
+                assert r["prefill_tokens"] == args.groups * args.prompt_len, r
+                row["fca" if fca else "paged"] = r
+                print(f"G={G:3d} {arm_name(c):8} fca={fca!s:5}: {r['decode_tok_per_s']:10.0f} tok/s  "
+                      f"{r['ms_per_step']:7.3f} ms/step  prefill {r['prefill_tokens']} tok "
+                      f"in {r['prefill_time_s']:.2f}s  preemptions {r['preemptions']}", flush=True)
+            row["speedup"] = row["fca"]["decode_tok_per_s"] / row["paged"]["decode_tok_per_s"]
+            print(f"G={G} {arm_name(c)}: FCA decode speedup {row['speedup']:.2f}x", flush=True)
+            results["arms"][arm_name(c)][f"G{G}"] = row
+            if args.profile:
+                for fca in (True, False):
+                    runner.use_fca = fca
+                    prompts = make_prompts(args.groups, args.prompt_len, vocab, seed=2000 + 10 * G + fca)
+                    attn = attention_ms_per_step(engine, prompts, G, steps=min(16, args.new_tokens - 1))
+                    row["fca" if fca else "paged"]["attention_ms_per_step"] = attn
+                    print(f"G={G:3d} {arm_name(c):8} fca={fca!s:5}: decode attention kernels "
+                          f"{attn:.3f} ms/step", flush=True)
+        if len(engines) == 2:
+            arms = results["arms"]
+            for path in ("fca", "paged"):
+                ratio = arms["eager"][f"G{G}"][path]["ms_per_step"] / arms["compiled"][f"G{G}"][path]["ms_per_step"]
+                print(f"G={G} {path}: compiled decode step {ratio:.2f}x faster than eager", flush=True)
+        results[f"G{G}"] = results["arms"][arm_name(next(iter(engines)))][f"G{G}"]  # first arm
     with open(os.path.join(args.out, "bench_sampler.json"), "w") as f:
         json.dump(results, f, indent=2)
     plot(results, args, cases, os.path.join(args.out, "bench_sampler.png"))
@@ -166,15 +234,17 @@ def plot(results: dict, args, cases: list[int], path: str) -> None:
         print("matplotlib missing: no PNG")
         return
     labels = [f"G={g}" for g in cases]
-    fca = [results[f"G{g}"]["fca"]["ms_per_step"] for g in cases]
-    paged = [results[f"G{g}"]["paged"]["ms_per_step"] for g in cases]
+    bars = [(f"{arm} {path}", [results["arms"][arm][f"G{g}"][path]["ms_per_step"] for g in cases])
+            for arm in results["arms"] for path in ("paged", "fca")]
     x = np.arange(len(cases))
+    width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(x - 0.2, paged, 0.4, label="paged decode (pages shared, read per request)")
-    ax.bar(x + 0.2, fca, 0.4, label="FCA")
+    for i, (label, values) in enumerate(bars):
+        ax.bar(x - 0.4 + width * (i + 0.5), values, width, label=label.replace("paged", "paged decode")
+               .replace("fca", "FCA"))
     ax.set_xticks(x, labels)
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"{args.model} {args.dtype}: {args.groups} prompts x G, P{args.prompt_len}, "
+    ax.set_title(f"{args.model} {args.dtype} (decode {args.compile}): {args.groups} prompts x G, P{args.prompt_len}, "
                  f"{args.new_tokens} new", fontsize=9)
     ax.legend()
     fig.tight_layout()

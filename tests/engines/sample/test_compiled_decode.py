@@ -1,6 +1,6 @@
 """The compiled decode step (``SamplerConfig.compile_decode``, Inductor on CPU) equals the eager
-one: full decode logits on the same cache state (ragged lengths, shared pages, FCA and paged),
-and greedy tokens + log-probs over multi-step generates with forks, ragged prompts, a batch of
+one: every step's full logits over a teacher-forced multi-step decode (ragged rows, shared
+pages, the batch shrinking to one row; FCA and paged), and greedy tokens + log-probs over multi-step generates with forks, ragged prompts, a batch of
 one (padded to two rows) and both attention paths — for a full-attention family with q/k
 norms (Qwen3) and a windowed, soft-capped one (Gemma 2). A compile failure decodes eagerly
 with a warning and the same tokens.
@@ -37,17 +37,29 @@ def calls(seed: int) -> list[tuple[list[list[int]], SamplingParams]]:
             ([g.integers(4, 500, size=19).tolist()], SamplingParams(n=1, **params))]
 
 
-def decode_logits(runner, forward, fca: bool) -> torch.Tensor:
-    """One decode step of three ragged rows over pages the generates left in the cache (rows 0
-    and 1 share two full pages); both forwards write the same keys into the same slots."""
-    bs = runner.block_size
+def teacher_forced(runner, forward, fca: bool, vocab: int = 500) -> list[torch.Tensor]:
+    """Decode three ragged rows token by token from position 0, every position fed its own
+    token (as a prompt would be): rows 0 and 1 share their first 32 tokens and pages, the
+    batch shrinks 3 -> 2 -> 1 as rows end. Every slot a step reads was written by the same
+    ``forward`` earlier in the run, so two runs over the same pages are independent (the run
+    overwrites pages 1-8: call it last). Returns each step's ``[B, V]`` logits (fp32)."""
+    g = np.random.default_rng(5)
+    shared = g.integers(4, vocab, size=32).tolist()
+    rows = [shared + g.integers(4, vocab, size=18).tolist(), shared + g.integers(4, vocab, size=28).tolist(),
+            g.integers(4, vocab, size=23).tolist()]
+    pages = [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 0, 0]]
+    bs, dev = runner.block_size, runner.device
+    out = []
     with torch.inference_mode():  # as the engine's steps
-        tables = torch.tensor([[3, 4, 7], [3, 4, 9], [11, 12, 0]], dtype=torch.int32)
-        lens = torch.tensor([2 * bs + 5, 2 * bs + 1, bs + 7], dtype=torch.int32)
-        pos = (lens - 1).long()
-        slots = tables[torch.arange(3), pos // bs].long() * bs + pos % bs
-        ids = torch.tensor([[17, 250, 4]])
-        return forward(ids, pos[None], slots, tables, lens, fca).float()
+        for t in range(max(map(len, rows))):
+            live = [i for i, r in enumerate(rows) if t < len(r)]
+            tables = torch.tensor([pages[i] for i in live], dtype=torch.int32, device=dev)
+            slots = tables[:, t // bs].long() * bs + t % bs
+            ids = torch.tensor([[rows[i][t] for i in live]], device=dev)
+            pos = torch.full_like(ids, t)
+            lens = torch.full((len(live),), t + 1, dtype=torch.int32, device=dev)
+            out.append(forward(ids, pos, slots, tables, lens, fca).float())
+    return out
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])
@@ -60,9 +72,9 @@ def test_compiled_decode_equals_eager(family):
         np.testing.assert_allclose([s.logprobs for o in got for s in o],
                                    [s.logprobs for o in want for s in o], rtol=1e-5, atol=1e-5)
     runner = comp.backend.runner
-    for fca in (True, False):
-        ref = decode_logits(runner, runner._decode_eager, fca)
-        torch.testing.assert_close(decode_logits(runner, runner.compiled, fca), ref,
+    for fca in (True, False):  # every step's full logits, on the same pages
+        ref = teacher_forced(runner, runner._decode_eager, fca)
+        torch.testing.assert_close(teacher_forced(runner, runner.compiled, fca), ref,
                                    rtol=1e-5, atol=1e-5)
     stats = comp.stats()
     assert runner.compiled.error is None
