@@ -32,7 +32,7 @@ def calls(seed: int) -> list[tuple[list[list[int]], SamplingParams]]:
     system = g.integers(4, 500, size=2 * TINY_SLIDING_WINDOW + 3).tolist()
     ragged = [system + g.integers(4, 500, size=5).tolist(), system + g.integers(4, 500, size=2).tolist(),
               g.integers(4, 500, size=3).tolist()]
-    params = dict(temperature=0, max_tokens=NEW, logprobs=True, stop_token_ids=())
+    params = {"temperature": 0, "max_tokens": NEW, "logprobs": True, "stop_token_ids": ()}
     return [(ragged, SamplingParams(n=2, **params)),
             ([g.integers(4, 500, size=19).tolist()], SamplingParams(n=1, **params))]
 

@@ -3,6 +3,8 @@
 fp32: greedy tokens equal HF ``generate`` exactly, with FCA + CUDA graphs and without.
 bf16: the same short run agrees with HF until the first near-tie (bf16 rounding may flip the
 argmax where the top two logits are closer than bf16 resolution); the report prints how far.
+The decode step is compiled (``compile_decode``, on by default on CUDA) in every test but the
+one that compares it with the eager step.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
+
+from .test_compiled_decode import teacher_forced
 
 pytestmark = pytest.mark.gpu
 MODEL = "random:qwen3-0.6b"
@@ -23,9 +27,11 @@ def prompts() -> list[list[int]]:
     return [g.integers(100, 150000, size=n).tolist() for n in (37, 300, 129, 513)]
 
 
-def make_engine(dtype: str, fca: bool = True, graphs: bool = True) -> SamplingEngine:
+def make_engine(dtype: str, fca: bool = True, graphs: bool = True,
+                compile_decode: bool | None = None) -> SamplingEngine:
     return SamplingEngine(SamplerConfig(MODEL, dtype=dtype, device="cuda", fca=fca, cuda_graphs=graphs,
-                                        kv_cache_memory_gb=4, max_num_seqs=64, fca_min_shared_tokens=0))
+                                        kv_cache_memory_gb=4, max_num_seqs=64, fca_min_shared_tokens=0,
+                                        compile_decode=compile_decode))
 
 
 def hf_greedy(engine: SamplingEngine) -> list[list[int]]:
@@ -90,3 +96,47 @@ def test_sleep_wake_keeps_graphs_and_tokens():
     assert engine_greedy(engine, n=2) == first
     if runner._kv_memory.stable:
         assert engine.stats()["graph_captures"] == captures
+
+
+def test_compiled_decode_equals_eager():
+    """``compile_decode``: fp32 greedy tokens of the compiled engine (through its CUDA graphs,
+    n=3 forks = FCA steps, n=1 = paged steps) equal the eager engine's, with one compile per
+    attention path for every batch bucket; teacher-forced decode logits (ragged rows, shared
+    pages, down to one row) of the compiled step equal the eager step's in fp32 (1e-4), and in
+    bf16 the compiled step's error against the fp32 logits is at most twice the eager bf16
+    step's own error (same weights, cast)."""
+    eager = make_engine("float32", compile_decode=False)
+    comp = make_engine("float32", compile_decode=True)
+    weights = list(eager.backend.runner.model.named_parameters())
+    comp.load_weights(weights)
+    for n in (3, 1):
+        assert engine_greedy(comp, n=n) == engine_greedy(eager, n=n), n
+    st = comp.stats()
+    assert comp.backend.runner.compiled.error is None
+    assert 0 < st["fca_steps"] < st["decode_steps"] and st["graph_captures"] >= 2
+    assert st["compiles"] == 2, st  # FCA and paged graphs; every bucket shares them
+    print(f"compiled decode: {st['compiles']} compiles in {st['compile_s']:.1f} s, "
+          f"{st['graph_captures']} graph captures in {st['graph_capture_s']:.1f} s")
+
+    runner = comp.backend.runner
+    ref32 = {fca: teacher_forced(runner, runner._decode_eager, fca, vocab=150000) for fca in (True, False)}
+    for fca, ref in ref32.items():
+        got = teacher_forced(runner, runner.compiled, fca, vocab=150000)
+        worst = max((a - b).abs().max().item() for a, b in zip(got, ref))
+        print(f"fp32 fca={fca}: compiled vs eager max |dlogit| {worst:.2e}")
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    del eager, comp
+    torch.cuda.empty_cache()
+
+    bf16 = make_engine("bfloat16", compile_decode=True)
+    bf16.load_weights([(n, p.to(torch.bfloat16)) for n, p in weights])
+    runner = bf16.backend.runner
+    for fca, ref in ref32.items():
+        err = {}
+        for name, forward in (("eager", runner._decode_eager), ("compiled", runner.compiled)):
+            got = teacher_forced(runner, forward, fca, vocab=150000)
+            err[name] = max((a - b).abs().max().item() for a, b in zip(got, ref))
+        print(f"bf16 fca={fca}: max |dlogit| vs fp32: eager {err['eager']:.3e}, "
+              f"compiled {err['compiled']:.3e}")
+        assert err["compiled"] <= 2 * err["eager"], err
+    assert runner.compiled.error is None

@@ -21,11 +21,21 @@ def test_defaults_validate():
     ("cuda_graphs", 1), ("seed", 1.5), ("seed", True), ("fca_min_shared_tokens", -1),
     ("fca_min_shared_tokens", 2.0), ("fca_min_shared_tokens", True), ("async_scheduling", 1),
     ("async_scheduling", None),
+    ("compile_decode", 1), ("compile_decode", "auto"),
 ])
 def test_bad_fields_raise_value_error(field, value):
     kwargs = {"model": "tiny:qwen3", field: value}
     with pytest.raises(ValueError, match=field if field != "model" else "model"):
         SamplerConfig(**kwargs)
+
+
+def test_compile_decode_default_is_on_for_cuda_only():
+    auto = SamplerConfig("tiny:qwen3")
+    assert auto.compile_decode is None
+    assert auto.decode_compiled("cuda") and not auto.decode_compiled("cpu")
+    for forced in (True, False):
+        cfg = SamplerConfig("tiny:qwen3", compile_decode=forced)
+        assert cfg.decode_compiled("cuda") is forced and cfg.decode_compiled("cpu") is forced
 
 
 def test_engine_needs_a_sampler_config():
