@@ -103,3 +103,23 @@ def test_compile_failure_decodes_eagerly_with_a_warning(monkeypatch):
     assert calls_made == [1]  # tried once, then eager for every later step
     assert comp.backend.runner.compiled.error.startswith("RuntimeError: graph break")
     assert comp.stats()["compiles"] == 0
+
+
+def test_plan_travels_as_tensors():
+    """The FCA op rebuilds the step's plan from ``work_tensors`` (on the GPU its kernels read
+    every field; the CPU reference reads only the tables): every field comes back."""
+    from dataclasses import fields
+
+    from polynya.kernels.fca import ForestPlan, plan_forest
+
+    g = torch.Generator().manual_seed(0)
+    tables = torch.randint(1, 40, (5, 9), generator=g, dtype=torch.int32)
+    tables[1, :4] = tables[0, :4]  # a shared prefix
+    lens = torch.tensor([140, 70, 33, 9, 129], dtype=torch.int32)
+    plan = plan_forest(tables, lens, 16, min_shared_tokens=16)
+    back = ForestPlan.from_tensors(plan.block_tables, plan.seq_lens, plan.block_size,
+                                   plan.max_shared_slots, plan.work_tensors(), plan.counters)
+    assert plan.stats()["shared_items"] > 0
+    for f in fields(ForestPlan):
+        a, b = getattr(plan, f.name), getattr(back, f.name)
+        assert (a is b) if isinstance(a, torch.Tensor) else a == b, f.name
