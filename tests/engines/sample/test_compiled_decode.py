@@ -92,7 +92,7 @@ def test_compile_failure_decodes_eagerly_with_a_warning(monkeypatch):
         calls_made.append(1)
         raise RuntimeError("graph break in some model code\nmore detail")
 
-    monkeypatch.setattr(compiled, "_COMPILED", broken)
+    monkeypatch.setattr(compiled, "compiled_step", lambda: broken)
     prompts, params = calls(0)[0]
     want = make_engine("qwen3", False).generate(prompts, params)
     comp = make_engine("qwen3", True)

@@ -16,6 +16,10 @@ their true ``position_ids``). Per layer the function
    forest plan built once per step (``ctx.plan``), or ``paged_decode`` when FCA is off or no
    two sequences of the step share a page.
 
+The compiled decode (``compiled.py``) passes the whole cache in ``StepContext.cache``; steps 1-2
+then run as one ``torch.library`` custom op per layer (``paged_decode_layer`` /
+``fca_decode_layer``, declared to mutate the cache), opaque to ``torch.compile``.
+
 What the model's attention needs (``polynya.model_features``) is honoured per layer: a
 sliding-window layer's prefill masks keys more than ``W - 1`` positions back and its decode
 reads only the last ``W`` positions through ``paged_decode`` (FCA's shared nodes are not

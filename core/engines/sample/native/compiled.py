@@ -30,6 +30,7 @@ the calls that compiled (Dynamo trace + Inductor + the first run).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -62,7 +63,11 @@ def _decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
     return out.logits[0]
 
 
-_COMPILED = torch.compile(_decode_step, backend=_inductor, fullgraph=True, dynamic=None)
+@functools.cache
+def compiled_step() -> Callable:
+    """``_decode_step`` under ``torch.compile`` (made on first use: importing Dynamo costs
+    seconds). One per process: runners of the same model share its graphs while they live."""
+    return torch.compile(_decode_step, backend=_inductor, fullgraph=True, dynamic=None)
 
 
 def pad_single_row(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
@@ -143,7 +148,7 @@ class CompiledDecode:
         before, start = _backend_calls, time.perf_counter()
         try:
             with self._limits():
-                logits = _COMPILED(self.model, args[0], args[1], ctx)
+                logits = compiled_step()(self.model, args[0], args[1], ctx)
         except Exception as exc:  # noqa: BLE001 - any compile failure: decode eagerly, say why
             self._fail(exc)
             return self.eager(ids, pos, slots, tables, lens, fca)

@@ -38,7 +38,8 @@ class DecodeGraphs:
     """Captures and replays ``forward(ids, pos, slots, block_tables, seq_lens) -> logits``.
 
     Args:
-        forward: the eager decode step on device tensors ``[1, B]``, ``[1, B]``, ``[B]``,
+        forward: the decode step (eager, or compiled by ``compiled.py``: the compile runs on
+            the warm-up calls) on device tensors ``[1, B]``, ``[1, B]``, ``[B]``,
             ``[B, width]`` int32, ``[B]`` int32 and the bool ``fca``; returns ``[B, V]`` logits.
         max_batch: largest batch. width: block-table columns. scratch_block: page for padding.
     """
@@ -69,7 +70,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile Triton kernels and settle allocations outside capture
+            for _ in range(2):  # compile (Triton kernels, torch.compile), settle allocations
                 self.forward(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:

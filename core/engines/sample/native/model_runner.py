@@ -5,7 +5,9 @@ step it gets one packed row of new tokens with their true positions and a ``Step
 its ``**kwargs``. The cache is one tensor ``[layers, 2, num_blocks, block_size, Hkv, D]``.
 
 Decode with FCA builds the forest plan (``polynya.kernels.fca.plan_forest``) once per step from
-the block tables; every layer reuses it.
+the block tables; every layer reuses it. With ``SamplerConfig.compile_decode`` the decode step's
+model runs through ``torch.compile`` (``compiled.py``; prefill stays eager); either way CUDA
+graphs (``cuda_graph.py``) capture the whole step.
 """
 from __future__ import annotations
 
