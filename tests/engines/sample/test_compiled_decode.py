@@ -63,7 +63,7 @@ def teacher_forced(runner, forward, fca: bool, vocab: int = 500) -> list[torch.T
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])
-def test_compiled_decode_equals_eager(family):
+def test_compiled_decode_equals_eager(family, monkeypatch):
     eager, comp = make_engine(family, False), make_engine(family, True)
     for prompts, params in calls(len(family)):
         want = eager.generate(prompts, params)
@@ -83,6 +83,16 @@ def test_compiled_decode_equals_eager(family):
     # same model compiled it earlier in this process)
     assert stats["compiles"] in (0, 2) and (stats["compile_s"] > 0) == (stats["compiles"] > 0)
     assert eager.stats()["compiles"] == 0 and eager.backend.runner.compiled is None
+
+    # past the bound a recompile is refused (here: int64 block tables fail a dtype guard) and
+    # the runner decodes eagerly from then on, with a warning and the same logits
+    monkeypatch.setattr(compiled, "MAX_COMPILES", stats["compiles"])
+    ref = teacher_forced(runner, runner._decode_eager, False)
+    wide = lambda ids, pos, slots, tables, lens, fca: runner.compiled(  # noqa: E731
+        ids, pos, slots, tables.long(), lens, fca)
+    with pytest.warns(RuntimeWarning, match="cannot be compiled.*recompile"):
+        torch.testing.assert_close(teacher_forced(runner, wide, False), ref, rtol=0, atol=0)
+    assert runner.compiled.error is not None and comp.stats()["compiles"] == stats["compiles"]
 
 
 def test_compile_failure_decodes_eagerly_with_a_warning(monkeypatch):
