@@ -133,3 +133,37 @@ def test_plan_travels_as_tensors():
     for f in fields(ForestPlan):
         a, b = getattr(plan, f.name), getattr(back, f.name)
         assert (a is b) if isinstance(a, torch.Tensor) else a == b, f.name
+
+
+def test_one_compile_serves_every_bucket():
+    """Inputs shaped as ``DecodeGraphs`` passes them (views of static buffers made outside
+    inference mode, block tables as wide as the cache allows): after the first call of each
+    attention path, no batch bucket compiles again (a batch of one included); logits equal
+    the eager step's."""
+    from polynya.engines.sample.native.cuda_graph import buckets
+
+    engine = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu", num_blocks=80,
+                                          max_num_seqs=40, compile_decode=True))
+    runner = engine.backend.runner
+    n, bs = 40, runner.block_size
+    width = -(-runner.max_model_len // bs)
+    ids, pos = torch.zeros((1, n), dtype=torch.int64), torch.zeros((1, n), dtype=torch.int64)
+    slots, lens = torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.int32)
+    tables = torch.zeros((n, width), dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    for fca in (False, True):
+        first = None
+        for b in buckets(n):
+            with torch.inference_mode():  # rows share two pages, then one page each
+                ids[0, :b] = torch.randint(4, 500, (b,), generator=g)
+                tables[:b, :2] = torch.tensor([1, 2], dtype=torch.int32)
+                tables[:b, 2] = torch.arange(3, 3 + b)
+                lens[:b] = 40
+                pos[0, :b] = 39
+                slots[:b] = tables[:b, 2].long() * bs + 39 % bs
+                args = (ids[:, :b], pos[:, :b], slots[:b], tables[:b], lens[:b], fca)
+                got = runner._decode_forward(*args)
+                torch.testing.assert_close(got, runner._decode_eager(*args), rtol=1e-5, atol=1e-5)
+            first = runner.compiled.compiles if first is None else first
+            assert runner.compiled.compiles == first, (fca, b)
+    assert runner.compiled.error is None and runner.compiled.compiles <= 2

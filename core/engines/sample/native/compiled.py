@@ -74,14 +74,16 @@ def pad_single_row(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                    tables: torch.Tensor, lens: torch.Tensor, scratch_block: int,
                    block_size: int) -> tuple[torch.Tensor, ...]:
     """A batch of one plus one padding row (token 0 at position 0, written into the scratch
-    page), all on the device: no host sync, capturable."""
-    pad_table = torch.zeros_like(tables[:1])
-    pad_table[:, 0] = scratch_block
-    return (torch.cat([ids, torch.zeros_like(ids)], dim=1),
-            torch.cat([pos, torch.zeros_like(pos)], dim=1),
-            torch.cat([slots, torch.full_like(slots, scratch_block * block_size)]),
-            torch.cat([tables, pad_table]),
-            torch.cat([lens, torch.ones_like(lens)]))
+    page), all on the device: no host sync, capturable. Inference tensors exactly when the
+    inputs are (CUDA-graph buffers are not; Dynamo guards on it: a mix would recompile)."""
+    with torch.inference_mode(ids.is_inference()):
+        pad_table = torch.zeros_like(tables[:1])
+        pad_table[:, 0] = scratch_block
+        return (torch.cat([ids, torch.zeros_like(ids)], dim=1),
+                torch.cat([pos, torch.zeros_like(pos)], dim=1),
+                torch.cat([slots, torch.full_like(slots, scratch_block * block_size)]),
+                torch.cat([tables, pad_table]),
+                torch.cat([lens, torch.ones_like(lens)]))
 
 
 def _mark(t: torch.Tensor, dim: int, mark: Callable = torch._dynamo.mark_dynamic) -> None:
@@ -140,7 +142,8 @@ class CompiledDecode:
         if self.error is not None:
             return self.eager(ids, pos, slots, tables, lens, fca)
         batch = ids.shape[1]
-        args = (ids, pos, slots, tables, lens)
+        # [1, B] rows re-viewed with stride (B, 1) as a padded row has: Dynamo guards on it
+        args = (ids[0][None], pos[0][None], slots, tables, lens)
         if batch == 1:
             args = pad_single_row(*args, self.scratch_block, self.block_size)
         ctx = self.context(*args[2:], fca)
