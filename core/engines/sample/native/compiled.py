@@ -17,21 +17,23 @@ Compiles are bounded:
 * one graph for every batch size: the batch dimension of every input (and of the plan's
   tensors) is marked dynamic; a batch of one is padded to two rows (the extra row decodes into
   the scratch page, like a CUDA-graph padding row) because torch specialises sizes 0 and 1;
-* FCA and plain paged steps call different ops, so a process compiles at most one graph per
-  attention path (two), plus whatever a guard failure costs, up to ``MAX_COMPILES`` per runner;
-  past it, and while a CUDA graph is being captured, a recompile raises instead;
+* FCA and plain paged steps call different ops, so a runner compiles one graph per attention
+  path (two), plus whatever a guard failure costs, up to ``MAX_COMPILES``; past it, and while a
+  CUDA graph is being captured, a recompile raises instead;
 * any failure to compile (a graph break, an unsupported op, a limit hit) makes the runner
   decode eagerly from then on, with a ``RuntimeWarning`` saying why — never a crash and never
   different numbers.
 
-``compiles`` / ``compile_s`` count the compiles this runner triggered and the wall seconds of
-the calls that compiled (Dynamo trace + Inductor + the first run).
+Each runner compiles its own copy of the step function (Dynamo keeps graphs and the recompile
+limit per code object), so its graphs and its budget go with it. ``compiles`` / ``compile_s``
+count its compiles and the wall seconds of the calls that compiled (Dynamo trace + Inductor +
+the first run; Inductor's on-disk cache makes a repeat in a later process or runner cheaper).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
+import types
 import warnings
 from collections.abc import Callable
 
@@ -44,17 +46,6 @@ from . import attention
 # context (FCA's slot count follows the width)
 MAX_COMPILES = 8
 
-_backend_calls = 0  # Inductor compiles in this process (every runner's)
-
-
-def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """Inductor, counted (the compiled step's backend)."""
-    global _backend_calls
-    from torch._inductor.compile_fx import compile_fx
-
-    _backend_calls += 1
-    return compile_fx(gm, example_inputs)
-
 
 def _decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
                  ctx: attention.StepContext) -> torch.Tensor:
@@ -63,11 +54,13 @@ def _decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
     return out.logits[0]
 
 
-@functools.cache
-def compiled_step() -> Callable:
-    """``_decode_step`` under ``torch.compile`` (made on first use: importing Dynamo costs
-    seconds). One per process: runners of the same model share its graphs while they live."""
-    return torch.compile(_decode_step, backend=_inductor, fullgraph=True, dynamic=None)
+def _own_copy(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, guards and the
+    recompile budget per code object: with its own copy a runner's graphs and budget are its
+    own and go with it (one shared function would collect every model's graphs of the
+    process against one limit)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
 
 
 def pad_single_row(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
@@ -135,6 +128,14 @@ class CompiledDecode:
         self.compiles = 0
         self.compile_s = 0.0
         self.error: str | None = None  # why decode runs eagerly
+        self._step: Callable | None = None  # made on first use (importing Dynamo costs seconds)
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        """The backend: Inductor, counted."""
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        return compile_fx(gm, example_inputs)
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, fca: bool) -> torch.Tensor:
@@ -148,30 +149,31 @@ class CompiledDecode:
             args = pad_single_row(*args, self.scratch_block, self.block_size)
         ctx = self.context(*args[2:], fca)
         _mark_dynamic(args[0], args[1], ctx)
-        before, start = _backend_calls, time.perf_counter()
+        before, start = self.compiles, time.perf_counter()
         try:
+            if self._step is None:
+                self._step = torch.compile(_own_copy(_decode_step), backend=self._inductor,
+                                           fullgraph=True, dynamic=None)
             with self._limits():
-                logits = compiled_step()(self.model, args[0], args[1], ctx)
+                logits = self._step(self.model, args[0], args[1], ctx)
         except Exception as exc:  # noqa: BLE001 - any compile failure: decode eagerly, say why
             self._fail(exc)
             return self.eager(ids, pos, slots, tables, lens, fca)
         finally:
-            if _backend_calls != before:
-                self.compiles += _backend_calls - before
+            if self.compiles != before:
                 self.compile_s += time.perf_counter() - start
         return logits[:batch]
 
-    def _limits(self):
+    def _limits(self) -> contextlib.ExitStack:
         """Recompiles raise (rather than run eagerly unnoticed, or compile per step) past
-        ``MAX_COMPILES`` and during a CUDA-graph capture, where a compile cannot run."""
+        ``MAX_COMPILES`` (Dynamo's limit on this runner's code object) and during a CUDA-graph
+        capture, where a compile cannot run; sizes not marked dynamic stay static."""
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        stance = "fail_on_recompile" if capturing or self.compiles >= MAX_COMPILES else "default"
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.compiler.set_stance(stance))
-        # sizes not marked dynamic stay static: another model's sizes (the compiled function
-        # is shared by every runner of the process) must not make this one's dims dynamic
-        stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True,
-                                                       automatic_dynamic_shapes=False))
+        stack.enter_context(torch.compiler.set_stance("fail_on_recompile" if capturing else "default"))
+        stack.enter_context(torch._dynamo.config.patch(
+            recompile_limit=MAX_COMPILES, fail_on_recompile_limit_hit=True,
+            automatic_dynamic_shapes=False))
         return stack
 
     def _fail(self, exc: BaseException) -> None:
