@@ -1,9 +1,10 @@
 """The compiled decode step (``SamplerConfig.compile_decode``, Inductor on CPU) equals the eager
-one: every step's full logits over a teacher-forced multi-step decode (ragged rows, shared
-pages, the batch shrinking to one row; FCA and paged), and greedy tokens + log-probs over multi-step generates with forks, ragged prompts, a batch of
-one (padded to two rows) and both attention paths — for a full-attention family with q/k
-norms (Qwen3) and a windowed, soft-capped one (Gemma 2). A compile failure decodes eagerly
-with a warning and the same tokens.
+one, for a full-attention family with q/k norms (Qwen3) and a windowed, soft-capped one
+(Gemma 2): every step's full logits over a teacher-forced multi-step decode (ragged rows,
+shared pages, the batch shrinking to one row; FCA and paged), and greedy tokens + log-probs
+over generates with forks, ragged prompts and a batch of one (padded to two rows). One
+compile per attention path serves every CUDA-graph bucket; past the compile bound, or when a
+compile fails, the runner decodes eagerly with a warning and the same numbers.
 """
 from __future__ import annotations
 
