@@ -88,8 +88,10 @@ def test_compiled_decode_equals_eager(family, monkeypatch):
     # the runner decodes eagerly from then on, with a warning and the same logits
     monkeypatch.setattr(compiled, "MAX_COMPILES", stats["compiles"])
     ref = teacher_forced(runner, runner._decode_eager, False)
-    wide = lambda ids, pos, slots, tables, lens, fca: runner.compiled(  # noqa: E731
-        ids, pos, slots, tables.long(), lens, fca)
+
+    def wide(ids, pos, slots, tables, lens, fca):
+        return runner.compiled(ids, pos, slots, tables.long(), lens, fca)
+
     with pytest.warns(RuntimeWarning, match="cannot be compiled.*recompile"):
         torch.testing.assert_close(teacher_forced(runner, wide, False), ref, rtol=0, atol=0)
     assert runner.compiled.error is not None and comp.stats()["compiles"] == stats["compiles"]
