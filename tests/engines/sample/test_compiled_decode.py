@@ -38,13 +38,14 @@ def calls(seed: int) -> list[tuple[list[list[int]], SamplingParams]]:
             ([g.integers(4, 500, size=19).tolist()], SamplingParams(n=1, **params))]
 
 
-def teacher_forced(runner, forward, fca: bool, vocab: int = 500) -> list[torch.Tensor]:
+def teacher_forced(runner, forward, fca: bool) -> list[torch.Tensor]:
     """Decode three ragged rows token by token from position 0, every position fed its own
     token (as a prompt would be): rows 0 and 1 share their first 32 tokens and pages, the
     batch shrinks 3 -> 2 -> 1 as rows end. Every slot a step reads was written by the same
     ``forward`` earlier in the run, so two runs over the same pages are independent (the run
     overwrites pages 1-8: call it last). Returns each step's ``[B, V]`` logits (fp32)."""
     g = np.random.default_rng(5)
+    vocab = runner.vocab_size - 4
     shared = g.integers(4, vocab, size=32).tolist()
     rows = [shared + g.integers(4, vocab, size=18).tolist(), shared + g.integers(4, vocab, size=28).tolist(),
             g.integers(4, vocab, size=23).tolist()]
