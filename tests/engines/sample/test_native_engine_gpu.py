@@ -123,7 +123,13 @@ def test_compiled_decode_equals_eager():
     runner = comp.backend.runner
     ref32 = {fca: teacher_forced(runner, runner._decode_eager, fca) for fca in (True, False)}
     for fca, ref in ref32.items():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         got = teacher_forced(runner, runner.compiled, fca)
+        extra = torch.cuda.max_memory_allocated() - base
+        # the op writes the cache in place: Inductor must not work on a copy of it
+        assert extra < 0.25 * runner.kv_bytes(), (extra, runner.kv_bytes())
         worst = max((a - b).abs().max().item() for a, b in zip(got, ref))
         print(f"fp32 fca={fca}: compiled vs eager max |dlogit| {worst:.2e}")
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
