@@ -53,9 +53,10 @@ class SamplerConfig:
         compile_decode: run the decode step's model through ``torch.compile`` (Inductor fuses
             the norms, RoPE, activations and residuals around the GEMMs; the paged / FCA
             attention stays one opaque op per layer), captured into the same CUDA graphs.
-            Compiles once per process and attention path (~tens of seconds the first time,
-            Inductor's on-disk cache after that); a model that cannot be compiled decodes
-            eagerly with a ``RuntimeWarning``. ``None`` (default): on CUDA, off on the CPU
+            Compiles once per engine and attention path (FCA / paged) for every batch size, on
+            the first decode steps (seconds to a minute; Inductor's on-disk cache makes later
+            ones cheaper; ``stats()["compiles"]`` / ``["compile_s"]``); a model that cannot be
+            compiled decodes eagerly with a ``RuntimeWarning``. ``None`` (default): on CUDA, off on the CPU
             (where the compile costs more than a short run saves); ``True`` / ``False`` force it.
         seed: engine seed (model init for random specs; default sampling seeds).
     """

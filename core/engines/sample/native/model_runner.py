@@ -159,9 +159,8 @@ class ModelRunner:
         return n, s
 
     def compile_stats(self) -> tuple[int, float]:
-        """Compiles of the decode step this runner triggered and the wall seconds of the calls
-        that compiled (0, 0.0 with ``compile_decode`` off or when another runner of the same
-        model in this process compiled it first)."""
+        """Compiles of the decode step by this runner and the wall seconds of the calls that
+        compiled (0, 0.0 with ``compile_decode`` off)."""
         if self.compiled is None:
             return 0, 0.0
         return self.compiled.compiles, self.compiled.compile_s
