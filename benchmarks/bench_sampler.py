@@ -77,6 +77,24 @@ def attention_ms_per_step(engine: SamplingEngine, prompts: list[list[int]], G: i
     return total_us / 1e3 / r["decode_steps"]
 
 
+def device_ops(engine: SamplingEngine, prompts: list[list[int]], G: int, new_tokens: int) -> int:
+    """Device operations (kernels, copies, memsets; inside CUDA-graph replays too) that
+    ``torch.profiler`` sees in one generate call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_case(engine, prompts, G, new_tokens)
+    return sum(e.count for e in prof.key_averages() if str(e.device_type).endswith("CUDA"))
+
+
+def device_ops_per_step(engine: SamplingEngine, args, G: int, vocab: int, steps: int = 16) -> float:
+    """Device operations per decode step: a run with ``steps`` decode steps minus the same run
+    with none (prefill + first token only), both on fresh prompts of the same shape."""
+    long = device_ops(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=3001 + G), G, steps + 1)
+    short = device_ops(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=3002 + G), G, 1)
+    return (long - short) / steps
+
+
 def greedy_check(engine: SamplingEngine, vocab: int, tokens: int) -> dict:
     """Greedy tokens of the engine (n=2 forks, FCA on and off) vs HF ``generate`` on the same
     module switched to SDPA: per prompt, how many leading tokens agree."""
@@ -166,7 +184,8 @@ def main() -> None:
                     help="first compare greedy tokens with HF generate on the same weights "
                          "(and, with --compile both, the two arms with each other)")
     ap.add_argument("--profile", action="store_true",
-                    help="also time the decode attention kernels per step (torch.profiler)")
+                    help="also time the decode attention kernels and count the device ops per "
+                         "decode step (torch.profiler)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     cases = args.Gs or [args.G, 1]
@@ -213,6 +232,11 @@ def main() -> None:
                     row["fca" if fca else "paged"]["attention_ms_per_step"] = attn
                     print(f"G={G:3d} {arm_name(c):8} fca={fca!s:5}: decode attention kernels "
                           f"{attn:.3f} ms/step", flush=True)
+                    if torch.cuda.is_available():
+                        ops = device_ops_per_step(engine, args, G, vocab, steps=min(16, args.new_tokens - 1))
+                        row["fca" if fca else "paged"]["device_ops_per_step"] = ops
+                        print(f"G={G:3d} {arm_name(c):8} fca={fca!s:5}: {ops:.0f} device ops per "
+                              "decode step", flush=True)
         if len(engines) == 2:
             arms = results["arms"]
             for path in ("fca", "paged"):
