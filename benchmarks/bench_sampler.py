@@ -53,8 +53,10 @@ def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_token
                                            "preemptions")}
     assert all(len(s.token_ids) == new_tokens for o in out for s in o)
     d["wall_s"] = wall
-    d["decode_tok_per_s"] = d["decode_tokens"] / d["decode_time_s"]
-    d["ms_per_step"] = 1e3 * d["decode_time_s"] / d["decode_steps"]
+    # A run of one new token has no decode step (prefill emits it): no rate to report.
+    timed = d["decode_steps"] > 0 and d["decode_time_s"] > 0
+    d["decode_tok_per_s"] = d["decode_tokens"] / d["decode_time_s"] if timed else float("nan")
+    d["ms_per_step"] = 1e3 * d["decode_time_s"] / d["decode_steps"] if timed else float("nan")
     return d
 
 

@@ -9,12 +9,24 @@ compiled on a GPU (``gpu`` marker). Tolerances:
 - float32: 2e-6 of the output's largest magnitude (forward, dx, dw). The kernels make every
   operation HF makes; only fp32 evaluation order (the row's sum of squares, ``dy*w . x``, the
   column sums of dw, the terms of dx) differs, which moves results by a few fp32 ulps.
-- bfloat16 / float16: HF's module rounds at four points (the normalised row, ``w * h``, ``dy * w``,
-  ``dx``); the kernels round at the same points, so a difference appears only where an fp32 value
-  differing in its last bit moves a value across a rounding boundary: each element within one
-  ulp of the low-precision dtype (at the element's magnitude, floored at 1e-3 of the largest),
-  and the largest error against the fp32 computation (no intermediate rounding) at most 2x
-  HF's own (STYLE.md).
+- bfloat16 / float16: HF's module rounds at four points (the normalised row ``h``, ``w * h``,
+  ``dy * w``, ``dx``); the kernels round at the same points, so a difference appears only where
+  an fp32 value differing in its last bits (``rsqrt`` is not correctly rounded on a GPU, nor are
+  sums in one order) moves a value across a rounding boundary. ``ulp`` is the dtype's spacing at
+  1.0, applied at the element's magnitude (floored at 1e-3 of the largest):
+
+  - ``y``: two ulps — a flip of ``h`` carried through ``w * h`` (up to ``|w| * spacing(h)``)
+    plus the final rounding of ``y``;
+  - ``dx``: one ulp — only its final rounding (its fp32 inputs ``dy * w`` are rounded
+    identically);
+  - ``dw``: one ulp of ``dw`` plus one of ``sum_rows |dy * h|`` — each flipped ``h`` moves one
+    term of the column sum by ``|dy| * spacing(h)``, and a column sum of random signs can be far
+    smaller than its terms.
+
+  HF's own module with ``rsqrt`` moved by 1-8 fp32 ulps stays inside these bounds (at most 0.94,
+  1.00 and 0.37 of them on the GPU shapes below) and breaks the one-ulp bound that used to be here
+  for ``y`` (up to 1.8x) and ``dw`` (up to 52x). The largest error against the fp32 computation
+  (no intermediate rounding) must stay at most 2x HF's own (STYLE.md).
 """
 import os
 import sys
@@ -92,10 +104,15 @@ def assert_matches_hf(x, w, dy) -> None:
         return
     ulp = ULP[x.dtype]  # the precision HF rounds the normalised row (and dx) to
     ref = _hf_run(x.float(), w.float(), dy.float())  # HF's math without low-precision rounding
+    xf = x.float()
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    dw_terms = (dy.float() * h).abs().reshape(-1, x.shape[-1]).sum(0)
+    ulps = {"y": 2.0, "dx": 1.0, "dw": 1.0}
     for name, a, b, r in zip(("y", "dx", "dw"), got, want, ref):
         diff = (a.float() - b.float()).abs()
-        bound = ulp * (b.float().abs() + 1e-3 * _scale(b))
-        assert (diff <= bound).all(), (name, float((diff - bound).max()))
+        size = b.float().abs() + 1e-3 * _scale(b) + (dw_terms if name == "dw" else 0.0)
+        bound = ulps[name] * ulp * size
+        assert (diff <= bound).all(), (name, float((diff / bound).max()))
         ours, theirs = _scale(a.float() - r), _scale(b.float() - r)
         assert ours <= 2 * theirs, (name, ours, theirs)
 
