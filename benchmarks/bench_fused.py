@@ -154,13 +154,31 @@ def measure(name: str, case, device: str, loop: int) -> dict:
     return row
 
 
+def plot(json_path: str) -> None:
+    """The PNG next to the JSON: HF vs fused forward + backward, per call in a loop."""
+    import json
+
+    with open(json_path) as f:
+        results = json.load(f)
+    rows = results["rows"]
+    paired_bars(json_path.replace(".json", ".png"), [r["case"].replace(" ", "\n", 1) for r in rows],
+                [r["hf_fwd_bwd_loop_us"] for r in rows], "HF",
+                [r["fused_fwd_bwd_loop_us"] for r in rows], "polynya fused",
+                "fwd+bwd us per call (back-to-back loop)",
+                title=f"RMSNorm and RoPE forward + backward, bf16, per call, {results.get('gpu', '')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8 * 384)
     ap.add_argument("--loop", type=int, default=200)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (Triton interpreter)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier run's JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(args.replot)
+        return
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         norm_op.KERNEL_ON_CPU = rope_op.KERNEL_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
@@ -178,11 +196,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     path = save(dict(environment(), tokens=args.tokens, loop=args.loop, dtype="bfloat16",
                      rows=rows), args.out, "bench_fused")
-    paired_bars(path.replace(".json", ".png"), [r["case"] for r in rows],
-                [r["hf_fwd_bwd_loop_us"] for r in rows], "HF",
-                [r["fused_fwd_bwd_loop_us"] for r in rows], "polynya fused",
-                "fwd+bwd us per call (back-to-back loop)",
-                title="RMSNorm and RoPE forward + backward, bf16, per call")
+    plot(path)
     print(markdown_table(rows, [
         ("case", "case"), ("dims", "dims"), ("hf_fwd_ms", "HF fwd ms"),
         ("fused_fwd_ms", "fused fwd ms"), ("fused_fwd_gbps", "fused fwd GB/s"),

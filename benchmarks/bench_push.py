@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -40,7 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from common import cuda_median_ms, environment, markdown_table, median, save, wall_median_ms
+from common import (cuda_median_ms, environment, markdown_table, median, paired_bars, save,
+                    wall_median_ms)
 from op_count import OpCount
 
 
@@ -126,7 +128,11 @@ def main() -> None:
     ap.add_argument("--model", default="random:qwen3-0.6b")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="bench_push_"))
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier run's JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(args.replot)
+        return
     from polynya.checksum import checksum_views
     from polynya.config import SamplerConfig
     from polynya.engines import SamplingEngine
@@ -179,6 +185,21 @@ def main() -> None:
                  "hbm_copy_ms": hbm_ms, "rows": rows, "speedup_old_over_new": speedups},
                 args.out, "bench_push")
     print(f"JSON: {path}")
+    plot(path)
+
+
+def plot(json_path: str) -> None:
+    """``bench_push.png`` next to the JSON: old vs new median ms per row (log scale)."""
+    with open(json_path) as f:
+        results = json.load(f)
+    ms = {(r["row"], r["arm"]): r["ms"] for r in results["rows"]}
+    names = [n for n in dict.fromkeys(r["row"] for r in results["rows"]) if (n, "old") in ms]
+    paired_bars(os.path.join(os.path.dirname(json_path), "bench_push.png"),
+                [n.replace("push ", "push\n").replace(".", "\n") for n in names], [ms[n, "new"] for n in names],
+                "new (one read / O(1) launches)", [ms[n, "old"] for n in names],
+                "old (per tensor)", "median wall ms (log)",
+                title=f"Weight push + checks, {results['model']} ({results['bytes'] / 1e9:.2f} GB, "
+                      f"{results['tensors']} tensors), {results['env'].get('gpu', '')}", log=True)
 
 
 if __name__ == "__main__":

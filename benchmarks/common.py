@@ -77,7 +77,8 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def paired_bars(path: str, labels: list[str], a: list[float], a_label: str, b: list[float],
-                b_label: str, ylabel: str, title: str = "", ref_line: float | None = None) -> None:
+                b_label: str, ylabel: str, title: str = "", ref_line: float | None = None,
+                log: bool = False) -> None:
     """Two bars per x label (e.g. measured vs ideal speedup) saved as a PNG, with a title and
     an optional horizontal reference line (1.0 for speedups); no-op without matplotlib."""
     try:
@@ -96,6 +97,8 @@ def paired_bars(path: str, labels: list[str], a: list[float], a_label: str, b: l
     if ref_line is not None:
         ax.axhline(ref_line, color="black", linewidth=0.8, linestyle="--")
     ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
     if title:
         ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
