@@ -243,7 +243,10 @@ class BucketCopyPlan:
 
 
 def _extremes(t: torch.Tensor) -> torch.Tensor:
-    """``[min, max]`` of ``t`` (NaN when it holds one; one read, no copy)."""
+    """``[min, max]`` of ``t`` (NaN when it holds one; one read, no copy; float8 is widened
+    first: torch has no ``aminmax`` for it)."""
+    if t.element_size() == 1:
+        t = t.float()
     lo, hi = torch.aminmax(t.reshape(-1) if t.is_contiguous() else t)
     return torch.stack([lo, hi]).float()
 

@@ -34,15 +34,22 @@ from . import op
 from . import reference as ref
 from .op import MAX_TENSOR, have_triton
 
-# exponent bits of each floating dtype (all ones: inf or NaN); other dtypes are not checked
+# per floating dtype the bits that are all ones exactly in its NaN and inf values (the exponent;
+# float8_e4m3fn has no inf and one NaN pattern per sign, S.1111.111). A floating dtype missing
+# here (float8 *fnuz, e8m0, ...) never takes the kernel path: its NaN/inf check is torch's.
 EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000,
-            torch.float64: 0x7FF0000000000000}
+            torch.float64: 0x7FF0000000000000, torch.float8_e5m2: 0x7C, torch.float8_e4m3fn: 0x7F}
 VECTOR_BYTES = 16  # widest load/store the launcher asks the compiler to assume
 NUM_WARPS = 4  # per program of BLOCK elements (bench_sync's receive arm also times 8)
 
 
 def exponent_mask(dtype: torch.dtype) -> int:
     return EXPONENT.get(dtype, 0)
+
+
+def finite_check_in_kernel(dtype: torch.dtype) -> bool:
+    """Whether the kernel's NaN/inf test covers ``dtype`` (integer dtypes have nothing to test)."""
+    return dtype in EXPONENT or not dtype.is_floating_point
 
 
 class CopyPlan:
@@ -80,7 +87,7 @@ class CopyPlan:
         if not all((f.is_cuda or op.KERNEL_ON_CPU) and f.device == dev and f.dim() == 1
                    and f.is_contiguous() and f.numel() >= e and f.element_size() in ref.BITS
                    and f.data_ptr() % op.WORD == 0 and f.untyped_storage().data_ptr() % op.WORD == 0
-                   for f, e in zip(flats, self.extents)):
+                   and finite_check_in_kernel(f.dtype) for f, e in zip(flats, self.extents)):
             return False
         if any(n >= MAX_TENSOR for ln in self.lengths for n in ln):
             return False
@@ -271,8 +278,13 @@ class CopyPlan:
 
 
 def non_finite_count(t: torch.Tensor) -> torch.Tensor | int:
-    """How many values of ``t`` are NaN or inf (a device tensor for floating ``t``, else 0)."""
-    return (~torch.isfinite(t)).sum() if t.is_floating_point() else 0
+    """How many values of ``t`` are NaN or inf (a device tensor for floating ``t``, else 0).
+    Float8 values are widened first (torch has no ``isfinite`` for them; NaN and inf survive)."""
+    if not t.is_floating_point():
+        return 0
+    if t.element_size() == 1:
+        t = t.float()
+    return (~torch.isfinite(t)).sum()
 
 
 def finite_lanes(dtype: torch.dtype) -> tuple[int, int, int]:

@@ -29,7 +29,7 @@ import torch
 
 from . import op
 from . import reference as ref
-from .copy import NUM_WARPS, VECTOR_BYTES, finite_lanes, non_finite_count
+from .copy import NUM_WARPS, VECTOR_BYTES, finite_check_in_kernel, finite_lanes, non_finite_count
 from .op import MAX_TENSOR, have_triton
 
 
@@ -41,10 +41,12 @@ def layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
 
 def kernel_reads(t: torch.Tensor) -> bool:
     """Whether the kernel reads ``t`` in place: contiguous, non-empty, whole 64-bit words from
-    an 8-byte aligned address, fewer than ``MAX_TENSOR`` elements."""
+    an 8-byte aligned address, fewer than ``MAX_TENSOR`` elements, a dtype whose NaN/inf test
+    the kernel knows."""
     es = t.element_size()
     return (t.numel() > 0 and t.is_contiguous() and es in ref.BITS and t.numel() < MAX_TENSOR
-            and t.data_ptr() % op.WORD == 0 and (t.numel() * es) % op.WORD == 0)
+            and t.data_ptr() % op.WORD == 0 and (t.numel() * es) % op.WORD == 0
+            and finite_check_in_kernel(t.dtype))
 
 
 class ScatterPlan:
@@ -58,6 +60,8 @@ class ScatterPlan:
             raise ValueError("a scatter plan needs every tensor on one device")
         self.ptrs = tuple(t.data_ptr() for t in tensors)
         self.numels = tuple(t.numel() for t in tensors)
+        self.dtypes = tuple(t.dtype for t in tensors)
+        self.contiguous = tuple(t.is_contiguous() for t in tensors)
         kernel, self.others = {}, []
         for i, t in enumerate(tensors):
             if kernel_reads(t):
@@ -121,8 +125,9 @@ class ScatterPlan:
         must lie where the plan's did (``ValueError`` otherwise: make a new plan)."""
         tensors = list(tensors)
         if len(tensors) != self.num_tensors or any(
-                t.data_ptr() != p or t.numel() != n
-                for t, p, n in zip(tensors, self.ptrs, self.numels)):
+                t.data_ptr() != p or t.numel() != n or t.dtype != d or t.is_contiguous() != c
+                for t, p, n, d, c in zip(tensors, self.ptrs, self.numels, self.dtypes,
+                                         self.contiguous)):
             raise ValueError("these tensors do not lie where the scatter plan's did; make a new plan")
         if not (digest or finite):
             return None, None

@@ -51,7 +51,7 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``rms_norm`` runs the Triton kernels for these tensors (else the reference)."""
     return ((x.is_cuda or KERNEL_ON_CPU) and x.device == weight.device
             and x.dtype in _DTYPES and weight.dtype in _DTYPES and x.dim() >= 1
-            and weight.dim() == 1 and x.shape[-1] == weight.shape[0]
+            and weight.dim() == 1 and weight.stride(0) == 1 and x.shape[-1] == weight.shape[0]
             and 0 < weight.shape[0] <= MAX_H)
 
 

@@ -161,6 +161,8 @@ def check_lanes(dtype: torch.dtype) -> None:
                            info.smallest_normal, 3.0], dtype=dtype)
     for lane in range(per_word):
         for value in (float("nan"), float("inf"), float("-inf")):
+            if torch.isfinite(torch.tensor([value]).to(dtype).float()).all():
+                continue  # float8_e4m3fn has no inf (the cast saturates to its max)
             flat = finite.clone()
             flat[lane] = value
             plan = CopyPlan([([0, per_word], [per_word, 8 - per_word], None)])
@@ -168,6 +170,25 @@ def check_lanes(dtype: torch.dtype) -> None:
             assert bad.tolist()[0] > 0 and bad.tolist()[1] == 0, (dtype, lane, value)
     _, bad = CopyPlan([([0], [8], None)]).check([finite], kernel=True)
     assert bad.tolist() == [0]
+
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def test_float8_non_finite_counted_on_the_torch_path():
+    """float8 NaN / inf (e4m3fn: NaN only) are counted without the kernel, and a float8 dtype the
+    kernel's test does not know (e4m3fnuz: NaN is the bit pattern of -0) never takes it."""
+    for dtype, bad_bytes in ((torch.float8_e4m3fn, (0x7F, 0xFF)), (torch.float8_e5m2, (0x7C, 0xFE, 0x7F))):
+        flat = torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0, -0.0, 448.0 if dtype == FLOAT8[0] else 57344.0, 0.25],
+                            dtype=dtype)
+        plan = CopyPlan([([0], [8], None)])
+        assert plan.check([flat], kernel=False)[1].tolist() == [0]
+        for b in bad_bytes:
+            bad = flat.clone()
+            bad.view(torch.uint8)[5] = b
+            assert plan.check([bad], kernel=False)[1].tolist() == [1], (dtype, hex(b))
+    fnuz = torch.zeros(8, dtype=torch.float8_e4m3fnuz)
+    assert not CopyPlan([([0], [8], None)]).kernel_ok([fnuz], copy=False)
 
 
 def test_reference_paths():
@@ -206,7 +227,7 @@ def _interp():
     digest_kernels_on_cpu()
     check_plan("cpu", 24, op.BLOCK, kernel=True)
     check_verified_load("cpu", 16, op.BLOCK)
-    for dtype in DTYPES:  # NaN / inf in every lane of a word are found
+    for dtype in DTYPES + FLOAT8:  # NaN / inf in every lane of a word are found
         check_lanes(dtype)
     print("INTERP OK")
 

@@ -136,6 +136,41 @@ def test_reference_path():
     check_scatter("cpu", 30, 64)
 
 
+def check_float8(device: str) -> None:
+    """A float8 NaN / inf among the tensors is found by every check (kernel or torch path)."""
+    g = torch.Generator().manual_seed(8)
+    for dtype, bad_byte in ((torch.float8_e4m3fn, 0x7F), (torch.float8_e5m2, 0x7C),
+                            (torch.float8_e4m3fnuz, 0x80)):
+        w = (torch.randn(64, generator=g) / 4).to(dtype).to(device)
+        items = [("w", w), ("v", torch.randn(16, generator=g).to(device))]
+        want = checksum_named_tensors(items)
+        assert scan_views(items) == (want, []) and non_finite(items) == []
+        assert non_finite_views(items) in ([], None)  # None: not the kernel path, torch checks
+        w.view(torch.uint8)[5] = bad_byte
+        assert scan_views(items)[1] == ["w"] and non_finite(items) == ["w"], dtype
+        assert non_finite_views(items) in (["w"], None)
+        with pytest.raises(ValueError, match="w"):
+            check_pairs(items, checksum=checksum_named_tensors(items))
+
+
+def check_plan_guard(device: str) -> None:
+    """A plan refuses tensors at its addresses that are not the ones it was made for (another
+    dtype or a non-contiguous view of the same memory): it would read the wrong bytes."""
+    buf = torch.randn(1024).to(device)
+    a, b = buf[:24].view(4, 6), buf[512:520]
+    plan = ScatterPlan([a, b])
+    for wrong in ([a.t(), b], [a.view(torch.int32), b]):
+        with pytest.raises(ValueError, match="make a new plan"):
+            plan.scan(wrong)
+    digests, _ = plan.scan([a, b])
+    assert digests.tolist() == [tensor_digest(a), tensor_digest(b)]
+
+
+def test_float8_and_plan_guard_reference_path():
+    check_float8("cpu")
+    check_plan_guard("cpu")
+
+
 @pytest.mark.gpu
 def test_plan_refuses_mixed_devices():
     with pytest.raises(ValueError, match="one device"):
@@ -153,6 +188,8 @@ def _interp():
     digest_kernels_on_cpu()
     check_scatter("cpu", 40, op.BLOCK)
     check_op_count("cpu", 310, None)
+    check_float8("cpu")
+    check_plan_guard("cpu")
     print("INTERP OK")
 
 
@@ -160,6 +197,8 @@ def _interp():
 def test_kernel_on_gpu():
     check_scatter("cuda", 200, 4096)
     check_op_count("cuda", 310, 24)
+    check_float8("cuda")
+    check_plan_guard("cuda")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["interp"]:

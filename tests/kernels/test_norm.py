@@ -135,6 +135,7 @@ def check_kernels(device: str) -> None:
     x, w, dy = _inputs((4, 9, 40), torch.bfloat16, device, 99, w_dtype=torch.float32)
     assert_matches_hf(x, w, dy)
     check_strides(device)
+    check_strided_weight(device)
     check_partial_grads(device)
     check_empty(device)
     check_bf16_rounding(device)
@@ -171,6 +172,19 @@ def check_strides(device: str) -> None:
             assert torch.equal(a, b), name
         assert torch.equal(base, before), name
         assert_matches_hf(x, w, dy)
+
+
+def check_strided_weight(device: str) -> None:
+    """A weight that is a strided view (the kernels read it with unit stride) takes the
+    reference path and gives what its contiguous copy gives."""
+    x, w, dy = _inputs((6, 40), torch.float32, device, 21)
+    wide = torch.stack([w, torch.full_like(w, 7.0)], dim=1).reshape(-1)
+    strided = wide[::2]
+    assert not strided.is_contiguous() and torch.equal(strided, w)
+    assert not kernel_applies(x, strided)
+    got, want = _run(_fused, x, strided, dy), _run(_fused, x, w, dy)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def check_partial_grads(device: str) -> None:
