@@ -118,6 +118,51 @@ def test_compile_failure_decodes_eagerly_with_a_warning(monkeypatch):
     assert comp.stats()["compiles"] == 0
 
 
+def test_compiled_steps_of_engines_in_threads_take_turns(monkeypatch):
+    """Dynamo's stance and limits are process-wide: while one engine's compiled step runs
+    (under them) another thread cannot enter its own, and after both the settings are
+    Dynamo's own again."""
+    import threading
+
+    import torch._dynamo
+
+    default_limit = torch._dynamo.config.recompile_limit
+    engines = [make_engine("qwen3", True) for _ in range(2)]
+    seen = []
+
+    def try_enter():
+        got = compiled._DYNAMO_SETTINGS.acquire(blocking=False)
+        if got:
+            compiled._DYNAMO_SETTINGS.release()
+        seen.append(got)
+
+    def wrap(step):
+        def guarded(*args):
+            probe = threading.Thread(target=try_enter)
+            probe.start()
+            probe.join()
+            assert torch._dynamo.config.recompile_limit == compiled.MAX_COMPILES
+            return step(*args)
+        return guarded
+
+    for e in engines:
+        runner = e.backend.runner
+        runner.compiled._step = wrap(torch.compile(compiled._own_copy(compiled._decode_step),
+                                                   backend=runner.compiled._inductor, fullgraph=True))
+    prompts, params = calls(3)[0]
+    outs = [None, None]
+    threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, engines[i].generate(prompts, params)))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen and not any(seen)  # no other thread ever got in during a compiled step
+    assert [[s.token_ids for s in o] for o in outs[0]] == [[s.token_ids for s in o] for o in outs[1]]
+    assert all(e.backend.runner.compiled.error is None for e in engines)
+    assert torch._dynamo.config.recompile_limit == default_limit
+
+
 def test_plan_travels_as_tensors():
     """The FCA op rebuilds the step's plan from ``work_tensors`` (on the GPU its kernels read
     every field; the CPU reference reads only the tables): every field comes back."""

@@ -32,6 +32,7 @@ the first run; Inductor's on-disk cache makes a repeat in a later process or run
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import types
 import warnings
@@ -45,6 +46,11 @@ from . import attention
 # graph-less path may add a specialisation for a one-block width and one per 2048 tokens of
 # context (FCA's slot count follows the width)
 MAX_COMPILES = 8
+# Dynamo's stance and config patches are process-wide, not per thread: compiled steps of
+# several engines in one process (threads) run one at a time, so one engine's CUDA-graph
+# capture stance or limits never apply to another's call nor are restored out of order. With
+# CUDA graphs the compiled step runs only while a graph is captured (replays skip it).
+_DYNAMO_SETTINGS = threading.RLock()
 
 
 def _decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
@@ -154,7 +160,7 @@ class CompiledDecode:
             if self._step is None:
                 self._step = torch.compile(_own_copy(_decode_step), backend=self._inductor,
                                            fullgraph=True, dynamic=None)
-            with self._limits():
+            with _DYNAMO_SETTINGS, self._limits():
                 logits = self._step(self.model, args[0], args[1], ctx)
         except Exception as exc:  # noqa: BLE001 - any compile failure: decode eagerly, say why
             self._fail(exc)
