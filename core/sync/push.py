@@ -27,7 +27,10 @@ multi-tensor copy per chunk).
    layout (names, shapes, dtype, device) stays the same; ``release()`` frees it.
 
 Either way the engine's ``weight_checksum()`` after the load must equal the expected checksum
-(``SyncError`` otherwise): the engine's weights are proved equal to the module's.
+(``SyncError`` otherwise). Direct: the engine's weights are proved equal to the module's.
+Staged: they are proved equal to the staging buffer; the step that filled it (torch's
+``_foreach_copy_`` cast, DeepSpeed's gather) is trusted, not re-checked — its NaN/inf are
+caught, since the engine checks the buffer.
 """
 from __future__ import annotations
 
