@@ -106,6 +106,7 @@ VALUES = {
     "sampling.fca_min_shared_tokens": (0, [], {}),
     "sampling.cuda_graphs": (False, [], {}),
     "sampling.async_scheduling": (False, [], {}),
+    "sampling.compile_decode": (True, [], {}),
 }
 
 
