@@ -116,21 +116,23 @@ _VIEWS: OrderedDict = OrderedDict()  # names + layout_key -> _ViewsLayout
 _VIEWS_LOCK = threading.Lock()
 
 
-def _views_layout(items: Sequence[tuple[str, torch.Tensor]]) -> _ViewsLayout | None:
-    """The cached ``_ViewsLayout`` of ``items`` when the Triton path can read them (one CUDA
-    device, or any device with ``KERNEL_ON_CPU``), else None. The key (names, addresses,
-    dtypes, shapes, contiguity, devices) reads no tensor data."""
+def _views_layout(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[_ViewsLayout, tuple] | None:
+    """The cached ``_ViewsLayout`` of ``items`` and the tensors' ``layout_key`` when the Triton
+    path can read them (one CUDA device, or any device with ``KERNEL_ON_CPU``), else None. The
+    cache key (names + layout key: addresses, dtypes, shapes, contiguity, devices) reads no
+    tensor data."""
     if not items or not have_triton():
         return None
     dev = items[0][1].device
     if not (dev.type == "cuda" or digest_op.KERNEL_ON_CPU):
         return None
-    key = (tuple(n for n, _ in items), layout_key([t for _, t in items]))
+    tensors_key = layout_key([t for _, t in items])
+    key = (tuple(n for n, _ in items), tensors_key)
     with _VIEWS_LOCK:
         found = _VIEWS.get(key)
         if found is not None:
             _VIEWS.move_to_end(key)
-            return found
+            return found, tensors_key
     if any(t.device != dev for _, t in items):
         return None
     found = _ViewsLayout(items)
@@ -138,7 +140,7 @@ def _views_layout(items: Sequence[tuple[str, torch.Tensor]]) -> _ViewsLayout | N
         _VIEWS[key] = found
         while len(_VIEWS) > 8:
             _VIEWS.popitem(last=False)
-    return found
+    return found, tensors_key
 
 
 def scan_views(items: Sequence[tuple[str, torch.Tensor]], *, finite: bool = True
@@ -149,11 +151,12 @@ def scan_views(items: Sequence[tuple[str, torch.Tensor]], *, finite: bool = True
     per-tensor sums, one device -> host transfer; the layout's tables and line prefixes are
     cached. Elsewhere the torch reference, tensor by tensor."""
     items = list(items)
-    layout = _views_layout(items)
-    if layout is None:
+    found = _views_layout(items)
+    if found is None:
         bad = [n for n, t in items if t.numel() and int(non_finite_count(t))] if finite else []
         return checksum_named_tensors(items), bad
-    digests, bad = layout.plan.scan([t for _, t in items], finite=finite)
+    layout, key = found
+    digests, bad = layout.plan.scan([t for _, t in items], finite=finite, key=key)
     values = (torch.cat([digests, bad]) if finite else digests).tolist()
     n = len(items)
     bad_names = [name for name, b in zip(layout.names, values[n:]) if b]
@@ -169,10 +172,11 @@ def non_finite_views(items: Sequence[tuple[str, torch.Tensor]]) -> list[str] | N
     """Names of the tensors of ``items`` holding NaN/inf, read by the Triton kernels in one
     launch per dtype; None when they cannot take that path (the caller checks with torch)."""
     items = list(items)
-    layout = _views_layout(items)
-    if layout is None:
+    found = _views_layout(items)
+    if found is None:
         return None
-    _, bad = layout.plan.scan([t for _, t in items], digest=False, finite=True)
+    layout, key = found
+    _, bad = layout.plan.scan([t for _, t in items], digest=False, finite=True, key=key)
     return [name for name, b in zip(layout.names, bad.tolist()) if b]
 
 

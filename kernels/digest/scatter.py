@@ -15,7 +15,8 @@ The plan depends only on where the tensors lie and what they are (addresses, dty
 contiguity), never on their values, and keeps no reference to them: ``scan`` reads whatever
 the tensors passed to it hold at those addresses (``ValueError`` when they lie elsewhere).
 Tensors the kernel cannot read in place as whole words — not contiguous, not starting or
-ending on the 8-byte grid, ``>= 2**31`` elements — take the torch path on their device
+ending on the 8-byte grid, ``>= 2**31`` elements, a floating dtype the kernel's NaN/inf test
+does not cover (float8 other than e4m3fn / e5m2) — take the torch path on their device
 (``digest_tensor_reference``, ``isfinite``); ``fallback`` counts them. Empty tensors digest to
 0 and are finite without a read. Digests equal ``reference.py`` bit for bit; a NaN/inf count is
 zero iff the tensor is finite (the kernel counts words holding one, torch counts values).
@@ -59,9 +60,7 @@ class ScatterPlan:
         if any(t.device != self.device for t in tensors):
             raise ValueError("a scatter plan needs every tensor on one device")
         self.ptrs = tuple(t.data_ptr() for t in tensors)
-        self.numels = tuple(t.numel() for t in tensors)
-        self.dtypes = tuple(t.dtype for t in tensors)
-        self.contiguous = tuple(t.is_contiguous() for t in tensors)
+        self.key = layout_key(tensors)
         kernel, self.others = {}, []
         for i, t in enumerate(tensors):
             if kernel_reads(t):
@@ -118,16 +117,15 @@ class ScatterPlan:
         """Whether ``scan`` takes the Triton path (CUDA, or any device with KERNEL_ON_CPU)."""
         return have_triton() and (self.device.type == "cuda" or op.KERNEL_ON_CPU)
 
-    def scan(self, tensors: Sequence[torch.Tensor], *, digest: bool = True, finite: bool = False
-             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def scan(self, tensors: Sequence[torch.Tensor], *, digest: bool = True, finite: bool = False,
+             key: tuple | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(digests, NaN/inf counts)`` of ``tensors`` (int64 ``[n]``, on the plan's device on
         the kernel path; each None when not asked for), one read of the tensors. ``tensors``
-        must lie where the plan's did (``ValueError`` otherwise: make a new plan)."""
+        must have the plan's ``layout_key`` (addresses, dtypes, shapes, contiguity, devices;
+        ``ValueError`` otherwise: make a new plan); ``key``: that key when the caller already
+        computed it from ``tensors``."""
         tensors = list(tensors)
-        if len(tensors) != self.num_tensors or any(
-                t.data_ptr() != p or t.numel() != n or t.dtype != d or t.is_contiguous() != c
-                for t, p, n, d, c in zip(tensors, self.ptrs, self.numels, self.dtypes,
-                                         self.contiguous)):
+        if (key if key is not None else layout_key(tensors)) != self.key:
             raise ValueError("these tensors do not lie where the scatter plan's did; make a new plan")
         if not (digest or finite):
             return None, None
