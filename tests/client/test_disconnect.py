@@ -163,7 +163,7 @@ def test_facade_abort_before_the_call_is_queued(server):
     engine = sampler.backend
     before = engine.stats()
     params = SamplingParams(n=3, max_tokens=50, temperature=1.0, seed=1, logprobs=True)
-    with engine._lock:  # hold the engine between steps: the call registers, then waits here
+    with engine._intake_lock:  # hold the engine's queue: the call registers, then waits here
         thread = threading.Thread(target=lambda: out.append(sampler.generate(
             [VICTIM, NEIGHBOUR], params, request_id="early")))
         out: list = []

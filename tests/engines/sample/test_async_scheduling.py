@@ -16,7 +16,7 @@ from .test_native_engine import make_engine, ragged_prompts
 
 COUNTERS = ("prefill_tokens", "decode_tokens", "cache_hit_tokens", "prefill_steps", "decode_steps",
             "requests", "preemptions", "blocks_in_use", "cache_hit_blocks", "aborted_requests",
-            "fca_steps", "scored_tokens")
+            "fca_steps", "scored_tokens", "peak_decode_rows")
 
 
 def pair(**kw):

@@ -121,6 +121,7 @@ def test_n_forks_prefill_once_and_prefix_cache(qwen):
     assert len(out[0]) == 8 and all(len(s.token_ids) == 20 for s in out[0])
     assert mid["prefill_tokens"] - before["prefill_tokens"] == 37
     assert mid["decode_tokens"] - before["decode_tokens"] == 8 * 19
+    assert mid["peak_decode_rows"] == max(before["peak_decode_rows"], 8)  # the 8 forks decode together
     qwen.generate([prompt], SamplingParams(max_tokens=2))
     after = qwen.stats()
     assert after["cache_hit_tokens"] - mid["cache_hit_tokens"] == 36  # 9 full blocks of 4
@@ -250,6 +251,31 @@ def test_concurrent_threads_batch_together(qwen):
     for t in threads:
         t.join()
     assert [results[i] for i in range(3)] == expected
+
+
+def test_requests_queue_without_waiting_for_a_step(qwen):
+    """A step holds the engine lock for its whole forward; queuing a request does not wait for
+    it, and the next step admits every request queued meanwhile at once."""
+    eng = qwen.backend
+    prompts = ragged_prompts(12, [5, 6, 7, 8])
+    p = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=())
+    expected = [s[0].token_ids for s in qwen.generate(prompts, p)]
+    toks, plist = eng.validate(prompts, p)
+    before, rids = eng.stats(), []
+    with eng._lock:  # what a step in progress holds
+        t = threading.Thread(target=lambda: rids.extend(eng.add_request(x, q)
+                                                        for x, q in zip(toks, plist)))
+        t.start()
+        t.join(10)
+        assert not t.is_alive() and len(rids) == 4
+        with pytest.raises(RuntimeError, match="in flight"):  # queued requests count
+            eng.sleep(1)
+        assert not eng.asleep
+    out = eng.wait(rids)
+    after = eng.stats()
+    assert [o[0].token_ids for o in out] == expected
+    assert after["prefill_steps"] - before["prefill_steps"] == 1  # admitted together
+    assert after["requests"] - before["requests"] == 4 and not eng._requests and not eng._intake
 
 
 def test_stop_tokens_and_default_eos(qwen):

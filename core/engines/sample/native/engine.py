@@ -4,7 +4,9 @@
 before anything is scheduled, so nothing else is touched), queues one sequence per prompt, and
 steps the engine until its requests are done. Several threads may call ``generate`` at once
 (the async API does): steps are serialised by a lock and each step advances every queued
-request, so concurrent calls batch together.
+request, so concurrent calls batch together. Queuing does not take that lock (a step holds it
+for its whole forward, and callers waiting on it would join one per step): requests go to an
+intake list, and the next step admits all of them at once.
 
 After a prompt's prefill its ``n - 1`` forks are created: they share the prompt's pages and
 sample their first token from the same logits, so ``n`` samples cost one prefill.
@@ -121,11 +123,16 @@ class NativeEngine:
         self._lock = threading.RLock()
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
+        # new requests queue here without waiting for a step (a step holds the lock for its
+        # whole forward); the next step admits all of them at once (_admit)
+        self._intake: list[tuple[int, Sequence, _Request]] = []
+        self._intake_lock = threading.Lock()  # taken after _lock, never before it
         self._aborts: list[_AbortOrder] = []
         self._aborts_lock = threading.Lock()  # orders are queued without waiting for a step
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0,
                         "prefill_steps": 0, "decode_steps": 0, "fca_steps": 0, "requests": 0,
-                        "scored_tokens": 0, "aborted_requests": 0, "ahead_steps": 0}
+                        "scored_tokens": 0, "aborted_requests": 0, "ahead_steps": 0,
+                        "peak_decode_rows": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
         self.async_scheduling = config.async_scheduling
@@ -147,18 +154,31 @@ class NativeEngine:
         return torch.Generator().manual_seed(seed)
 
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
-        """Queue a request checked by ``validate``; returns its id (for ``wait`` / ``abort``)."""
-        with self._lock:
-            rid = self._next_request
-            self._next_request += 1
-            stop = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
-            seq = Sequence(token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
-                           stop_ids=stop, generator=self._generator(params, 0), request_id=rid,
-                           pending_forks=params.n - 1)
-            self._requests[rid] = _Request(params)
+        """Queue a request checked by ``validate``; returns its id (for ``wait`` / ``abort``).
+        Does not wait for a step in progress: the next step admits it."""
+        with self._intake_lock:
+            return self._enqueue(prompt, params)
+
+    def _enqueue(self, prompt: list[int], params: SamplingParams) -> int:
+        rid = self._next_request  # caller holds _intake_lock
+        self._next_request += 1
+        stop = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
+        seq = Sequence(token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
+                       stop_ids=stop, generator=self._generator(params, 0), request_id=rid,
+                       pending_forks=params.n - 1)
+        self._intake.append((rid, seq, _Request(params)))
+        self._counts["requests"] += 1
+        return rid
+
+    def _admit(self) -> None:
+        """Hand the queued requests to the scheduler, in arrival order (caller holds _lock)."""
+        if not self._intake:
+            return
+        with self._intake_lock:
+            intake, self._intake = self._intake, []
+        for rid, seq, request in intake:
+            self._requests[rid] = request
             self.scheduler.add(seq)
-            self._counts["requests"] += 1
-            return rid
 
     def generate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams], *,
                  on_submit: Callable[[list[int]], bool] | None = None) -> list[list[Sample]]:
@@ -168,12 +188,12 @@ class NativeEngine:
         before any step runs them: it learns their ids (for ``abort``), and a True answer
         aborts them at once (their caller gave up before they were queued)."""
         toks, plist = self.validate(prompts, params)
-        with self._lock:
+        with self._intake_lock:  # not the step lock: concurrent callers join the next step
             if self.asleep:
                 raise RuntimeError("the sampling engine is asleep; call wake() first")
-            rids = [self.add_request(t, p) for t, p in zip(toks, plist)]
-            if on_submit is not None and on_submit(list(rids)):
-                self.abort(rids)  # applied here: this thread holds the (reentrant) step lock
+            rids = [self._enqueue(t, p) for t, p in zip(toks, plist)]
+        if on_submit is not None and on_submit(list(rids)):
+            self.abort(rids)  # applied at the next step boundary, before any step runs them
         return self.wait(rids)
 
     def wait(self, request_ids: list[int]) -> list[list[Sample]]:
@@ -183,11 +203,13 @@ class NativeEngine:
         try:
             while True:
                 with self._lock:
+                    self._admit()
                     if all(self._requests[r].done for r in rids):
                         return [self._requests.pop(r).samples() for r in rids]
                     self.step()
         except BaseException:  # a failed step (or an interrupt): drop this call's requests
             with self._lock:
+                self._admit()
                 self._inflight = None  # never booked: its rows redo that step
                 self.scheduler.abort(set(rids))
                 for r in rids:
@@ -230,6 +252,7 @@ class NativeEngine:
 
     def _apply_aborts(self) -> None:
         self._finish_inflight()  # an abort lands after the step already on the device
+        self._admit()  # requests queued before the abort are in its reach
         with self._aborts_lock:
             orders, self._aborts = self._aborts, []
         for order in orders:
@@ -264,6 +287,7 @@ class NativeEngine:
         start = time.perf_counter()
         if self._aborts:
             self._apply_aborts()
+        self._admit()
         cur, self._inflight = self._inflight, None
         if cur is None:
             if not self.scheduler.has_work():
@@ -362,6 +386,7 @@ class NativeEngine:
         self._counts["decode_steps"] += 1
         self._counts["ahead_steps"] += 1
         self._counts["decode_tokens"] += len(rows)
+        self._counts["peak_decode_rows"] = max(self._counts["peak_decode_rows"], len(rows))
         self._counts["fca_steps"] += self.runner.last_step_fca
         self._sample(rows, logits, uniforms)
         return _Launched(rows, False, inputs)
@@ -424,6 +449,7 @@ class NativeEngine:
         else:
             c["decode_steps"] += 1
             c["decode_tokens"] += len(batch.seqs)
+            c["peak_decode_rows"] = max(c["peak_decode_rows"], len(batch.seqs))
 
     # ---------------------------------------------------------------- weights, memory, stats
     def load_weights(self, weights: WeightPieces, version: int | None = None, *,
@@ -452,9 +478,9 @@ class NativeEngine:
         """Free the KV cache (level 1), and move the weights off the GPU too (level 2)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        with self._lock:
+        with self._lock, self._intake_lock:  # no request queued while it falls asleep
             self._finish_inflight()
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() or self._intake:
                 raise RuntimeError("cannot sleep with requests in flight")
             self.runner.free_kv()
             self.block_manager.reset_prefix_cache()
@@ -464,7 +490,7 @@ class NativeEngine:
 
     def wake(self) -> None:
         """Restore what ``sleep`` released (empty KV cache, weights on the device)."""
-        with self._lock:
+        with self._lock, self._intake_lock:
             self.runner.onload_weights()
             if self.runner.kv is None:
                 self.runner.allocate_kv()
@@ -476,7 +502,8 @@ class NativeEngine:
         ``cache_hit_blocks``, ``aborted_requests`` (requests ``abort`` stopped), ``fca_steps``
         (decode steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached),
         ``ahead_steps`` (decode steps async scheduling launched before the previous step was
-        booked),
+        booked), ``peak_decode_rows`` (the most sequences one decode step carried: concurrent
+        requests decoded together show here),
         ``blocks_in_use`` of ``num_blocks``, ``preemptions``, step counts, ``weight_version``,
         and wall time spent
         in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures
