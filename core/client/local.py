@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..cluster.routing import merge_routed, route_prompts
+from ..cluster.routing import ReplicaRouter, merge_routed
 from ..coordination import Action, HandOver
 from ..coordination.handover import LOGPROB, SAMPLERS, TRAINER
 from ..sync import StagedUpdate, apply_update, build_manifest
@@ -91,11 +91,14 @@ class LocalClient(ThreadedAsync):
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._generating = 0
-        self._pool = ThreadPoolExecutor(
-            max(1, len(self.samplers)), thread_name_prefix="polynya-local"
-        )
-        # aborts wait for an engine step boundary: on threads of their own, since the default
-        # executor may be full of the very generate calls they have to stop
+        # concurrent generate calls batch in the engines only when each has a thread: the
+        # default executor (min(32, cores + 4) threads) would cap them far below a batch
+        slots = max(1, len(self.samplers)) * config.sampling.call_slots
+        self._calls = ThreadPoolExecutor(slots, thread_name_prefix="polynya-generate")
+        self._pool = ThreadPoolExecutor(slots, thread_name_prefix="polynya-local")  # replica fan-out
+        self._router = ReplicaRouter(len(self.samplers))  # spreads concurrent calls
+        # aborts wait for an engine step boundary: on threads of their own, since the generate
+        # pools may be full of the very calls they have to stop
         self._abort_pool = ThreadPoolExecutor(2, thread_name_prefix="polynya-abort")
         self._closed = False
 
@@ -147,7 +150,9 @@ class LocalClient(ThreadedAsync):
         the engine has let go of them; an unnamed call gets a name of its own for that."""
         name = request_id if request_id is not None else f"local-{uuid.uuid4().hex}"
         with self._named(name):  # named before the thread hop: an abort may come first
-            work = asyncio.ensure_future(asyncio.to_thread(self._generate, prompts, params, name))
+            loop = asyncio.get_running_loop()
+            work = asyncio.ensure_future(
+                loop.run_in_executor(self._calls, self._generate, prompts, params, name))
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
@@ -178,14 +183,14 @@ class LocalClient(ThreadedAsync):
         try:
             if len(self.samplers) == 1:
                 return self.samplers[0].generate(prompts, params, request_id=request_id)
-            routes = route_prompts(prompts, params, len(self.samplers))
-            futs = [
-                self._pool.submit(s.generate, [prompts[i] for i in idx], split_params(params, idx),
-                                  request_id=request_id)
-                for s, idx in zip(self.samplers, routes)
-                if idx
-            ]
-            results = [f.result() for f in futs]
+            with self._router.route(prompts, params) as routes:
+                futs = [
+                    self._pool.submit(s.generate, [prompts[i] for i in idx],
+                                      split_params(params, idx), request_id=request_id)
+                    for s, idx in zip(self.samplers, routes)
+                    if idx
+                ]
+                results = [f.result() for f in futs]
             return merge_routed([r for r in routes if r], results, len(prompts))
         finally:
             with self._lock:
@@ -345,6 +350,6 @@ class LocalClient(ThreadedAsync):
             self._closed = True
             for s in self.samplers:
                 s.shutdown()
-            self._pool.shutdown(wait=False)
-            self._abort_pool.shutdown(wait=False)
+            for pool in (self._calls, self._pool, self._abort_pool):
+                pool.shutdown(wait=False)
 

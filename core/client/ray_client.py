@@ -24,7 +24,7 @@ import time
 from typing import Any, Generator, Sequence
 
 from ..cluster.placement import create_placement_group, plan_layout, start_actors
-from ..cluster.routing import merge_routed, route_prompts
+from ..cluster.routing import ReplicaRouter, merge_routed
 from ..coordination import Action, HandOver
 from ..coordination.handover import LOGPROB, SAMPLERS, TRAINER
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
@@ -81,6 +81,7 @@ class RayClient(ClientLifecycle):
                              "colocate=True, or start Ray with more devices")
         self.pg = create_placement_group(self.layout, cfg.timeout_s)
         self.trainers, self.samplers, self.logprobs = [], [], []
+        self._router = ReplicaRouter(cfg.sampling_gpus)  # spreads concurrent generate calls
         self._closed = False
         try:
             self.trainers, self.samplers, self.logprobs = start_actors(cfg, self.layout, self.pg)
@@ -157,12 +158,12 @@ class RayClient(ClientLifecycle):
 
     def _plan_generate(self, prompts, params) -> Plan:
         yield from self._plan_to_sampler()
-        routes = route_prompts(prompts, params, len(self.samplers))
-        used = [(s, idx) for s, idx in zip(self.samplers, routes) if idx]
-        results = yield [
-            s.generate.remote([prompts[i] for i in idx], split_params(params, idx))
-            for s, idx in used
-        ]
+        with self._router.route(prompts, params) as routes:
+            used = [(s, idx) for s, idx in zip(self.samplers, routes) if idx]
+            results = yield [
+                s.generate.remote([prompts[i] for i in idx], split_params(params, idx))
+                for s, idx in used
+            ]
         return merge_routed([idx for _, idx in used], results, len(prompts))
 
     def _plan_logprobs(self, batch, model, entropy, temperature) -> Plan:

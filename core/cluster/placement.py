@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CONTROL_THREADS = 4  # a sampler actor's threads beyond its generate calls (receiver, stats, sleep)
+
 
 @dataclass
 class Layout:
@@ -100,7 +102,10 @@ def start_actors(cfg, layout: Layout, pg) -> tuple[list, list, list]:
                                                   addr, port, kind, threads)
                 for r, b in enumerate(layout.trainer)]
     sampler = ray.remote(workers.SamplerWorker)
-    samplers = [sampler.options(**opts(b, max_concurrency=4)).remote(cfg.sampling, kind, threads)
+    # a generate call holds an actor thread until it returns: one per call the engine batches
+    # (SamplerConfig.call_slots), plus threads for the weight receiver, stats and sleep calls
+    concurrency = cfg.sampling.call_slots + CONTROL_THREADS
+    samplers = [sampler.options(**opts(b, max_concurrency=concurrency)).remote(cfg.sampling, kind, threads)
                 for b in layout.sampler]
     logprobs = []
     if cfg.log_prob_gpus:

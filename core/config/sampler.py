@@ -113,6 +113,16 @@ class SamplerConfig:
         return self.compile_decode if self.compile_decode is not None else device_type == "cuda"
 
     @property
+    def call_slots(self) -> int:
+        """How many ``generate`` calls one engine serves at once, each on a thread of its own
+        (its async API, a client's, a Ray actor's): ``max_num_seqs``, the most sequences one
+        decode step batches. Every call brings at least one sequence, so fewer slots would leave
+        rows of the batch empty while concurrent callers (an HTTP server's requests) queue
+        outside the engine; calls beyond it wait for a slot, as their sequences would wait in
+        the scheduler."""
+        return self.max_num_seqs
+
+    @property
     def torch_device(self) -> str:
         """The device the engine runs on (resolves ``device=None``)."""
         if self.device is not None:

@@ -1,10 +1,12 @@
 """RLClientConfig validation and prompt routing (no engines)."""
 
+import contextlib
+
 import pytest
 
 import polynya
 from polynya import SamplingParams
-from polynya.cluster import merge_routed, route_prompts
+from polynya.cluster import ReplicaRouter, merge_routed, route_prompts
 from polynya.cluster.placement import plan_layout
 
 
@@ -64,6 +66,29 @@ def test_routing_keeps_groups_and_balances():
     assert all(routes)  # both replicas get work
     merged = merge_routed(routes, [[f"out{i}" for i in r] for r in routes], 5)
     assert merged == [f"out{i}" for i in range(5)]
+
+
+def test_router_spreads_calls_in_flight_and_keeps_groups():
+    router, p = ReplicaRouter(2), SamplingParams(n=1, max_tokens=4)
+    with contextlib.ExitStack() as held:
+        a = held.enter_context(router.route([[1, 2, 3]], p))
+        b = held.enter_context(router.route([[4, 5, 6]], p))  # replica 0 is busy with a
+        c = held.enter_context(router.route([[1, 2, 3]], p))  # a's prompt: a's replica
+        d = held.enter_context(router.route([[9, 9], [1, 2, 3]], p))  # split: group pinned
+        assert a == [[0], []] and b == [[], [0]] and c == [[0], []]
+        assert d == [[1], [0]] and router.load() == [21, 13]
+    assert router.load() == [0, 0]
+    with router.route([[1, 2, 3]], p) as e:  # nothing in flight: the first replica again
+        assert e == [[0], []]
+    with pytest.raises(ValueError, match="prompts\\[1\\]"), router.route([[1], "x"], p):
+        pass  # bad input: nothing held
+    with pytest.raises(RuntimeError, match="boom"), \
+            router.route([[7] * 5], SamplingParams(n=2, max_tokens=3)):
+        assert router.load() == [11, 0]
+        raise RuntimeError("boom")  # a failed call gives its share back
+    assert router.load() == [0, 0] and not router._running
+    with pytest.raises(ValueError, match="num_replicas"):
+        ReplicaRouter(0)
 
 
 def test_layouts():

@@ -145,9 +145,12 @@ def test_concurrent_load_matches_sequential_twins(server):
 
     replies = asyncio.run(run())
     after = local.samplers[0].stats()
-    steps = after["decode_steps"] - mid["decode_steps"]
-    tokens = after["decode_tokens"] - mid["decode_tokens"]
-    assert steps * 2 < tokens, (steps, tokens)  # decoded together (one by one: ~1.5 per step)
+    # decoded together: one request at a time carries at most n = 2 rows per decode step (the
+    # sequential twins above did), and a server running its calls on the default executor's
+    # min(32, cores + 4) threads at most 12 on a 2-core machine. The mean rows per step depends
+    # on how fast the requests arrive on a loaded machine; the peak is what batching shows
+    # (64 here, max_num_seqs, when unloaded)
+    assert mid["peak_decode_rows"] <= 2 and after["peak_decode_rows"] >= 16, (mid, after)
     for (route, _), twin, r in zip(good, twins, replies[:GOOD]):
         assert r.status_code == 200, r.text
         got = _answer(route, r.json())

@@ -76,7 +76,7 @@ class SamplingEngine:
             raise ValueError(f"SamplingEngine needs a SamplerConfig, got {type(config).__name__}")
         self.config = config
         self.backend = _build_backend(config)
-        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="polynya-sampler")
+        self._executor = ThreadPoolExecutor(config.call_slots, thread_name_prefix="polynya-sampler")
         self._calls: dict[str, _Call] = {}  # generate calls in flight, by request_id
         self._calls_lock = threading.Lock()
 
@@ -154,7 +154,7 @@ class SamplingEngine:
                              params: SamplingParams | Sequence[SamplingParams], *,
                              request_id: str | None = None) -> list[list[Sample]]:
         """``generate`` on a worker thread; the event loop stays free, and concurrent calls are
-        batched together by the engine."""
+        batched together by the engine (up to ``SamplerConfig.call_slots`` calls at once)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._executor, lambda: self.generate(prompts, params, request_id=request_id))
