@@ -10,6 +10,12 @@ outputs), so ``abort`` can stop them between two steps with ``abort_request`` an
 each had sampled (``finish_reason="abort"``), as the native backend does: all of them, or the
 request ids ``generate``'s ``on_submit`` handed out (the others of the call keep stepping).
 
+Concurrent ``generate`` calls batch as in the native backend: a call queues its requests on an
+intake list (no wait for the step in progress), and whichever waiting call holds the step lock
+adds everything queued to the engine, steps it once, and files every output under its request —
+so one ``engine.step()`` advances the requests of all calls, and each call returns when its own
+are finished.
+
 Weights load in place through ``LLM.apply_model(model.load_weights)`` (HF parameter names; flat
 buckets are split by the HF shapes), and the prefix cache is reset after every update. vLLM
 loads HF ids / local paths only (save a ``tiny:`` / ``random:`` model first). vLLM cannot be installed on polynya's CPU CI or
@@ -18,6 +24,7 @@ it is written to vLLM's documented engine API and has not been run by polynya's 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -46,11 +53,21 @@ def _hf_shapes(model: str) -> dict[str, torch.Size]:
 
 @dataclass
 class _AbortOrder:
-    """``abort(request_ids)`` waiting for the running ``generate``'s next step boundary."""
+    """``abort`` waiting for the next step boundary (``None``: every request)."""
 
-    request_ids: frozenset[str]
+    request_ids: frozenset[str] | None
     applied: threading.Event = field(default_factory=threading.Event)
     count: int = 0
+
+
+@dataclass
+class _Pending:
+    """One request of a ``generate`` call: its latest ``RequestOutput`` and cumulative
+    ``CompletionOutput`` per sample index; ``finished`` once vLLM finished it or it was aborted."""
+
+    latest: object = None
+    completions: dict = field(default_factory=dict)
+    finished: bool = False
 
 
 class VLLMEngine:
@@ -74,11 +91,11 @@ class VLLMEngine:
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
         self.weight_version = 0
-        self._lock = threading.Lock()  # one generate at a time drives the engine's steps
-        self._abort = threading.Event()
-        self._stopped = 0  # requests the last abort stopped (written under the lock)
-        self._orders: list[_AbortOrder] = []  # per-request aborts, applied between steps
-        self._orders_lock = threading.Lock()
+        self._lock = threading.Lock()  # held for one engine step (or add / abort / load)
+        self._pending: dict[str, _Pending] = {}  # requests of the calls in flight, by id
+        self._intake: list[tuple[str, list[int], SamplingParams]] = []  # not yet in the engine
+        self._orders: list[_AbortOrder] = []  # aborts, applied between steps
+        self._queue_lock = threading.Lock()  # intake, orders, _pending's keys and the counts
         self._ids = itertools.count()
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0, "requests": 0,
                         "aborted_requests": 0}
@@ -93,64 +110,62 @@ class VLLMEngine:
                           stop_token_ids=list(stop or ()), ignore_eos=stop is not None,
                           output_kind=RequestOutputKind.CUMULATIVE)
 
-    def _run(self, toks: list[list[int]], plist: list[SamplingParams],
-             on_submit: Callable[[list[str]], bool] | None) -> tuple[list[str], dict, dict]:
-        """Add the requests and step the engine until they finish or are aborted; returns the
-        request ids, the latest ``RequestOutput`` of each and the latest cumulative
-        ``CompletionOutput`` of every ``(id, index)``."""
+    def _step(self) -> None:
+        """One step boundary and one engine step (caller holds ``_lock``): queued requests
+        go into the engine, abort orders are applied, and the outputs are filed."""
         engine = self.llm.llm_engine
-        rids = [f"polynya-{next(self._ids)}" for _ in toks]
-        for rid, t, p in zip(rids, toks, plist):
-            engine.add_request(rid, {"prompt_token_ids": t}, self._params(p))
-        latest, prompts = {}, {}
-        if on_submit is not None and on_submit(list(rids)):
-            engine.abort_request(rids)
-            self._counts["aborted_requests"] += len(rids)
-            return rids, prompts, latest
-        while engine.has_unfinished_requests():
-            running = [r for r in rids if r not in prompts or not prompts[r].finished]
-            if self._abort.is_set():
-                engine.abort_request(running)
-                self._stopped += len(running)
-                self._counts["aborted_requests"] += len(running)
-                break
-            self._apply_orders(running)
-            for out in engine.step():
-                prompts[out.request_id] = out
-                for c in out.outputs:
-                    latest[(out.request_id, c.index)] = c
-        return rids, prompts, latest
-
-    def _apply_orders(self, running: list[str]) -> None:
-        """Abort the running requests that pending ``abort(request_ids)`` orders name (caller
-        holds the lock, between two steps); the other requests go on."""
-        with self._orders_lock:
-            orders, self._orders = self._orders, []
-        for order in orders:
-            hit = [r for r in running if r in order.request_ids]
-            if hit:
-                self.llm.llm_engine.abort_request(hit)
-                running[:] = [r for r in running if r not in hit]
-            order.count = len(hit)
-            self._counts["aborted_requests"] += len(hit)
-            order.applied.set()
+        self._step_boundary()
+        if not engine.has_unfinished_requests():
+            return
+        for out in engine.step():
+            entry = self._pending.get(out.request_id)
+            if entry is None:  # not a request of ours (or its call has gone)
+                continue
+            entry.latest = out
+            for c in out.outputs:
+                entry.completions[c.index] = c
+            entry.finished = entry.finished or out.finished
 
     def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams],
                  *, on_submit: Callable[[list[str]], bool] | None = None) -> list[list[Sample]]:
         """As the native backend's: ``on_submit(request_ids)`` learns the ids once they are
-        added (before any step); a True answer aborts them at once."""
+        queued (before any step); a True answer aborts them at once."""
         toks, plist = validate_requests(prompts, params, vocab_size=self.vocab_size,
                                         max_model_len=self.max_model_len)
-        with self._lock:
-            rids, requests, completions = self._run(toks, plist, on_submit)
+        rids = [f"polynya-{next(self._ids)}" for _ in toks]
+        entries = [_Pending() for _ in rids]
+        with self._queue_lock:  # not the step lock: this call joins the next step
+            self._pending.update(zip(rids, entries))
+            self._intake.extend(zip(rids, toks, plist))
+        try:
+            if on_submit is not None and on_submit(list(rids)):
+                self.abort(rids)
+            while not all(e.finished for e in entries):
+                with self._lock:
+                    if not all(e.finished for e in entries):
+                        self._step()
+        except BaseException:  # a failed step (or an interrupt): stop this call's requests
+            with self._queue_lock:
+                self._intake = [x for x in self._intake if x[0] not in set(rids)]
+            with self._lock:
+                live = [r for r, e in zip(rids, entries) if not e.finished]
+                if live:
+                    with contextlib.suppress(Exception):  # the engine may be what failed
+                        self.llm.llm_engine.abort_request(live)
+            raise
+        finally:
+            with self._queue_lock:
+                for r in rids:
+                    self._pending.pop(r, None)
         results = []
-        for rid, t, p in zip(rids, toks, plist):
-            out = requests.get(rid)
-            cached = (getattr(out, "num_cached_tokens", 0) or 0) if out is not None else 0
-            self._counts["prefill_tokens"] += len(t) - cached
-            self._counts["cache_hit_tokens"] += cached
-            self._counts["requests"] += 1
-            results.append([self._sample(completions.get((rid, i)), p) for i in range(p.n)])
+        with self._queue_lock:
+            for e, t, p in zip(entries, toks, plist):
+                out = e.latest
+                cached = (getattr(out, "num_cached_tokens", 0) or 0) if out is not None else 0
+                self._counts["prefill_tokens"] += len(t) - cached if out is not None else 0
+                self._counts["cache_hit_tokens"] += cached
+                self._counts["requests"] += 1
+                results.append([self._sample(e.completions.get(i), p) for i in range(p.n)])
         return results
 
     def _sample(self, c, p: SamplingParams) -> Sample:
@@ -164,28 +179,46 @@ class VLLMEngine:
         return Sample(token_ids=list(c.token_ids), logprobs=lps, finish_reason=reason)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> int:
-        """Stop the running ``generate`` (``None``), or only the requests ``request_ids`` (ids
-        ``on_submit`` handed out), between two engine steps (``abort_request``); a stopped
+        """Stop every request in flight (``None``), or only the requests ``request_ids`` (ids
+        ``on_submit`` handed out), at the next step boundary (``abort_request``); a stopped
         request returns each sample as sampled so far. Returns the number of requests stopped
         (0 when idle; unknown or finished ids are ignored)."""
-        if request_ids is not None:
-            order = _AbortOrder(frozenset(str(r) for r in request_ids))
-            with self._orders_lock:
-                self._orders.append(order)
-            while not order.applied.is_set():  # a running generate applies it before its next step
-                if self._lock.acquire(timeout=0.01):
-                    try:
-                        self._apply_orders([])  # no generate running: nothing to stop
-                    finally:
-                        self._lock.release()
-            return order.count
-        self._abort.set()
-        try:
-            with self._lock:  # held by a running generate until it has returned
-                stopped, self._stopped = self._stopped, 0
-        finally:
-            self._abort.clear()
-        return stopped
+        order = _AbortOrder(None if request_ids is None else frozenset(str(r) for r in request_ids))
+        with self._queue_lock:
+            self._orders.append(order)
+        while not order.applied.is_set():  # a stepping generate applies it before its step
+            if self._lock.acquire(timeout=0.01):
+                try:
+                    if not order.applied.is_set():
+                        self._step_boundary()
+                finally:
+                    self._lock.release()
+        return order.count
+
+    def _step_boundary(self) -> None:
+        """Queued requests into the engine and abort orders applied, without stepping (caller
+        holds ``_lock``). One snapshot of intake, orders and requests, so an order sees every
+        request queued before it, and every request it aborts is in the engine."""
+        engine = self.llm.llm_engine
+        with self._queue_lock:
+            intake, self._intake = self._intake, []
+            orders, self._orders = self._orders, []
+            running = [r for r, e in self._pending.items() if not e.finished]
+        for rid, toks, p in intake:
+            engine.add_request(rid, {"prompt_token_ids": toks}, self._params(p))
+        for order in orders:
+            hit = [r for r in running if order.request_ids is None or r in order.request_ids]
+            if hit:
+                engine.abort_request(hit)
+                for r in hit:
+                    entry = self._pending.get(r)  # its call may have failed and gone meanwhile
+                    if entry is not None:
+                        entry.finished = True
+                running = [r for r in running if r not in hit]
+            order.count = len(hit)
+            with self._queue_lock:
+                self._counts["aborted_requests"] += len(hit)
+            order.applied.set()
 
     def load_weights(self, weights, version: int | None = None, *,
                      checksum: str | None = None) -> int:
@@ -214,10 +247,15 @@ class VLLMEngine:
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        self.llm.sleep(level=level)
+        with self._lock, self._queue_lock:
+            if self._pending:
+                raise RuntimeError("cannot sleep with requests in flight")
+            self.llm.sleep(level=level)
 
     def wake(self) -> None:
-        self.llm.wake_up()
+        with self._lock:
+            self.llm.wake_up()
 
     def stats(self) -> dict[str, float]:
-        return dict(self._counts, weight_version=self.weight_version)
+        with self._queue_lock:
+            return dict(self._counts, weight_version=self.weight_version)
