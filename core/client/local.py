@@ -14,6 +14,7 @@ applies them under a new version (``polynya.sync``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import threading
@@ -183,15 +184,20 @@ class LocalClient(ThreadedAsync):
         try:
             if len(self.samplers) == 1:
                 return self.samplers[0].generate(prompts, params, request_id=request_id)
+            self.samplers[0].validate(prompts, params)  # errors name the caller's index
             with self._router.route(prompts, params) as routes:
-                futs = [
-                    self._pool.submit(s.generate, [prompts[i] for i in idx],
-                                      split_params(params, idx), request_id=request_id)
-                    for s, idx in zip(self.samplers, routes)
-                    if idx
-                ]
-                results = [f.result() for f in futs]
-            return merge_routed([r for r in routes if r], results, len(prompts))
+                used = [(s, idx) for s, idx in zip(self.samplers, routes) if idx]
+                futs = [self._pool.submit(s.generate, [prompts[i] for i in idx],
+                                          split_params(params, idx), request_id=request_id)
+                        for s, idx in used]
+                concurrent.futures.wait(futs, return_when=concurrent.futures.FIRST_EXCEPTION)
+                failed = next((f.exception() for f in futs if f.done() and f.exception()), None)
+                if failed is not None and request_id is not None:
+                    for s, _ in used:  # stop the other shares of the call
+                        s.abort([request_id])
+                concurrent.futures.wait(futs)  # the call's load is held until every share is done
+                results = [f.result() for f in futs]  # raises the first failure
+            return merge_routed([idx for _, idx in used], results, len(prompts))
         finally:
             with self._lock:
                 self._generating -= 1

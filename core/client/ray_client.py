@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any, Generator, Sequence
 
-from ..cluster.placement import create_placement_group, plan_layout, start_actors
+from ..cluster.placement import GENERATE_GROUP, create_placement_group, plan_layout, start_actors
 from ..cluster.routing import ReplicaRouter, merge_routed
 from ..coordination import Action, HandOver
 from ..coordination.handover import LOGPROB, SAMPLERS, TRAINER
@@ -116,6 +116,8 @@ class RayClient(ClientLifecycle):
                 refs = plan.send(values)
         except StopIteration as stop:
             return stop.value
+        finally:  # an interrupt (or a cancelled task, below) leaves the plan mid-way: its
+            plan.close()  # cleanup (a routed call's share of the router's load) runs now
 
     async def _arun(self, plan: Plan, what: str = "engine call"):
         if self._closed:
@@ -131,6 +133,8 @@ class RayClient(ClientLifecycle):
                 refs = plan.send(list(values))
         except StopIteration as stop:
             return stop.value
+        finally:
+            plan.close()
 
     # ------------------------------------------------------------------ plans
     def _plan_ready(self) -> Plan:
@@ -161,7 +165,8 @@ class RayClient(ClientLifecycle):
         with self._router.route(prompts, params) as routes:
             used = [(s, idx) for s, idx in zip(self.samplers, routes) if idx]
             results = yield [
-                s.generate.remote([prompts[i] for i in idx], split_params(params, idx))
+                s.generate.options(concurrency_group=GENERATE_GROUP).remote(
+                    [prompts[i] for i in idx], split_params(params, idx))
                 for s, idx in used
             ]
         return merge_routed([idx for _, idx in used], results, len(prompts))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CONTROL_THREADS = 4  # a sampler actor's threads beyond its generate calls (receiver, stats, sleep)
+CONTROL_THREADS = 4  # a sampler actor's threads for everything but generate (receiver, stats, sleep)
+GENERATE_GROUP = "generate"  # the sampler actor's concurrency group of generate calls
 
 
 @dataclass
@@ -102,10 +103,12 @@ def start_actors(cfg, layout: Layout, pg) -> tuple[list, list, list]:
                                                   addr, port, kind, threads)
                 for r, b in enumerate(layout.trainer)]
     sampler = ray.remote(workers.SamplerWorker)
-    # a generate call holds an actor thread until it returns: one per call the engine batches
-    # (SamplerConfig.call_slots), plus threads for the weight receiver, stats and sleep calls
-    concurrency = cfg.sampling.call_slots + CONTROL_THREADS
-    samplers = [sampler.options(**opts(b, max_concurrency=concurrency)).remote(cfg.sampling, kind, threads)
+    # a generate call holds an actor thread until it returns: its own concurrency group, one
+    # thread per call the engine batches (SamplerConfig.call_slots); the weight receiver, stats,
+    # sleep and wake calls keep the default group's threads however many generates wait
+    groups = {GENERATE_GROUP: cfg.sampling.call_slots}
+    samplers = [sampler.options(**opts(b, max_concurrency=CONTROL_THREADS,
+                                       concurrency_groups=groups)).remote(cfg.sampling, kind, threads)
                 for b in layout.sampler]
     logprobs = []
     if cfg.log_prob_gpus:

@@ -161,3 +161,38 @@ def test_concurrent_async_calls_batch_in_the_engines(monkeypatch, replicas):
     assert sum(served) == calls and min(served) >= calls // replicas - 4, served
     peaks = [a["peak_decode_rows"] for a in after]
     assert all(peak >= n // 2 for peak, n in zip(peaks, served)), (peaks, served)
+
+
+def test_a_bad_prompt_fails_the_call_before_any_replica_runs():
+    cfg = tiny_config("local", colocate=False, sampling_gpus=2)
+    with polynya.create_rl_client(cfg) as client:
+        client.generate([PROMPTS[0]], SamplingParams(max_tokens=2))  # engines up
+        before = [s.stats() for s in client.samplers]
+        bad = [PROMPTS[1], [7] * 40, [1, 100000]]  # the last one is out of the vocabulary
+        with pytest.raises(ValueError, match=r"prompts\[2\]"):  # the caller's index
+            client.generate(bad, SamplingParams(max_tokens=30))
+        after = [s.stats() for s in client.samplers]
+        assert [a["requests"] for a in after] == [b["requests"] for b in before]
+        assert client._router.load() == [0, 0] and client._generating == 0
+
+
+def test_a_failed_share_stops_the_rest_of_the_call(monkeypatch):
+    """One replica fails its share of a named call: the other replica's share is aborted, the
+    call raises that failure once both are done, and the router holds nothing after."""
+    import time
+
+    cfg = tiny_config("local", colocate=False, sampling_gpus=2)
+    with polynya.create_rl_client(cfg) as client:
+        def broken(*a, **kw):
+            time.sleep(0.2)
+            raise RuntimeError("replica 1 failed")
+
+        monkeypatch.setattr(client.samplers[1], "generate", broken)
+        before = client.samplers[0].stats()
+        with pytest.raises(RuntimeError, match="replica 1 failed"):
+            asyncio.run(client.generate_async([[5] * 6, [9] * 8],
+                                              SamplingParams(max_tokens=400, stop_token_ids=())))
+        after = client.samplers[0].stats()
+        assert after["aborted_requests"] == before["aborted_requests"] + 1
+        assert after["decode_tokens"] - before["decode_tokens"] < 399 and after["blocks_in_use"] == 0
+        assert client._router.load() == [0, 0] and client._generating == 0

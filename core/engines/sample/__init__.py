@@ -113,6 +113,12 @@ class SamplingEngine:
                 if not call.reserved:
                     del self._calls[request_id]
 
+    def validate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """The checks ``generate`` makes first, alone: ``ValueError`` naming the first bad
+        request (index in ``prompts``); else the prompts as id lists and one params per prompt."""
+        return self.backend.validate(prompts, params)
+
     def reserve(self, request_id: str) -> None:
         """Name a ``generate`` call before it is made (it may first wait elsewhere, e.g. for a
         hand-over): an ``abort([request_id])`` in between stops it as soon as it is queued.

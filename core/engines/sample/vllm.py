@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class _Pending:
     latest: object = None
     completions: dict = field(default_factory=dict)
     finished: bool = False
+    error: BaseException | None = None  # vLLM refused it (add_request): its call raises this
 
 
 class VLLMEngine:
@@ -96,6 +98,8 @@ class VLLMEngine:
         self._intake: list[tuple[str, list[int], SamplingParams]] = []  # not yet in the engine
         self._orders: list[_AbortOrder] = []  # aborts, applied between steps
         self._queue_lock = threading.Lock()  # intake, orders, _pending's keys and the counts
+        self._hold = 0  # > 0: a weight load waits for the engine to drain; intake is held back
+        self._load_lock = threading.Lock()  # one weight load at a time
         self._ids = itertools.count()
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0, "requests": 0,
                         "aborted_requests": 0}
@@ -110,13 +114,14 @@ class VLLMEngine:
                           stop_token_ids=list(stop or ()), ignore_eos=stop is not None,
                           output_kind=RequestOutputKind.CUMULATIVE)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         """One step boundary and one engine step (caller holds ``_lock``): queued requests
-        go into the engine, abort orders are applied, and the outputs are filed."""
+        go into the engine, abort orders are applied, and the outputs are filed. False when
+        there was nothing to step."""
         engine = self.llm.llm_engine
         self._step_boundary()
         if not engine.has_unfinished_requests():
-            return
+            return False
         for out in engine.step():
             entry = self._pending.get(out.request_id)
             if entry is None:  # not a request of ours (or its call has gone)
@@ -125,33 +130,43 @@ class VLLMEngine:
             for c in out.outputs:
                 entry.completions[c.index] = c
             entry.finished = entry.finished or out.finished
+        return True
+
+    def validate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Check every request; raise ``ValueError`` naming the first bad one (nothing queued)."""
+        return validate_requests(prompts, params, vocab_size=self.vocab_size,
+                                 max_model_len=self.max_model_len)
 
     def generate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams],
                  *, on_submit: Callable[[list[str]], bool] | None = None) -> list[list[Sample]]:
-        """As the native backend's: ``on_submit(request_ids)`` learns the ids once they are
-        queued (before any step); a True answer aborts them at once."""
-        toks, plist = validate_requests(prompts, params, vocab_size=self.vocab_size,
-                                        max_model_len=self.max_model_len)
+        """As the native backend's: ``on_submit(request_ids)`` learns the ids as they are
+        queued (before any step can run them); a True answer aborts them there (never queued,
+        each sample empty with ``finish_reason="abort"``)."""
+        toks, plist = self.validate(prompts, params)
         rids = [f"polynya-{next(self._ids)}" for _ in toks]
         entries = [_Pending() for _ in rids]
         with self._queue_lock:  # not the step lock: this call joins the next step
+            if on_submit is not None and on_submit(list(rids)):
+                self._counts["requests"] += len(rids)
+                self._counts["aborted_requests"] += len(rids)
+                return [[self._sample(None, p) for _ in range(p.n)] for p in plist]
             self._pending.update(zip(rids, entries))
             self._intake.extend(zip(rids, toks, plist))
         try:
-            if on_submit is not None and on_submit(list(rids)):
-                self.abort(rids)
             while not all(e.finished for e in entries):
+                failed = next((e.error for e in entries if e.error is not None), None)
+                if failed is not None:  # vLLM refused one: the call stops and raises it
+                    raise failed
                 with self._lock:
-                    if not all(e.finished for e in entries):
-                        self._step()
-        except BaseException:  # a failed step (or an interrupt): stop this call's requests
-            with self._queue_lock:
-                self._intake = [x for x in self._intake if x[0] not in set(rids)]
-            with self._lock:
-                live = [r for r, e in zip(rids, entries) if not e.finished]
-                if live:
-                    with contextlib.suppress(Exception):  # the engine may be what failed
-                        self.llm.llm_engine.abort_request(live)
+                    stepped = not all(e.finished for e in entries) and self._step()
+                if not stepped:  # held back by a weight load (or just finished): let it run
+                    time.sleep(0.001)
+            failed = next((e.error for e in entries if e.error is not None), None)
+            if failed is not None:
+                raise failed
+        except BaseException:  # a refused request, a failed step or an interrupt
+            self._drop(rids, entries)
             raise
         finally:
             with self._queue_lock:
@@ -167,6 +182,17 @@ class VLLMEngine:
                 self._counts["requests"] += 1
                 results.append([self._sample(e.completions.get(i), p) for i in range(p.n)])
         return results
+
+    def _drop(self, rids: list[str], entries: list[_Pending]) -> None:
+        """Take a call's unfinished requests out of the intake and the engine."""
+        mine = set(rids)
+        with self._queue_lock:
+            self._intake = [x for x in self._intake if x[0] not in mine]
+        with self._lock:
+            live = [r for r, e in zip(rids, entries) if not e.finished]
+            if live:
+                with contextlib.suppress(Exception):  # the engine may be what failed
+                    self.llm.llm_engine.abort_request(live)
 
     def _sample(self, c, p: SamplingParams) -> Sample:
         """A vLLM ``CompletionOutput`` (``None``: nothing sampled before an abort) as a Sample."""
@@ -198,41 +224,77 @@ class VLLMEngine:
     def _step_boundary(self) -> None:
         """Queued requests into the engine and abort orders applied, without stepping (caller
         holds ``_lock``). One snapshot of intake, orders and requests, so an order sees every
-        request queued before it, and every request it aborts is in the engine."""
+        request queued before it. A request vLLM refuses (``add_request`` raises) is finished
+        with its error, which its own call raises; while a weight load waits (``_hold``) the
+        intake stays queued."""
         engine = self.llm.llm_engine
         with self._queue_lock:
-            intake, self._intake = self._intake, []
             orders, self._orders = self._orders, []
+            if not self._hold:
+                intake, self._intake = self._intake, []
+            else:
+                intake = []
+            held = {x[0] for x in self._intake}  # queued, not in the engine
             running = [r for r, e in self._pending.items() if not e.finished]
-        for rid, toks, p in intake:
-            engine.add_request(rid, {"prompt_token_ids": toks}, self._params(p))
-        for order in orders:
-            hit = [r for r in running if order.request_ids is None or r in order.request_ids]
-            if hit:
-                engine.abort_request(hit)
-                for r in hit:
-                    entry = self._pending.get(r)  # its call may have failed and gone meanwhile
+        try:
+            for rid, toks, p in intake:
+                try:
+                    engine.add_request(rid, {"prompt_token_ids": toks}, self._params(p))
+                except Exception as exc:  # noqa: BLE001 - handed to the request's own call
+                    entry = self._pending.get(rid)
                     if entry is not None:
-                        entry.finished = True
-                running = [r for r in running if r not in hit]
-            order.count = len(hit)
-            with self._queue_lock:
-                self._counts["aborted_requests"] += len(hit)
-            order.applied.set()
+                        entry.error, entry.finished = exc, True
+        finally:
+            for order in orders:  # applied whatever happened above: abort() waits for it
+                hit = [r for r in running if order.request_ids is None or r in order.request_ids]
+                in_engine = [r for r in hit if r not in held]
+                if in_engine:
+                    with contextlib.suppress(Exception):
+                        engine.abort_request(in_engine)
+                with self._queue_lock:
+                    if len(in_engine) < len(hit):  # held back: never reaches the engine now
+                        gone = set(hit)
+                        self._intake = [x for x in self._intake if x[0] not in gone]
+                    for r in hit:
+                        entry = self._pending.get(r)  # its call may have failed and gone
+                        if entry is not None:
+                            entry.finished = True
+                    self._counts["aborted_requests"] += len(hit)
+                    order.count = len(hit)
+                order.applied.set()
 
     def load_weights(self, weights, version: int | None = None, *,
                      checksum: str | None = None) -> int:
         """Every piece checked against the HF names and shapes (and ``checksum``) before vLLM
-        sees any of it (its own loader would stop half-way on an unknown name)."""
-        with self._lock:
+        sees any of it (its own loader would stop half-way on an unknown name). The requests in
+        the engine finish first on the old weights (their calls keep stepping; new requests
+        wait in the intake), so that vLLM's prefix cache, which it only resets when no
+        request holds its blocks, can be dropped; then the weights change and new requests
+        run on them. The native backend instead changes weights between two steps."""
+        with self._load_lock:
             if version is not None and int(version) <= self.weight_version:
                 raise ValueError(f"weight version {version} is not newer than the served "
                                  f"{self.weight_version}")
             pairs = checked_pairs(weights, self._shapes, checksum=checksum)
-            self.llm.apply_model(lambda model: model.load_weights(pairs))
-            self.llm.reset_prefix_cache()
-            self.weight_version = self.weight_version + 1 if version is None else int(version)
-            return self.weight_version
+            with self._queue_lock:
+                self._hold += 1
+            try:
+                while True:
+                    with self._lock:
+                        if not self.llm.llm_engine.has_unfinished_requests():
+                            self.llm.apply_model(lambda model: model.load_weights(pairs))
+                            if self.llm.reset_prefix_cache() is False:
+                                raise RuntimeError(
+                                    "vLLM did not reset its prefix cache after the weight "
+                                    "update (blocks in use): cached prompts may hold the old "
+                                    "weights' keys; restart the engine")
+                            self.weight_version = (self.weight_version + 1 if version is None
+                                                   else int(version))
+                            return self.weight_version
+                    time.sleep(0.001)  # the running requests' calls step them meanwhile
+            finally:
+                with self._queue_lock:
+                    self._hold -= 1
 
     def weight_checksum(self) -> str:
         """Not available: refuse rather than give a checksum of other tensors."""

@@ -190,3 +190,61 @@ def test_a_step_applies_a_queued_abort_that_empties_the_engine():
     assert after["decode_steps"] == counts["decode_steps"] and after["blocks_in_use"] == 0
     (s,) = eng.wait([rid])[0]
     assert s.finish_reason == "abort" and len(s.token_ids) == 1
+
+
+def test_an_abort_reaches_a_request_queued_just_before_it(monkeypatch):
+    """Requests queue without the step lock; an abort ordered right after its request was
+    queued must find it, wherever the step boundary that applies it stands (here: a request
+    queued and its abort ordered while another boundary is admitting the queue)."""
+    eng = make_engine().backend
+    (tok,), (p,) = eng.validate([[9, 8, 7, 6]], SamplingParams(max_tokens=40, stop_token_ids=()))
+    real, admitting, result = eng._admit, threading.Event(), {}
+
+    def admit():
+        real()
+        if not admitting.is_set():  # the first boundary: B queues and orders its abort now
+            admitting.set()
+            deadline = time.time() + 10
+            while not any(o.request_ids == {result.get("rid")} for o in list(eng._aborts)):
+                assert time.time() < deadline
+                time.sleep(0.001)
+
+    def b():
+        admitting.wait(10)
+        rid = result["rid"] = eng.add_request(tok, p)
+        result["stopped"] = eng.abort([rid])
+        result["out"] = eng.wait([rid])
+
+    monkeypatch.setattr(eng, "_admit", admit)
+    t = threading.Thread(target=b)
+    t.start()
+    assert eng.abort([12345]) == 0  # a boundary of its own (an unknown id)
+    t.join(30)
+    (s,) = result["out"][0]
+    assert result["stopped"] == 1 and s.finish_reason == "abort" and s.token_ids == []
+    assert eng.stats()["decode_tokens"] == 0 and eng.stats()["blocks_in_use"] == 0
+
+
+def test_a_call_aborted_at_submit_never_runs_while_others_step():
+    """``on_submit`` answering True (its caller gave up before the requests were queued): the
+    requests never run, even while another call's steps go on during ``on_submit``."""
+    eng = make_engine().backend
+    p = SamplingParams(temperature=0, max_tokens=150, stop_token_ids=(), logprobs=True)
+    a, b = ragged_prompts(5, [7, 9])
+    bg = threading.Thread(target=lambda: eng.generate([a], p))
+    bg.start()
+    while eng.stats()["decode_steps"] < 2:
+        time.sleep(0.005)
+    before = eng.stats()
+
+    def gave_up(ids):
+        time.sleep(0.2)  # other steps run meanwhile
+        return True
+
+    out = eng.generate([b, a], SamplingParams(n=2, max_tokens=5, logprobs=True), on_submit=gave_up)
+    after = eng.stats()
+    bg.join(60)
+    assert [[(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in out] == \
+        [[([], [], "abort")] * 2] * 2
+    assert after["prefill_tokens"] == before["prefill_tokens"] and after["decode_steps"] > before["decode_steps"]
+    assert after["aborted_requests"] - before["aborted_requests"] == 2

@@ -42,11 +42,16 @@ class FakeLLMEngine:
         self.requests: dict[str, dict] = {}
         self.batches: list[int] = []  # requests per step
         self.aborted: list[str] = []
+        self.reject: set[int] = set()  # prompt ids add_request refuses (vLLM's own checks)
+        self.added: list[str] = []
         self.lock = threading.Lock()  # the backend must never call it from two threads at once
 
     def add_request(self, rid, prompt, params) -> None:
         with self.lock_held():
             assert rid not in self.requests
+            if self.reject & set(prompt["prompt_token_ids"]):
+                raise ValueError("Token id is out of vocabulary")
+            self.added.append(rid)
             self.requests[rid] = {"prompt": list(prompt["prompt_token_ids"]), "p": params,
                                   "toks": [[] for _ in range(params.n)]}
 
@@ -101,6 +106,8 @@ class FakeLLM:
         self.kw = kw
         self.llm_engine = FakeLLMEngine(max_model_len or 128)
         self.slept = None
+        self.loads: list[int] = []  # requests in the engine at each weight load
+        self.reset_ok = True
 
     def sleep(self, level):
         self.slept = level
@@ -108,8 +115,11 @@ class FakeLLM:
     def wake_up(self):
         self.slept = None
 
+    def apply_model(self, fn):
+        self.loads.append((len(self.llm_engine.requests), len(self.llm_engine.added)))
+
     def reset_prefix_cache(self):
-        pass
+        return self.reset_ok and not self.llm_engine.requests  # vLLM: refused with blocks in use
 
 
 @pytest.fixture
@@ -211,3 +221,47 @@ def test_abort_before_the_first_step_and_bad_input(engine):
         engine.generate([[1], [VOCAB + 5]], SamplingParams(max_tokens=2))
     assert not engine.backend._pending and not engine.backend._intake and not fake.requests
     assert engine.stats()["requests"] == 1
+
+
+def test_a_request_vllm_refuses_fails_its_own_call_only(engine):
+    fake = engine.backend.llm.llm_engine
+    fake.reject = {77}
+    good = SamplingParams(max_tokens=30)
+    res: dict = {}
+    tg = threading.Thread(target=lambda: res.update(g=engine.generate([[5, 6]], good)))
+    tg.start()
+    while not fake.batches:
+        time.sleep(0.001)
+    with pytest.raises(ValueError, match="out of vocabulary"):  # raised in the caller's thread
+        engine.generate([[3, 4], [77, 1]], SamplingParams(max_tokens=30))
+    tg.join(30)
+    assert [s.token_ids for s in res["g"][0]] == expected([5, 6], good)
+    assert engine.abort() == 0  # nothing left running, nothing waiting forever
+    assert not fake.requests and not engine.backend._pending and not engine.backend._intake
+
+
+def test_weights_load_after_the_running_requests_finish(engine, tmp_path):
+    fake, llm = engine.backend.llm.llm_engine, engine.backend.llm
+    weights = dict(load_model("tiny:qwen3").named_parameters())
+    p = SamplingParams(max_tokens=60)
+    res: dict = {}
+    ta = threading.Thread(target=lambda: res.update(a=engine.generate([[5, 6]], p)))
+    ta.start()
+    while not fake.batches:
+        time.sleep(0.001)
+    tl = threading.Thread(target=lambda: res.update(v=engine.load_weights(weights, version=3)))
+    tl.start()
+    time.sleep(0.05)
+    tb = threading.Thread(target=lambda: res.update(b=engine.generate([[8, 9]], p)))
+    tb.start()  # queued while the load waits: runs on the new weights
+    for t in (ta, tl, tb):
+        t.join(30)
+    # loaded with nothing running, after a (the only request added before it); b after it
+    assert res["v"] == 3 and llm.loads == [(0, 1)] and engine.backend.weight_version == 3
+    assert [s.token_ids for s in res["a"][0]] == expected([5, 6], p)
+    assert [s.token_ids for s in res["b"][0]] == expected([8, 9], p)
+    with pytest.raises(ValueError, match="not newer"):
+        engine.load_weights(weights, version=3)
+    llm.reset_ok = False
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        engine.load_weights(weights)

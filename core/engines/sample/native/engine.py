@@ -157,18 +157,19 @@ class NativeEngine:
         """Queue a request checked by ``validate``; returns its id (for ``wait`` / ``abort``).
         Does not wait for a step in progress: the next step admits it."""
         with self._intake_lock:
-            return self._enqueue(prompt, params)
+            entry = self._new_request(prompt, params)
+            self._intake.append(entry)
+            return entry[0]
 
-    def _enqueue(self, prompt: list[int], params: SamplingParams) -> int:
+    def _new_request(self, prompt: list[int], params: SamplingParams) -> tuple[int, Sequence, _Request]:
         rid = self._next_request  # caller holds _intake_lock
         self._next_request += 1
         stop = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
         seq = Sequence(token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
                        stop_ids=stop, generator=self._generator(params, 0), request_id=rid,
                        pending_forks=params.n - 1)
-        self._intake.append((rid, seq, _Request(params)))
         self._counts["requests"] += 1
-        return rid
+        return rid, seq, _Request(params)
 
     def _admit(self) -> None:
         """Hand the queued requests to the scheduler, in arrival order (caller holds _lock)."""
@@ -184,16 +185,22 @@ class NativeEngine:
                  on_submit: Callable[[list[int]], bool] | None = None) -> list[list[Sample]]:
         """``n`` samples per prompt, in prompt order; see ``SamplingEngine.generate``.
 
-        ``on_submit(request_ids)`` (must not raise) is called once the requests are queued,
-        before any step runs them: it learns their ids (for ``abort``), and a True answer
-        aborts them at once (their caller gave up before they were queued)."""
+        ``on_submit(request_ids)`` (must not raise) is called as the requests are queued,
+        before any step can run them: it learns their ids (for ``abort``: an abort ordered once
+        it has returned finds them), and a True answer aborts them there (their caller gave up
+        before they were queued): they are never queued, and each sample comes back empty with
+        ``finish_reason="abort"``."""
         toks, plist = self.validate(prompts, params)
         with self._intake_lock:  # not the step lock: concurrent callers join the next step
             if self.asleep:
                 raise RuntimeError("the sampling engine is asleep; call wake() first")
-            rids = [self._enqueue(t, p) for t, p in zip(toks, plist)]
-        if on_submit is not None and on_submit(list(rids)):
-            self.abort(rids)  # applied at the next step boundary, before any step runs them
+            entries = [self._new_request(t, p) for t, p in zip(toks, plist)]
+            rids = [rid for rid, _, _ in entries]
+            if on_submit is not None and on_submit(list(rids)):
+                self._counts["aborted_requests"] += len(rids)
+                return [[Sample(token_ids=[], logprobs=[] if p.logprobs else None,
+                                finish_reason="abort") for _ in range(p.n)] for p in plist]
+            self._intake.extend(entries)
         return self.wait(rids)
 
     def wait(self, request_ids: list[int]) -> list[list[Sample]]:
@@ -252,9 +259,9 @@ class NativeEngine:
 
     def _apply_aborts(self) -> None:
         self._finish_inflight()  # an abort lands after the step already on the device
-        self._admit()  # requests queued before the abort are in its reach
         with self._aborts_lock:
             orders, self._aborts = self._aborts, []
+        self._admit()  # after taking the orders: every request queued before one is in reach
         for order in orders:
             wanted = self._requests.keys() if order.request_ids is None else order.request_ids
             live = {r for r in wanted if r in self._requests and not self._requests[r].done}

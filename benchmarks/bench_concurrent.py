@@ -1,0 +1,140 @@
+"""Concurrent generate calls against one batched call, on one native-sampler engine, side by side.
+
+An HTTP server's clients (vLLM-style routes, SkyRL's remote client) and verl's agent loop send
+each prompt — often each sample — as a request of its own; a serving engine has to batch them as
+if they had come in one call. Arms, on the same engine (one copy of the weights), each run on
+fresh prompts of the same shape (the prefix cache cannot carry over between runs):
+
+- ``batched``: one ``generate`` call with every prompt, ``n = G`` samples each — the best a
+  single caller can do, and the baseline;
+- ``per_prompt``: one ``generate_async`` call per prompt (``n = G``), all at once;
+- ``per_sample``: one ``generate_async`` call per sample (``n = 1``, a group's G calls share a
+  prompt), all at once — verl's agent loop.
+
+Calls go through ``SamplingEngine.generate_async`` (what verl's rollout server and, through
+``LocalClient``, the HTTP server call), ``asyncio.gather`` sends them together. Per arm: wall
+time, decode steps, the most rows one decode step carried, prompt tokens computed (prefill; a
+group's shared prompt is computed once when its samples share pages), and decode tokens per
+second; the ratio of each arm's wall time to ``batched``'s.
+
+    python benchmarks/bench_concurrent.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128
+    -> results/bench_concurrent.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import numpy as np
+import torch
+from polynya import SamplingParams
+from polynya.config import SamplerConfig
+from polynya.engines import SamplingEngine
+
+from common import environment, markdown_table, save
+
+COUNTERS = ("decode_steps", "decode_tokens", "prefill_tokens", "cache_hit_tokens")
+
+
+def make_prompts(groups: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = np.random.default_rng(seed)
+    return [g.integers(100, vocab - 100, size=length).tolist() for _ in range(groups)]
+
+
+def calls(arm: str, prompts: list[list[int]], args) -> list[tuple[list[list[int]], SamplingParams]]:
+    """The (prompts, params) of each call an arm makes; seeds make every arm sample the same
+    way per (prompt, sample) where the engine allows it."""
+    def p(n: int, seed: int) -> SamplingParams:
+        return SamplingParams(n=n, temperature=1.0, max_tokens=args.new_tokens, stop_token_ids=(),
+                              seed=seed)
+
+    if arm == "batched":
+        return [(prompts, p(args.G, 0))]
+    if arm == "per_prompt":
+        return [([x], p(args.G, i)) for i, x in enumerate(prompts)]
+    return [([x], p(1, i * args.G + j)) for i, x in enumerate(prompts) for j in range(args.G)]
+
+
+def run_arm(engine: SamplingEngine, arm: str, prompts, args) -> dict:
+    todo = calls(arm, prompts, args)
+    before = engine.stats()
+    peak0 = before["peak_decode_rows"]
+    engine.backend._counts["peak_decode_rows"] = 0  # this run's peak (restored below)
+    t0 = time.perf_counter()
+    if arm == "batched":
+        outs = [engine.generate(*todo[0])]
+    else:
+        async def go():
+            return await asyncio.gather(*(engine.generate_async(ps, q) for ps, q in todo))
+        outs = asyncio.run(go())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    engine.backend._counts["peak_decode_rows"] = max(peak0, after["peak_decode_rows"])
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    d["peak_rows"] = after["peak_decode_rows"]
+    d["wall_s"] = wall
+    d["samples"] = sum(len(g) for o in outs for g in o)
+    d["decode_tok_per_s"] = d["decode_tokens"] / wall
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available()
+    ap.add_argument("--model", default="random:qwen3-0.6b" if cuda else "tiny:qwen3")
+    ap.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per arm (median reported)")
+    ap.add_argument("--arms", default="batched,per_prompt,per_sample")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    rows = args.groups * args.G
+    cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size,
+                        max_num_seqs=max(rows, 8), kv_cache_memory_gb=4.0 if cuda else 0.5,
+                        max_model_len=args.prompt_len + args.new_tokens + args.block_size)
+    engine = SamplingEngine(cfg)
+    vocab = engine.backend.runner.vocab_size
+    arms = args.arms.split(",")
+    seed = 1000
+    for arm in arms:  # warm-up: graphs captured, kernels compiled, threads started
+        run_arm(engine, arm, make_prompts(args.groups, args.prompt_len, vocab, seed), args)
+        seed += 1
+    results = {"config": vars(args), **environment(), "arms": {}}
+    for arm in arms:
+        runs = []
+        for _ in range(args.repeats):
+            runs.append(run_arm(engine, arm, make_prompts(args.groups, args.prompt_len, vocab, seed), args))
+            seed += 1
+        best = dict(runs[0])
+        best["wall_s"] = statistics.median(r["wall_s"] for r in runs)
+        best["decode_tok_per_s"] = statistics.median(r["decode_tok_per_s"] for r in runs)
+        best["runs_wall_s"] = [r["wall_s"] for r in runs]
+        results["arms"][arm] = best
+        print(f"{arm:>10}: {best['wall_s']:.3f} s  decode steps {best['decode_steps']}  peak rows "
+              f"{best['peak_rows']}  prefill tokens {best['prefill_tokens']}  "
+              f"{best['decode_tok_per_s']:.0f} decode tok/s", flush=True)
+    base = results["arms"].get("batched")
+    table = []
+    for arm, d in results["arms"].items():
+        d["vs_batched"] = d["wall_s"] / base["wall_s"] if base else None
+        table.append({"arm": arm, "wall": f"{d['wall_s']:.3f}", "steps": d["decode_steps"],
+                      "peak": d["peak_rows"], "prefill": d["prefill_tokens"],
+                      "tps": f"{d['decode_tok_per_s']:.0f}",
+                      "ratio": "" if d["vs_batched"] is None else f"{d['vs_batched']:.2f}x"})
+    print(markdown_table(table, [("arm", "arm"), ("wall", "wall s (median)"), ("steps", "decode steps"),
+                                 ("peak", "peak rows"), ("prefill", "prompt tokens computed"),
+                                 ("tps", "decode tok/s"), ("ratio", "wall / batched")]))
+    print("wrote", save(results, args.out, "bench_concurrent"))
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
