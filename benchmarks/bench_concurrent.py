@@ -29,11 +29,10 @@ import time
 
 import numpy as np
 import torch
+from common import environment, markdown_table, save
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
-
-from common import environment, markdown_table, save
 
 COUNTERS = ("decode_steps", "decode_tokens", "prefill_tokens", "cache_hit_tokens")
 

@@ -223,15 +223,25 @@ def test_abort_before_the_first_step_and_bad_input(engine):
     assert engine.stats()["requests"] == 1
 
 
+def running(engine, prompt, params, res: dict, key: str) -> threading.Thread:
+    """A call generating in a thread of its own (its answer goes to ``res[key]``), once the
+    engine has stepped it."""
+    fake, steps = engine.backend.llm.llm_engine, len(engine.backend.llm.llm_engine.batches)
+    t = threading.Thread(target=lambda: res.update({key: engine.generate([prompt], params)}))
+    t.start()
+    deadline = time.time() + 30
+    while len(fake.batches) == steps:
+        assert time.time() < deadline
+        time.sleep(0.001)
+    return t
+
+
 def test_a_request_vllm_refuses_fails_its_own_call_only(engine):
     fake = engine.backend.llm.llm_engine
     fake.reject = {77}
     good = SamplingParams(max_tokens=30)
     res: dict = {}
-    tg = threading.Thread(target=lambda: res.update(g=engine.generate([[5, 6]], good)))
-    tg.start()
-    while not fake.batches:
-        time.sleep(0.001)
+    tg = running(engine, [5, 6], good, res, "g")
     with pytest.raises(ValueError, match="out of vocabulary"):  # raised in the caller's thread
         engine.generate([[3, 4], [77, 1]], SamplingParams(max_tokens=30))
     tg.join(30)
@@ -241,14 +251,11 @@ def test_a_request_vllm_refuses_fails_its_own_call_only(engine):
 
 
 def test_weights_load_after_the_running_requests_finish(engine, tmp_path):
-    fake, llm = engine.backend.llm.llm_engine, engine.backend.llm
+    llm = engine.backend.llm
     weights = dict(load_model("tiny:qwen3").named_parameters())
     p = SamplingParams(max_tokens=60)
     res: dict = {}
-    ta = threading.Thread(target=lambda: res.update(a=engine.generate([[5, 6]], p)))
-    ta.start()
-    while not fake.batches:
-        time.sleep(0.001)
+    ta = running(engine, [5, 6], p, res, "a")
     tl = threading.Thread(target=lambda: res.update(v=engine.load_weights(weights, version=3)))
     tl.start()
     time.sleep(0.05)
