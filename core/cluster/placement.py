@@ -102,13 +102,14 @@ def start_actors(cfg, layout: Layout, pg) -> tuple[list, list, list]:
     trainers = [trainer.options(**opts(b)).remote(cfg.train, ref_cfg, r, cfg.training_gpus,
                                                   addr, port, kind, threads)
                 for r, b in enumerate(layout.trainer)]
-    sampler = ray.remote(workers.SamplerWorker)
     # a generate call holds an actor thread until it returns: its own concurrency group, one
     # thread per call the engine batches (SamplerConfig.call_slots); the weight receiver, stats,
     # sleep and wake calls keep the default group's threads however many generates wait
-    groups = {GENERATE_GROUP: cfg.sampling.call_slots}
-    samplers = [sampler.options(**opts(b, max_concurrency=CONTROL_THREADS,
-                                       concurrency_groups=groups)).remote(cfg.sampling, kind, threads)
+    # (concurrency groups are set on the actor class: Ray's .options() does not take them)
+    sampler = ray.remote(concurrency_groups={GENERATE_GROUP: cfg.sampling.call_slots})(
+        workers.SamplerWorker)
+    samplers = [sampler.options(**opts(b, max_concurrency=CONTROL_THREADS)).remote(
+                    cfg.sampling, kind, threads)
                 for b in layout.sampler]
     logprobs = []
     if cfg.log_prob_gpus:

@@ -61,6 +61,17 @@ def test_ray_colocated(cluster):
 
         assert [len(o[0][0].token_ids) for o in asyncio.run(run())] == [3, 3, 3]
 
+        async def burst():  # more calls than the actor's 4 control threads: they batch
+            p = SamplingParams(max_tokens=12, stop_token_ids=())
+            return await asyncio.gather(*(client.generate_async([[5 + i, 9, 11]], p)
+                                          for i in range(24)))
+
+        before = ray.get(client.samplers[0].stats.remote(), timeout=60)
+        assert [len(o[0][0].token_ids) for o in asyncio.run(burst())] == [12] * 24
+        after = ray.get(client.samplers[0].stats.remote(), timeout=60)
+        steps = after["decode_steps"] - before["decode_steps"]
+        assert steps < 24 * 11 / 6, (before, after)  # 4 calls at a time: >= 66 decode steps
+
 
 def test_ray_split_and_dead_actor(cluster):
     """Two DeepSpeed training ranks (data parallel, each sending half of the buckets) and two
