@@ -158,7 +158,7 @@ def test_concurrent_async_calls_batch_in_the_engines(monkeypatch, replicas):
         torch.testing.assert_close(torch.tensor(o[0].logprobs), torch.tensor(a[0].logprobs),
                                    atol=1e-5, rtol=0)
     served = [a["requests"] - b["requests"] for a, b in zip(after, before)]
-    assert sum(served) == calls and min(served) >= calls // replicas - 4, served
+    assert served == [calls // replicas] * replicas, served  # routed while all are in flight
     peaks = [a["peak_decode_rows"] for a in after]
     assert all(peak >= n // 2 for peak, n in zip(peaks, served)), (peaks, served)
 

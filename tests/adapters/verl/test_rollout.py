@@ -74,6 +74,19 @@ def test_concurrent_requests_each_get_their_own_answer(server, model):
     assert [o.token_ids for o in outs] == [greedy(model, p, MAX_NEW) for p in PROMPTS * 2]
 
 
+def test_one_request_per_sample_decodes_in_one_batch(server, model):
+    """verl's agent loop sends each sample as a request of its own: 24 at once all decode
+    together (the engine's async API had 8 threads, so at most 8 rows per step)."""
+    prompts = [[5 + i, 17, 33, 90 + i] for i in range(24)]
+
+    async def many():
+        return await asyncio.gather(*[server.generate(p, {"temperature": 0.0}, f"b{i}")
+                                      for i, p in enumerate(prompts)])
+    outs = run(many())
+    assert [o.token_ids for o in outs] == [greedy(model, p, MAX_NEW) for p in prompts]
+    assert server.engine.stats()["peak_decode_rows"] > 8
+
+
 def test_sleep_refuses_then_wake_serves_the_same(server, model):
     run(server.sleep())
     with pytest.raises(RuntimeError, match="asleep"):

@@ -225,26 +225,43 @@ def test_an_abort_reaches_a_request_queued_just_before_it(monkeypatch):
     assert eng.stats()["decode_tokens"] == 0 and eng.stats()["blocks_in_use"] == 0
 
 
-def test_a_call_aborted_at_submit_never_runs_while_others_step():
+def test_a_call_aborted_at_submit_never_runs_while_others_step(monkeypatch):
     """``on_submit`` answering True (its caller gave up before the requests were queued): the
-    requests never run, even while another call's steps go on during ``on_submit``."""
+    requests never run, although another call's steps go on while ``on_submit`` runs."""
     eng = make_engine().backend
     p = SamplingParams(temperature=0, max_tokens=150, stop_token_ids=(), logprobs=True)
     a, b = ragged_prompts(5, [7, 9])
+    go, real = threading.Event(), eng.runner.run
+
+    def gated(*args, **kw):  # the background call steps only while ``go`` is set
+        assert go.wait(10)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(eng.runner, "run", gated)
+    go.set()
     bg = threading.Thread(target=lambda: eng.generate([a], p))
     bg.start()
-    while eng.stats()["decode_steps"] < 2:
-        time.sleep(0.005)
-    before = eng.stats()
+    deadline = time.time() + 10
+    while eng._counts["decode_steps"] < 2:
+        assert time.time() < deadline
+        time.sleep(0.002)
+    go.clear()  # the background call waits at its next step (the engine lock held)
+    prefill, stepped = eng._counts["prefill_tokens"], {}
 
     def gave_up(ids):
-        time.sleep(0.2)  # other steps run meanwhile
+        start = eng._counts["decode_steps"]
+        go.set()  # the other call steps while this one decides
+        deadline = time.time() + 10
+        while eng._counts["decode_steps"] < start + 3 and time.time() < deadline:
+            time.sleep(0.001)
+        stepped["n"] = eng._counts["decode_steps"] - start
         return True
 
     out = eng.generate([b, a], SamplingParams(n=2, max_tokens=5, logprobs=True), on_submit=gave_up)
-    after = eng.stats()
     bg.join(60)
+    after = eng.stats()
+    assert stepped["n"] >= 3  # steps ran during on_submit
     assert [[(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in out] == \
         [[([], [], "abort")] * 2] * 2
-    assert after["prefill_tokens"] == before["prefill_tokens"] and after["decode_steps"] > before["decode_steps"]
-    assert after["aborted_requests"] - before["aborted_requests"] == 2
+    assert after["prefill_tokens"] == prefill and after["aborted_requests"] == 2
+    assert after["decode_tokens"] == 149 and after["blocks_in_use"] == 0
