@@ -19,17 +19,21 @@ second; the ratio of each arm's wall time to ``batched``'s.
 
     python benchmarks/bench_concurrent.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128
     -> results/bench_concurrent.json
+    python benchmarks/bench_concurrent.py --replot results/X.json --before results/Y.json
+    -> results/X.png: each arm's wall time over the batched call's, X's code against Y's
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
 import time
 
 import numpy as np
 import torch
-from common import environment, markdown_table, save
+from common import environment, markdown_table, paired_bars, save
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
@@ -81,6 +85,24 @@ def run_arm(engine: SamplingEngine, arm: str, prompts, args) -> dict:
     return d
 
 
+def plot(after_path: str, before_path: str) -> str:
+    """Each arm's wall time over its run's batched call, two runs side by side (PNG)."""
+    with open(after_path) as f:
+        after = json.load(f)
+    with open(before_path) as f:
+        before = json.load(f)
+    arms = [a for a in after["arms"] if a in before["arms"]]
+    c = after["config"]
+    out = os.path.splitext(after_path)[0] + ".png"
+    paired_bars(out, arms, [after["arms"][a]["vs_batched"] for a in arms], "this code",
+                [before["arms"][a]["vs_batched"] for a in arms], "before",
+                "wall time / one batched call (x)",
+                title=f"Concurrent generate calls vs one batched call ({c['model']}, {after['gpu'] or 'cpu'}, "
+                      f"{c['groups']} prompts x G{c['G']}, P{c['prompt_len']}, {c['new_tokens']} new tokens)",
+                ref_line=1.0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
@@ -94,7 +116,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per arm (median reported)")
     ap.add_argument("--arms", default="batched,per_prompt,per_sample")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--replot", metavar="JSON", help="only draw JSON's PNG against --before")
+    ap.add_argument("--before", metavar="JSON", help="a run of other code to draw against")
     args = ap.parse_args()
+    if args.replot:
+        print("wrote", plot(args.replot, args.before))
+        return
     rows = args.groups * args.G
     cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size,
                         max_num_seqs=max(rows, 8), kv_cache_memory_gb=4.0 if cuda else 0.5,
@@ -131,7 +158,10 @@ def main() -> None:
     print(markdown_table(table, [("arm", "arm"), ("wall", "wall s (median)"), ("steps", "decode steps"),
                                  ("peak", "peak rows"), ("prefill", "prompt tokens computed"),
                                  ("tps", "decode tok/s"), ("ratio", "wall / batched")]))
-    print("wrote", save(results, args.out, "bench_concurrent"))
+    path = save(results, args.out, "bench_concurrent")
+    print("wrote", path)
+    if args.before:
+        print("wrote", plot(path, args.before))
     engine.shutdown()
 
 
