@@ -31,19 +31,20 @@ import os
 import statistics
 import time
 
-import numpy as np
 import torch
-from common import environment, markdown_table, paired_bars, save
+from common import (
+    add_sampler_shape_args,
+    environment,
+    make_prompts,
+    markdown_table,
+    paired_bars,
+    save,
+)
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
 
 COUNTERS = ("decode_steps", "decode_tokens", "prefill_tokens", "cache_hit_tokens")
-
-
-def make_prompts(groups: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = np.random.default_rng(seed)
-    return [g.integers(100, vocab - 100, size=length).tolist() for _ in range(groups)]
 
 
 def calls(arm: str, prompts: list[list[int]], args) -> list[tuple[list[list[int]], SamplingParams]]:
@@ -106,14 +107,7 @@ def plot(after_path: str, before_path: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
-    ap.add_argument("--model", default="random:qwen3-0.6b" if cuda else "tiny:qwen3")
-    ap.add_argument("--dtype", default="bfloat16" if cuda else "float32")
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--G", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per arm (median reported)")
+    add_sampler_shape_args(ap)
     ap.add_argument("--arms", default="batched,per_prompt,per_sample")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--replot", metavar="JSON", help="only draw JSON's PNG against --before")

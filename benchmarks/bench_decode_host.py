@@ -38,8 +38,8 @@ import statistics
 import time
 from collections import defaultdict
 
-import numpy as np
 import torch
+from common import add_sampler_shape_args, make_prompts
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
@@ -89,11 +89,6 @@ class PhaseTimer:
                 delattr(obj, name)  # was the class's method: the instance attribute goes
             else:
                 setattr(obj, name, fn)  # was an instance attribute already (a stub)
-
-
-def make_prompts(groups: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = np.random.default_rng(seed)
-    return [g.integers(100, vocab - 100, size=length).tolist() for _ in range(groups)]
 
 
 def params(args, vocab: int) -> SamplingParams:
@@ -162,14 +157,7 @@ def kernel_ms_per_step(engine: SamplingEngine, args, prompts) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
-    ap.add_argument("--model", default="random:qwen3-0.6b" if cuda else "tiny:qwen3")
-    ap.add_argument("--dtype", default="bfloat16" if cuda else "float32")
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--G", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per arm (median reported)")
+    add_sampler_shape_args(ap)
     ap.add_argument("--stop-every", type=int, default=0,
                     help="add stop tokens so a row stops after ~this many steps on average (0: none)")
     ap.add_argument("--no-fca", action="store_true")

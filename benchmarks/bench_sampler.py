@@ -31,14 +31,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from common import make_prompts
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
-
-
-def make_prompts(groups: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = np.random.default_rng(seed)
-    return [g.integers(100, vocab - 100, size=length).tolist() for _ in range(groups)]
 
 
 def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_tokens: int) -> dict:

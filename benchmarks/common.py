@@ -7,6 +7,7 @@ import platform
 import statistics
 import time
 
+import numpy as np
 import torch
 
 H200_HBM_BYTES_PER_S = 4.4e12   # measured device-to-device copy here
@@ -27,6 +28,26 @@ def cuda_median_ms(fn, *, warmup: int = 3, iters: int = 10) -> list[float]:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def make_prompts(groups: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``groups`` random prompts of ``length`` ids (fresh per seed: no prefix-cache carry-over)."""
+    g = np.random.default_rng(seed)
+    return [g.integers(100, vocab - 100, size=length).tolist() for _ in range(groups)]
+
+
+def add_sampler_shape_args(ap) -> None:
+    """The sampler benchmarks' shared flags: model and dtype (a Qwen3-0.6B shape in bf16 on
+    CUDA, the tiny model in fp32 elsewhere), prompts x G, lengths, block size, repeats."""
+    cuda = torch.cuda.is_available()
+    ap.add_argument("--model", default="random:qwen3-0.6b" if cuda else "tiny:qwen3")
+    ap.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per arm (median reported)")
 
 
 def median(xs) -> float:

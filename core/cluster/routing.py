@@ -4,7 +4,7 @@ A prompt and its ``n`` samples always go to one replica (its forks share the pro
 pages), and identical prompts in one call go to the same replica (the prefix cache hits).
 Groups are placed greedily on the replica with the least work, largest first.
 
-``ReplicaRouter`` does this across the calls in flight, as a client serving concurrent calls
+``ReplicaRouter`` does this against the calls in flight, as a client serving concurrent calls
 needs (an HTTP server's requests, an agent loop's one-sample calls): each replica's work is
 the tokens of the calls it is running, and a prompt already running on a replica goes to that
 replica (the G separate requests of one GRPO group share its pages there, and FCA reads them
@@ -27,6 +27,8 @@ def _groups(prompts: Sequence, params) -> tuple[dict[Key, list[int]], dict[Key, 
     plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(plist) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+    if not all(isinstance(p, SamplingParams) for p in plist):
+        raise ValueError("params must be one SamplingParams or one per prompt")
     groups: dict[Key, list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(tuple(as_token_array(p, f"prompts[{i}]").tolist()), []).append(i)
@@ -49,22 +51,6 @@ def _place(groups: dict[Key, list[int]], cost: dict[Key, int], load: list[int],
         out[r].extend(groups[key])
         where[key] = r
     return [sorted(o) for o in out], where
-
-
-def route_prompts(
-    prompts: Sequence, params: SamplingParams | Sequence[SamplingParams], num_replicas: int
-) -> list[list[int]]:
-    """Prompt indices per replica (each list in the caller's order), for one call on idle
-    replicas (``ReplicaRouter`` routes against the calls in flight).
-
-    Args:
-        prompts: token-id sequences. params: one ``SamplingParams`` or one per prompt.
-        num_replicas: sampler replicas (>= 1).
-    """
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    groups, cost = _groups(prompts, params)
-    return _place(groups, cost, [0] * num_replicas, {})[0]
 
 
 class ReplicaRouter:

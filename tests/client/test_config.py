@@ -6,7 +6,7 @@ import pytest
 
 import polynya
 from polynya import SamplingParams
-from polynya.cluster import ReplicaRouter, merge_routed, route_prompts
+from polynya.cluster import ReplicaRouter, merge_routed
 from polynya.cluster.placement import plan_layout
 
 
@@ -59,7 +59,8 @@ def test_config_propagates_shared_fields():
 
 def test_routing_keeps_groups_and_balances():
     prompts = [[1, 2, 3], [4, 5], [1, 2, 3], [6] * 9, [7, 8]]
-    routes = route_prompts(prompts, SamplingParams(n=4, max_tokens=4), 2)
+    with ReplicaRouter(2).route(prompts, SamplingParams(n=4, max_tokens=4)) as routes:
+        pass
     assert sorted(i for r in routes for i in r) == list(range(5))
     where = {i: k for k, r in enumerate(routes) for i in r}
     assert where[0] == where[2]  # identical prompts share a replica (prefix cache)
@@ -87,6 +88,9 @@ def test_router_spreads_calls_in_flight_and_keeps_groups():
         assert router.load() == [11, 0]
         raise RuntimeError("boom")  # a failed call gives its share back
     assert router.load() == [0, 0] and not router._running
+    with pytest.raises(ValueError, match="SamplingParams"), router.route([[1]], {"n": 1}):
+        pass
+    assert router.load() == [0, 0]
     with pytest.raises(ValueError, match="num_replicas"):
         ReplicaRouter(0)
 

@@ -1,4 +1,5 @@
-"""Request validation shared by every sampling backend.
+"""Request validation shared by every sampling backend, and the sample of a request stopped
+before it sampled anything.
 
 A bad request raises ``ValueError`` naming its index *before* anything is queued, so the other
 requests of the call — and those of concurrent calls — are untouched.
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polynya.types import SamplingParams, TokenSeq, as_token_array
+from polynya.types import Sample, SamplingParams, TokenSeq, as_token_array
 
 
 def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams],
@@ -45,3 +46,8 @@ def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequ
             raise ValueError(f"params[{i}].n must be in [1, {max_n}], got {p.n!r}")
         toks.append(arr.tolist())
     return toks, plist
+
+
+def unstarted_sample(params: SamplingParams) -> Sample:
+    """A sample aborted before its first token: empty, ``finish_reason="abort"``."""
+    return Sample(token_ids=[], logprobs=[] if params.logprobs else None, finish_reason="abort")

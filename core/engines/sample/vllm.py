@@ -38,7 +38,7 @@ from polynya.models import is_synthetic
 from polynya.types import Sample, SamplingParams, TokenSeq
 from polynya.weights import checked_pairs
 
-from .requests import validate_requests
+from .requests import unstarted_sample, validate_requests
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -150,21 +150,20 @@ class VLLMEngine:
             if on_submit is not None and on_submit(list(rids)):
                 self._counts["requests"] += len(rids)
                 self._counts["aborted_requests"] += len(rids)
-                return [[self._sample(None, p) for _ in range(p.n)] for p in plist]
+                return [[unstarted_sample(p) for _ in range(p.n)] for p in plist]
             self._pending.update(zip(rids, entries))
             self._intake.extend(zip(rids, toks, plist))
         try:
-            while not all(e.finished for e in entries):
+            while True:
                 failed = next((e.error for e in entries if e.error is not None), None)
                 if failed is not None:  # vLLM refused one: the call stops and raises it
                     raise failed
+                if all(e.finished for e in entries):
+                    break
                 with self._lock:
                     stepped = not all(e.finished for e in entries) and self._step()
                 if not stepped:  # held back by a weight load (or just finished): let it run
                     time.sleep(0.001)
-            failed = next((e.error for e in entries if e.error is not None), None)
-            if failed is not None:
-                raise failed
         except BaseException:  # a refused request, a failed step or an interrupt
             self._drop(rids, entries)
             raise
@@ -197,7 +196,7 @@ class VLLMEngine:
     def _sample(self, c, p: SamplingParams) -> Sample:
         """A vLLM ``CompletionOutput`` (``None``: nothing sampled before an abort) as a Sample."""
         if c is None:
-            return Sample(token_ids=[], logprobs=[] if p.logprobs else None, finish_reason="abort")
+            return unstarted_sample(p)
         self._counts["decode_tokens"] += max(len(c.token_ids) - 1, 0)
         lps = ([d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs)]
                if p.logprobs and c.logprobs is not None else None)

@@ -45,7 +45,7 @@ import torch
 from polynya.config.sampler import SamplerConfig
 from polynya.types import Sample, SamplingParams, TokenSeq
 
-from ..requests import validate_requests
+from ..requests import unstarted_sample, validate_requests
 from ..scoring import PromptLogprobs, validate_scoring
 from .block_manager import BlockManager
 from .decode_inputs import DecodeInputs
@@ -198,8 +198,7 @@ class NativeEngine:
             rids = [rid for rid, _, _ in entries]
             if on_submit is not None and on_submit(list(rids)):
                 self._counts["aborted_requests"] += len(rids)
-                return [[Sample(token_ids=[], logprobs=[] if p.logprobs else None,
-                                finish_reason="abort") for _ in range(p.n)] for p in plist]
+                return [[unstarted_sample(p) for _ in range(p.n)] for p in plist]
             self._intake.extend(entries)
         return self.wait(rids)
 
@@ -390,10 +389,8 @@ class NativeEngine:
             inputs = inputs.with_pages(at_boundary, pages, self.block_manager.block_size)
         inputs = inputs.with_ids(np.asarray(tokens, dtype=np.int64)[keep])
         logits = self.runner.run(rows, False, inputs)
-        self._counts["decode_steps"] += 1
+        self._count_decode(len(rows))
         self._counts["ahead_steps"] += 1
-        self._counts["decode_tokens"] += len(rows)
-        self._counts["peak_decode_rows"] = max(self._counts["peak_decode_rows"], len(rows))
         self._counts["fca_steps"] += self.runner.last_step_fca
         self._sample(rows, logits, uniforms)
         return _Launched(rows, False, inputs)
@@ -454,9 +451,13 @@ class NativeEngine:
             c["prefill_tokens"] += sum(len(s) - s.num_cached_tokens for s in batch.seqs)
             c["cache_hit_tokens"] += sum(s.num_cached_tokens for s in batch.seqs)
         else:
-            c["decode_steps"] += 1
-            c["decode_tokens"] += len(batch.seqs)
-            c["peak_decode_rows"] = max(c["peak_decode_rows"], len(batch.seqs))
+            self._count_decode(len(batch.seqs))
+
+    def _count_decode(self, rows: int) -> None:
+        c = self._counts
+        c["decode_steps"] += 1
+        c["decode_tokens"] += rows
+        c["peak_decode_rows"] = max(c["peak_decode_rows"], rows)
 
     # ---------------------------------------------------------------- weights, memory, stats
     def load_weights(self, weights: WeightPieces, version: int | None = None, *,
