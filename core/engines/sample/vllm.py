@@ -39,6 +39,7 @@ from polynya.types import Sample, SamplingParams, TokenSeq
 from polynya.weights import checked_pairs
 
 from .requests import unstarted_sample, validate_requests
+from .step_lock import StepLock
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -93,7 +94,7 @@ class VLLMEngine:
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
         self.weight_version = 0
-        self._lock = threading.Lock()  # held for one engine step (or add / abort / load)
+        self._lock = StepLock()  # held for one engine step (or add / abort / load)
         self._pending: dict[str, _Pending] = {}  # requests of the calls in flight, by id
         self._intake: list[tuple[str, list[int], SamplingParams]] = []  # not yet in the engine
         self._orders: list[_AbortOrder] = []  # aborts, applied between steps
@@ -160,7 +161,7 @@ class VLLMEngine:
                     raise failed
                 if all(e.finished for e in entries):
                     break
-                with self._lock:
+                with self._lock.stepping():
                     stepped = not all(e.finished for e in entries) and self._step()
                 if not stepped:  # held back by a weight load (or just finished): let it run
                     time.sleep(0.001)
@@ -211,13 +212,9 @@ class VLLMEngine:
         order = _AbortOrder(None if request_ids is None else frozenset(str(r) for r in request_ids))
         with self._queue_lock:
             self._orders.append(order)
-        while not order.applied.is_set():  # a stepping generate applies it before its step
-            if self._lock.acquire(timeout=0.01):
-                try:
-                    if not order.applied.is_set():
-                        self._step_boundary()
-                finally:
-                    self._lock.release()
+        with self._lock:  # in at the next step boundary (a step may have applied it by then)
+            if not order.applied.is_set():
+                self._step_boundary()
         return order.count
 
     def _step_boundary(self) -> None:

@@ -278,6 +278,51 @@ def test_requests_queue_without_waiting_for_a_step(qwen):
     assert after["requests"] - before["requests"] == 4 and not eng._requests and not eng._intake
 
 
+def test_callers_between_steps_are_not_starved_by_decoding(monkeypatch):
+    """Every generate call steps the engine in a loop; while 8 of them decode, ``stats``,
+    ``load_weights`` and ``prompt_logprobs`` each get in at the next step boundary (a plain
+    lock let them wait ~15-90 steps: a /pause came after requests had finished)."""
+    eng = make_engine(num_blocks=512).backend
+    run = eng.runner.run
+
+    def slow_step(*args, **kwargs):  # a step that takes a while, as a GPU forward does
+        time.sleep(0.003)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(eng.runner, "run", slow_step)
+    weights = {n: p.detach().clone() for n, p in eng.runner.model.named_parameters()}
+    p = SamplingParams(temperature=0, max_tokens=300, stop_token_ids=())
+    prompts = ragged_prompts(12, [5] * 8)
+    outs: list = []
+    calls = [threading.Thread(target=lambda x=x: outs.append(eng.generate([x], p)))
+             for x in prompts]
+    for t in calls:
+        t.start()
+    deadline = time.time() + 60
+    while eng._counts["decode_steps"] < 5:
+        assert time.time() < deadline
+        time.sleep(0.001)
+    waited = []
+    for k in range(12):
+        before = eng._counts["decode_steps"]
+        if k % 3 == 0:
+            after = eng.stats()["decode_steps"]
+        elif k % 3 == 1:
+            eng.load_weights(weights)  # the same values: tokens stay those of one run
+            after = eng._counts["decode_steps"]
+        else:
+            eng.prompt_logprobs([prompts[0]])
+            after = eng._counts["decode_steps"]
+        waited.append(after - before)
+        time.sleep(0.005)
+    for t in calls:
+        t.join(60)
+        assert not t.is_alive()
+    assert max(waited) <= 2, waited  # the step running when it came, at most one more
+    assert eng.weight_version == 4 and eng._counts["decode_steps"] >= 299
+    assert all(len(o[0][0].token_ids) == 300 for o in outs) and eng.stats()["blocks_in_use"] == 0
+
+
 def test_stop_tokens_and_default_eos(qwen):
     prompt = ragged_prompts(11, [6])[0]
     free = qwen.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=()))[0][0]

@@ -47,6 +47,7 @@ from polynya.types import Sample, SamplingParams, TokenSeq
 
 from ..requests import unstarted_sample, validate_requests
 from ..scoring import PromptLogprobs, validate_scoring
+from ..step_lock import StepLock
 from .block_manager import BlockManager
 from .decode_inputs import DecodeInputs
 from .model_runner import ModelRunner, WeightPieces
@@ -120,7 +121,7 @@ class NativeEngine:
         self.weight_version = 0
         self.asleep = False
         self._master = torch.Generator().manual_seed(config.seed)
-        self._lock = threading.RLock()
+        self._lock = StepLock()  # one step at a time; others go before the stepping loops
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
         # new requests queue here without waiting for a step (a step holds the lock for its
@@ -208,7 +209,7 @@ class NativeEngine:
         rids = list(request_ids)
         try:
             while True:
-                with self._lock:
+                with self._lock.stepping():
                     self._admit()
                     if all(self._requests[r].done for r in rids):
                         return [self._requests.pop(r).samples() for r in rids]
@@ -248,12 +249,9 @@ class NativeEngine:
         order = _AbortOrder(None if request_ids is None else frozenset(int(r) for r in request_ids))
         with self._aborts_lock:
             self._aborts.append(order)
-        while not order.applied.is_set():  # a running generate applies it before its next step
-            if self._lock.acquire(timeout=0.01):
-                try:
-                    self._apply_aborts()
-                finally:
-                    self._lock.release()
+        with self._lock:  # in at the next step boundary (a step may have applied it by then)
+            if not order.applied.is_set():
+                self._apply_aborts()
         return order.count
 
     def _apply_aborts(self) -> None:
