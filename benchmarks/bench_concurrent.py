@@ -44,7 +44,8 @@ from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
 
-COUNTERS = ("decode_steps", "decode_tokens", "prefill_tokens", "cache_hit_tokens")
+COUNTERS = ("decode_steps", "decode_tokens", "prefill_tokens", "cache_hit_tokens", "prefill_steps",
+            "fca_steps", "prefill_time_s", "decode_time_s")
 
 
 def calls(arm: str, prompts: list[list[int]], args) -> list[tuple[list[list[int]], SamplingParams]]:
@@ -86,7 +87,7 @@ def run_arm(engine: SamplingEngine, arm: str, prompts, args) -> dict:
     return d
 
 
-def plot(after_path: str, before_path: str) -> str:
+def plot(after_path: str, before_path: str, labels: tuple[str, str] = ("this code", "before")) -> str:
     """Each arm's wall time over its run's batched call, two runs side by side (PNG)."""
     with open(after_path) as f:
         after = json.load(f)
@@ -95,10 +96,10 @@ def plot(after_path: str, before_path: str) -> str:
     arms = [a for a in after["arms"] if a in before["arms"]]
     c = after["config"]
     out = os.path.splitext(after_path)[0] + ".png"
-    paired_bars(out, arms, [after["arms"][a]["vs_batched"] for a in arms], "this code",
-                [before["arms"][a]["vs_batched"] for a in arms], "before",
+    paired_bars(out, arms, [after["arms"][a]["vs_batched"] for a in arms], labels[0],
+                [before["arms"][a]["vs_batched"] for a in arms], labels[1],
                 "wall time / one batched call (x)",
-                title=f"Concurrent generate calls vs one batched call ({c['model']}, {after['gpu'] or 'cpu'}, "
+                title=f"Concurrent generate calls vs one batched call\n({c['model']}, {after['gpu'] or 'cpu'}, "
                       f"{c['groups']} prompts x G{c['G']}, P{c['prompt_len']}, {c['new_tokens']} new tokens)",
                 ref_line=1.0)
     return out
@@ -112,9 +113,10 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--replot", metavar="JSON", help="only draw JSON's PNG against --before")
     ap.add_argument("--before", metavar="JSON", help="a run of other code to draw against")
+    ap.add_argument("--labels", default="this code,before", help="the two runs' names in the PNG")
     args = ap.parse_args()
     if args.replot:
-        print("wrote", plot(args.replot, args.before))
+        print("wrote", plot(args.replot, args.before, tuple(args.labels.split(",", 1))))
         return
     rows = args.groups * args.G
     cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size,
@@ -140,7 +142,9 @@ def main() -> None:
         results["arms"][arm] = best
         print(f"{arm:>10}: {best['wall_s']:.3f} s  decode steps {best['decode_steps']}  peak rows "
               f"{best['peak_rows']}  prefill tokens {best['prefill_tokens']}  "
-              f"{best['decode_tok_per_s']:.0f} decode tok/s", flush=True)
+              f"{best['decode_tok_per_s']:.0f} decode tok/s  (prefill steps {best['prefill_steps']}, "
+              f"{best['prefill_time_s']:.3f} s; decode {best['decode_time_s']:.3f} s, FCA steps "
+              f"{best['fca_steps']})", flush=True)
     base = results["arms"].get("batched")
     table = []
     for arm, d in results["arms"].items():
@@ -155,7 +159,7 @@ def main() -> None:
     path = save(results, args.out, "bench_concurrent")
     print("wrote", path)
     if args.before:
-        print("wrote", plot(path, args.before))
+        print("wrote", plot(path, args.before, tuple(args.labels.split(",", 1))))
     engine.shutdown()
 
 
