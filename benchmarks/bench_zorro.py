@@ -24,12 +24,14 @@ response lengths uniformly from [F*R, R] (RL-like; the padded arm then pays for 
 shapes, plans and compiles) and reports every step's time, not only the median.
 
     python benchmarks/bench_zorro.py --groups 4 --out benchmarks/results
-    python benchmarks/bench_zorro.py --groups 4 --shapes 256/512/8 --fresh 20
+    python benchmarks/bench_zorro.py --groups 4 --shapes 256/512/8 --fresh 20   # + per-step PNG
+    python benchmarks/bench_zorro.py --replot-fresh benchmarks/results/bench_zorro_g4_fresh.json
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import sys
@@ -141,7 +143,11 @@ def main() -> None:
     ap.add_argument("--fresh", type=int, default=0,
                     help="instead: N steps per arm with new lengths every step (RL-like)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--replot-fresh", metavar="JSON", help="only draw a --fresh run's PNG")
     args = ap.parse_args()
+    if args.replot_fresh:
+        plot_fresh(args.replot_fresh)
+        return
 
     arms = args.arms.split(",")
     zorro_arms = [a for a in arms if a in ZORRO_ARMS]
@@ -219,6 +225,35 @@ def fresh_runs(model, args, shapes: list[str], arms: list[str], name: str) -> No
                       gradient_checkpointing=True, runs=runs), args.out, f"{name}_fresh")
     print(markdown_table(runs, [("shape", "P/R/G"), ("arm", "arm"), ("median_ms", "median ms"),
                                 ("first_ms", "first ms"), ("max_ms", "max ms")]))
+    plot_fresh(os.path.join(args.out, f"{name}_fresh.json"))
+
+
+def plot_fresh(json_path: str) -> None:
+    """Every step's time per arm (one line each; log scale: first steps pay compiles), PNG
+    beside the JSON; no-op without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    with open(json_path) as f:
+        res = json.load(f)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for run in res["runs"]:
+        steps = run["steps_ms"]
+        ax.plot(range(1, len(steps) + 1), steps, marker="o", markersize=3,
+                label=f"{run['shape']} {run['arm']} (median {run['median_ms']:.0f} ms)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step (new prompt and response lengths every step)")
+    ax.set_ylabel("forward + backward ms (log)")
+    ax.set_title(f"ZoRRo Train vs naive, fresh lengths every step: {res.get('model', '')}, "
+                 f"{res.get('groups', '?')} groups/step\n{res.get('gpu', '')} {res.get('date', '')}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(json_path)[0] + ".png", dpi=120)
+    plt.close(fig)
 
 
 def plot(results: dict, path: str) -> None:
