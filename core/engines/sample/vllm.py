@@ -94,7 +94,8 @@ class VLLMEngine:
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
         self.weight_version = 0
-        self._lock = StepLock()  # held for one engine step (or add / abort / load)
+        self._steps = StepLock()  # turns: callers between steps go before the stepping loops
+        self._lock = self._steps.lock  # held for one engine step (or add / abort / load)
         self._pending: dict[str, _Pending] = {}  # requests of the calls in flight, by id
         self._intake: list[tuple[str, list[int], SamplingParams]] = []  # not yet in the engine
         self._orders: list[_AbortOrder] = []  # aborts, applied between steps
@@ -154,6 +155,7 @@ class VLLMEngine:
                 return [[unstarted_sample(p) for _ in range(p.n)] for p in plist]
             self._pending.update(zip(rids, entries))
             self._intake.extend(zip(rids, toks, plist))
+        turn = self._steps.stepper()
         try:
             while True:
                 failed = next((e.error for e in entries if e.error is not None), None)
@@ -161,9 +163,9 @@ class VLLMEngine:
                     raise failed
                 if all(e.finished for e in entries):
                     break
-                with self._lock.stepping():
-                    stepped = not all(e.finished for e in entries) and self._step()
-                if not stepped:  # held back by a weight load (or just finished): let it run
+                with turn, self._lock:
+                    stepped = turn.go() and not all(e.finished for e in entries) and self._step()
+                if not stepped:  # a weight load or a caller between steps goes first
                     time.sleep(0.001)
         except BaseException:  # a refused request, a failed step or an interrupt
             self._drop(rids, entries)
@@ -188,7 +190,7 @@ class VLLMEngine:
         mine = set(rids)
         with self._queue_lock:
             self._intake = [x for x in self._intake if x[0] not in mine]
-        with self._lock:
+        with self._steps.plain(), self._lock:
             live = [r for r, e in zip(rids, entries) if not e.finished]
             if live:
                 with contextlib.suppress(Exception):  # the engine may be what failed
@@ -212,7 +214,8 @@ class VLLMEngine:
         order = _AbortOrder(None if request_ids is None else frozenset(str(r) for r in request_ids))
         with self._queue_lock:
             self._orders.append(order)
-        with self._lock:  # in at the next step boundary (a step may have applied it by then)
+        # in at the next step boundary (a step may have applied it by then)
+        with self._steps.plain(), self._lock:
             if not order.applied.is_set():
                 self._step_boundary()
         return order.count
@@ -276,7 +279,7 @@ class VLLMEngine:
                 self._hold += 1
             try:
                 while True:
-                    with self._lock:
+                    with self._steps.plain(), self._lock:
                         if not self.llm.llm_engine.has_unfinished_requests():
                             self.llm.apply_model(lambda model: model.load_weights(pairs))
                             if self.llm.reset_prefix_cache() is False:
@@ -305,13 +308,13 @@ class VLLMEngine:
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        with self._lock, self._queue_lock:
+        with self._steps.plain(), self._lock, self._queue_lock:
             if self._pending:
                 raise RuntimeError("cannot sleep with requests in flight")
             self.llm.sleep(level=level)
 
     def wake(self) -> None:
-        with self._lock:
+        with self._steps.plain(), self._lock:
             self.llm.wake_up()
 
     def stats(self) -> dict[str, float]:

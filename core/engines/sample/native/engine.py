@@ -121,7 +121,9 @@ class NativeEngine:
         self.weight_version = 0
         self.asleep = False
         self._master = torch.Generator().manual_seed(config.seed)
-        self._lock = StepLock()  # one step at a time; others go before the stepping loops
+        # one step at a time; callers between steps go before the stepping loops (step_lock.py)
+        self._steps = StepLock()
+        self._lock = self._steps.lock
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
         # new requests queue here without waiting for a step (a step holds the lock for its
@@ -207,15 +209,18 @@ class NativeEngine:
         """Step the engine until these requests are done (finished or aborted); returns their
         samples in the given order and forgets them. A failed step drops them and re-raises."""
         rids = list(request_ids)
+        turn = self._steps.stepper()
         try:
             while True:
-                with self._lock.stepping():
+                with turn, self._lock:
+                    if not turn.go():
+                        continue  # a caller between steps goes first
                     self._admit()
                     if all(self._requests[r].done for r in rids):
                         return [self._requests.pop(r).samples() for r in rids]
                     self.step()
         except BaseException:  # a failed step (or an interrupt): drop this call's requests
-            with self._lock:
+            with self._steps.plain(), self._lock:
                 self._admit()
                 self._inflight = None  # never booked: its rows redo that step
                 self.scheduler.abort(set(rids))
@@ -230,7 +235,7 @@ class NativeEngine:
         filled). ``ValueError`` for a bad request, ``RuntimeError`` when asleep."""
         toks, k, temp = validate_scoring(sequences, top_k, temperature, vocab_size=self.runner.vocab_size,
                                          max_model_len=self.max_model_len)
-        with self._lock:
+        with self._steps.plain(), self._lock:
             if self.asleep:
                 raise RuntimeError("the sampling engine is asleep; call wake() first")
             self._finish_inflight()
@@ -249,7 +254,8 @@ class NativeEngine:
         order = _AbortOrder(None if request_ids is None else frozenset(int(r) for r in request_ids))
         with self._aborts_lock:
             self._aborts.append(order)
-        with self._lock:  # in at the next step boundary (a step may have applied it by then)
+        # in at the next step boundary (a step may have applied it by then)
+        with self._steps.plain(), self._lock:
             if not order.applied.is_set():
                 self._apply_aborts()
         return order.count
@@ -463,7 +469,7 @@ class NativeEngine:
         """Copy new weights in place (all pieces checked first, ``checksum`` too when given);
         drops the prefix cache. Returns the new weight version (``version`` or the previous
         one + 1); ``ValueError`` and nothing changed when ``version`` is not newer."""
-        with self._lock:
+        with self._steps.plain(), self._lock:
             if version is not None and int(version) <= self.weight_version:
                 raise ValueError(f"weight version {version} is not newer than the served "
                                  f"{self.weight_version}")
@@ -474,7 +480,7 @@ class NativeEngine:
             return self.weight_version
 
     def weight_checksum(self) -> str:
-        with self._lock:
+        with self._steps.plain(), self._lock:
             return self.runner.weight_checksum()
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -484,7 +490,8 @@ class NativeEngine:
         """Free the KV cache (level 1), and move the weights off the GPU too (level 2)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        with self._lock, self._intake_lock:  # no request queued while it falls asleep
+        # no request queued while it falls asleep
+        with self._steps.plain(), self._lock, self._intake_lock:
             self._finish_inflight()
             if self.scheduler.has_work() or self._intake:
                 raise RuntimeError("cannot sleep with requests in flight")
@@ -496,7 +503,7 @@ class NativeEngine:
 
     def wake(self) -> None:
         """Restore what ``sleep`` released (empty KV cache, weights on the device)."""
-        with self._lock, self._intake_lock:
+        with self._steps.plain(), self._lock, self._intake_lock:
             self.runner.onload_weights()
             if self.runner.kv is None:
                 self.runner.allocate_kv()
@@ -516,7 +523,7 @@ class NativeEngine:
         and their wall time (``graph_captures`` / ``graph_capture_s``, inside the step times),
         compiles of the decode step (``compile_decode``) and the wall time of the steps that
         compiled (``compiles`` / ``compile_s``, inside the step and capture times)."""
-        with self._lock:
+        with self._steps.plain(), self._lock:
             captures, capture_s = self.runner.graph_stats()
             compiles, compile_s = self.runner.compile_stats()
             return dict(self._counts, **self._times, cache_hit_blocks=self.block_manager.hit_blocks,
