@@ -115,8 +115,13 @@ def main() -> None:
     ap.add_argument("--before", metavar="JSON", help="a run of other code to draw against")
     ap.add_argument("--labels", default="this code,before", help="the two runs' names in the PNG")
     args = ap.parse_args()
+    labels = tuple(args.labels.split(","))
+    if len(labels) != 2 or not all(labels):
+        ap.error(f"--labels needs two names separated by one comma, got {args.labels!r}")
     if args.replot:
-        print("wrote", plot(args.replot, args.before, tuple(args.labels.split(",", 1))))
+        if not args.before:
+            ap.error("--replot draws a run against another: give --before JSON too")
+        print("wrote", plot(args.replot, args.before, labels))
         return
     rows = args.groups * args.G
     cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size,
@@ -159,7 +164,7 @@ def main() -> None:
     path = save(results, args.out, "bench_concurrent")
     print("wrote", path)
     if args.before:
-        print("wrote", plot(path, args.before, tuple(args.labels.split(",", 1))))
+        print("wrote", plot(path, args.before, labels))
     engine.shutdown()
 
 

@@ -101,7 +101,8 @@ class _Stepper:
         if self.entry not in steps._steppers:
             self.since = time.monotonic()
             steps._steppers[self.entry] = (self.since, threading.get_ident())
-        _wait(lambda: _fresh(steps._plain), self.since)
+        me = threading.get_ident()  # its own entry can only be one an interrupt left
+        _wait(lambda: _fresh(steps._plain, but=me), self.since)
         return self
 
     def __exit__(self, *exc) -> None:
