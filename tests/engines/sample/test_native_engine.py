@@ -15,6 +15,7 @@ import torch
 from polynya import SamplingParams
 from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
+from polynya.engines.sample.native import engine as engine_module
 from polynya.models import load_model
 
 
@@ -365,3 +366,159 @@ def test_failed_step_releases_the_call_and_engine_recovers(qwen, monkeypatch):
     stats = qwen.stats()
     assert stats["blocks_in_use"] == 0 and not qwen.backend.scheduler.has_work()
     assert qwen.generate([prompt], p)[0][0].token_ids == expected[0][0].token_ids
+
+
+class _InterruptOnce:
+    """A lock whose next ``with`` raises ``KeyboardInterrupt`` once (a Ctrl-C landing there)."""
+
+    def __init__(self, lock) -> None:
+        self.lock, self.armed = lock, True
+
+    def __enter__(self):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def _queue_from_callers(eng, prompts, params) -> list[list[tuple[int, int]]]:
+    """Three threads queue two requests each (``add_request``); per caller, its
+    ``(request id, prompt index)`` pairs."""
+    toks, plist = eng.validate(prompts, params)
+    callers: list[list[tuple[int, int]]] = [[] for _ in range(3)]
+
+    def caller(c):
+        callers[c] = [(eng.add_request(toks[i], plist[i]), i) for i in (2 * c, 2 * c + 1)]
+
+    threads = [threading.Thread(target=caller, args=(c,)) for c in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sum(map(len, callers)) == 6
+    return callers
+
+
+def _assert_queued_or_admitted(eng, rids: list[int], *, all_admitted: bool = False) -> None:
+    """Each request still in the intake or admitted whole (``_requests`` and the scheduler),
+    and no sequence in the scheduler twice."""
+    queued = {rid for rid, _, _ in eng._intake}
+    held = [s.request_id for s in eng.scheduler.waiting]
+    assert not eng.scheduler.running
+    assert len(held) == len(set(held)), f"admitted twice: {held}"
+    admitted = {r for r in rids if r in eng._requests and r in held}
+    lost = [r for r in rids if r not in queued and r not in admitted]
+    assert not lost, f"requests neither queued nor admitted: {lost} (intake {sorted(queued)}, " \
+                     f"_requests {sorted(eng._requests)}, scheduler {held})"
+    if all_admitted:
+        assert admitted == set(rids) and not eng._intake
+
+
+def _finish_interrupted_admission(engine, callers, expected) -> None:
+    """The next admission takes the rest (none twice); every caller's ``wait`` gets the tokens
+    of an uninterrupted run, with the right number of samples."""
+    eng = engine.backend
+    with eng._lock:
+        eng._admit()  # what the next step does first
+    _assert_queued_or_admitted(eng, [r for c in callers for r, _ in c], all_admitted=True)
+    results: list = [None] * len(callers)
+
+    def wait(c):
+        results[c] = eng.wait([r for r, _ in callers[c]])
+
+    waiters = [threading.Thread(target=wait, args=(c,)) for c in range(len(callers))]
+    for t in waiters:
+        t.start()
+    for t in waiters:
+        t.join(60)
+        assert not t.is_alive(), "a caller's wait hangs"
+    for queued, out in zip(callers, results):
+        assert [[s.token_ids for s in samples] for samples in out] == [expected[i] for _, i in queued]
+    assert not eng._requests and not eng._intake and not eng.scheduler.has_work()
+    assert eng.stats()["blocks_in_use"] == 0
+
+
+def _interrupted_admission_setup():
+    """A fresh engine (an engine the old admission broke stays broken), the greedy tokens of an
+    uninterrupted run, and the same six requests queued by three callers."""
+    engine = make_engine()
+    prompts = ragged_prompts(14, [5, 9, 3, 12, 7, 6])
+    params = [SamplingParams(n=1 + i % 2, temperature=0, max_tokens=5, stop_token_ids=())
+              for i in range(6)]
+    expected = [[s.token_ids for s in out] for out in engine.generate(prompts, params)]
+    return engine, expected, _queue_from_callers(engine.backend, prompts, params)
+
+
+@pytest.mark.parametrize("after_add", [False, True], ids=["before-add", "after-add"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_interrupted_admission_loses_and_repeats_no_request(monkeypatch, k, after_add):
+    """A Ctrl-C (``KeyboardInterrupt`` in the thread stepping the engine) while a step admits
+    the queued requests of several callers — just before or just after the scheduler takes the
+    k-th — leaves each request queued or admitted: the next step admits the rest (none twice)
+    and every caller gets its tokens (the old admission lost the rest: a ``KeyError`` or a hang
+    in their ``wait``)."""
+    engine, expected, callers = _interrupted_admission_setup()
+    eng = engine.backend
+    real_add, calls = eng.scheduler.add, []
+
+    def add(seq):
+        calls.append(seq)
+        if len(calls) == k:
+            if after_add:
+                real_add(seq)
+            raise KeyboardInterrupt
+        real_add(seq)
+
+    monkeypatch.setattr(eng.scheduler, "add", add)
+    with eng._lock, pytest.raises(KeyboardInterrupt):
+        eng.step()
+    _assert_queued_or_admitted(eng, [r for c in callers for r, _ in c])
+    _finish_interrupted_admission(engine, callers, expected)
+    assert len(calls) == 6 + (not after_add)  # only the interrupted one was tried again
+
+
+def test_interrupted_admission_leaving_the_intake(monkeypatch):
+    """A Ctrl-C as the admitted requests are taken off the intake: they stay there, admitted,
+    and the next admission neither adds them again nor loses them."""
+    engine, expected, callers = _interrupted_admission_setup()
+    eng = engine.backend
+    monkeypatch.setattr(eng, "_intake_lock", _InterruptOnce(eng._intake_lock))
+    with eng._lock, pytest.raises(KeyboardInterrupt):
+        eng.step()
+    rids = [r for c in callers for r, _ in c]
+    _assert_queued_or_admitted(eng, rids)
+    assert len(eng._intake) == 6 and set(eng._requests) == set(rids)  # admitted, still queued
+    _finish_interrupted_admission(engine, callers, expected)
+
+
+def test_abort_orders_survive_an_interrupted_admission(monkeypatch):
+    """A Ctrl-C inside the admission that an abort runs first: the abort orders taken for it
+    are not lost (the old code dropped them: the order was never applied), the next step
+    applies them, and the aborted requests come back with ``finish_reason="abort"``."""
+    engine, _expected, callers = _interrupted_admission_setup()
+    eng = engine.backend
+    order = engine_module._AbortOrder(None)
+    eng._aborts.append(order)
+    real_admit = eng._admit
+    armed = [True]
+
+    def admit():
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        real_admit()
+
+    monkeypatch.setattr(eng, "_admit", admit)
+    with eng._lock, pytest.raises(KeyboardInterrupt):
+        eng._apply_aborts()
+    assert eng._aborts == [order] and not order.applied.is_set()
+    with eng._lock:
+        eng._apply_aborts()
+    assert order.applied.is_set() and order.count == 6
+    for c in callers:
+        for samples in eng.wait([r for r, _ in c]):
+            assert all(s.finish_reason == "abort" for s in samples)
+    assert not eng._requests and not eng._aborts and eng.stats()["blocks_in_use"] == 0

@@ -175,14 +175,28 @@ class NativeEngine:
         return rid, seq, _Request(params)
 
     def _admit(self) -> None:
-        """Hand the queued requests to the scheduler, in arrival order (caller holds _lock)."""
+        """Hand the queued requests to the scheduler, in arrival order (caller holds _lock).
+
+        Interrupt-safe (SIGINT lands in whichever thread steps the engine): a request leaves
+        the intake only after it is in the scheduler and then in ``_requests`` (which marks it
+        admitted), so an interrupt anywhere leaves every request queued or admitted, and the
+        next call admits the rest. One the scheduler got just before an interrupt is its last
+        waiting sequence (nothing is scheduled before the next ``_admit`` succeeds): not added
+        twice."""
         if not self._intake:
             return
-        with self._intake_lock:
-            intake, self._intake = self._intake, []
-        for rid, seq, request in intake:
-            self._requests[rid] = request
-            self.scheduler.add(seq)
+        admitted = 0
+        try:
+            for rid, seq, request in self._intake:  # requests queued meanwhile join at the end
+                if rid not in self._requests:
+                    waiting = self.scheduler.waiting
+                    if not (waiting and waiting[-1] is seq):
+                        self.scheduler.add(seq)
+                    self._requests[rid] = request
+                admitted += 1
+        finally:
+            with self._intake_lock:
+                del self._intake[:admitted]
 
     def generate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams], *,
                  on_submit: Callable[[list[int]], bool] | None = None) -> list[list[Sample]]:
@@ -264,7 +278,12 @@ class NativeEngine:
         self._finish_inflight()  # an abort lands after the step already on the device
         with self._aborts_lock:
             orders, self._aborts = self._aborts, []
-        self._admit()  # after taking the orders: every request queued before one is in reach
+        try:
+            self._admit()  # after taking the orders: every request queued before one is in reach
+        except BaseException:  # an interrupt in _admit: the orders wait for the next step
+            with self._aborts_lock:
+                self._aborts[:0] = orders
+            raise
         for order in orders:
             wanted = self._requests.keys() if order.request_ids is None else order.request_ids
             live = {r for r in wanted if r in self._requests and not self._requests[r].done}
