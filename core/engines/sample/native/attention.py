@@ -34,10 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from polynya.eager_attention import causal_mask, eager_attention
 from polynya.kernels.fca import ForestPlan, fca_decode, paged_decode
+from polynya.kernels.zorro.varlen import unsupported_reason as varlen_unsupported_reason
 from polynya.model_features import SOFTCAP, WINDOWS, AttentionFeatures
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -66,6 +68,8 @@ class StepContext:
         cache: the compiled decode (``compiled.py``): the whole cache
             ``[layers, 2, num_blocks, block_size, Hkv, D]`` (``kv_caches`` is then empty);
             each layer's cache write and attention run as one opaque op that mutates it.
+        varlen: prefill on CUDA: every sequence's attention in one varlen call per layer
+            (:class:`PrefillVarlen`); None runs one SDPA call per sequence.
     """
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -79,6 +83,42 @@ class StepContext:
     plan: Any = None
     features: AttentionFeatures | None = None
     cache: torch.Tensor | None = None
+    varlen: PrefillVarlen | None = None
+
+
+@dataclass
+class PrefillVarlen:
+    """A prefill's sequences as FlashAttention-2 varlen segments (built once per step).
+
+    Args:
+        cu_q: ``[S + 1]`` int32, cumulative new-token counts (the packed row's segments).
+        cu_k: ``[S + 1]`` int32, cumulative context lengths (cached + new tokens).
+        max_q / max_k: the longest segment of each.
+        kv_slots: ``[cu_k[-1]]`` int64 flat cache slots of every sequence's whole context, in
+            order (read back after the step's keys are written); None when nothing is cached
+            (each context is then its own new tokens: the keys are used as computed).
+    """
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    kv_slots: torch.Tensor | None
+
+
+def prefill_varlen(new_lens: list[int], cached_lens: list[int], context_slots, to_device
+                   ) -> PrefillVarlen:
+    """:class:`PrefillVarlen` of sequences with ``new_lens`` new tokens after ``cached_lens``
+    cached ones; ``context_slots()`` gives the host array of every context's flat slots (called
+    only when something is cached); ``to_device(array, dtype)`` copies a host array over."""
+    new = np.asarray(new_lens, dtype=np.int64)
+    ctx = new + np.asarray(cached_lens, dtype=np.int64)
+    cu = np.zeros((2, len(new) + 1), dtype=np.int64)
+    np.cumsum(new, out=cu[0, 1:])
+    np.cumsum(ctx, out=cu[1, 1:])
+    cu_dev = to_device(cu, torch.int32)
+    slots = to_device(context_slots(), torch.int64) if any(cached_lens) else None
+    return PrefillVarlen(cu_dev[0], cu_dev[1], int(new.max()), int(ctx.max()), slots)
 
 
 def register() -> None:
@@ -145,11 +185,40 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
              v_cache: torch.Tensor, ctx: StepContext, scale: float | None,
              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal (windowed) attention of each sequence's new tokens over its full context;
-    ``[T, Hq, D]``."""
+    ``[T, Hq, D]``. On CUDA one varlen call for every sequence when the kernel takes the
+    inputs (bf16 / fp16, no soft-cap), else one SDPA call per sequence."""
+    if ctx.varlen is not None and softcap is None and _varlen_takes(q, k, k_cache):
+        return _prefill_varlen(q, k, v, k_cache, v_cache, ctx.varlen, scale, window)
     if q.device.type == "cuda":
         with sdpa_kernel(_PREFILL_BACKENDS):
             return _prefill_each(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
     return _prefill_each(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
+
+
+def _varlen_takes(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor | None) -> bool:
+    """Whether FlashAttention-2 varlen runs this prefill (CUDA, bf16 / fp16, cache of the
+    same dtype, head dim it supports, flash SDPA enabled)."""
+    if not q.is_cuda or (k_cache is not None and k_cache.dtype != q.dtype):
+        return False
+    return varlen_unsupported_reason(q, k) is None
+
+
+def _prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                    segs: PrefillVarlen, scale: float | None, window: int | None) -> torch.Tensor:
+    """Every sequence's new queries over its context in one FlashAttention-2 varlen call:
+    causal aligned to the bottom right (a sequence's queries are the last of its keys), a
+    window of ``W`` keeping keys less than ``W`` positions back; ``[T, Hq, D]``."""
+    if segs.kv_slots is not None:  # cached prefixes: read every context back from the pages
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        k = k_cache.view(-1, hkv, d).index_select(0, segs.kv_slots)
+        v = v_cache.view(-1, hkv, d).index_select(0, segs.kv_slots)
+    left = None if window is None else window - 1
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, segs.cu_q, segs.cu_k, segs.max_q, segs.max_k, 0.0, True, False,
+        scale=scale if scale is not None else q.shape[-1] ** -0.5, window_size_left=left,
+        window_size_right=None if left is None else 0)[0]
+    return out
 
 
 def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -223,9 +223,19 @@ class ModelRunner:
             last.append(start - 1)
         ctx = attention.StepContext(self._caches(), self._to_device(np.concatenate(slots), torch.int64),
                                     is_prefill=True, q_ranges=ranges, cached_lens=cached,
-                                    prefill_tables=tables, features=self.features)
+                                    prefill_tables=tables, features=self.features,
+                                    varlen=self._prefill_varlen(seqs, ranges, cached)
+                                    if self.device.type == "cuda" else None)
         return (np.asarray(ids, dtype=np.int64), np.concatenate(pos), ctx,
                 self._to_device(np.asarray(last, dtype=np.int64), torch.int64))
+
+    def _prefill_varlen(self, seqs: list[Sequence], ranges: list[tuple[int, int]],
+                        cached: list[int]) -> attention.PrefillVarlen | None:
+        """The step's varlen segments (used on CUDA: one attention call per layer for every
+        sequence; the CPU runs one SDPA call per sequence)."""
+        return attention.prefill_varlen(
+            [b - a for a, b in ranges], cached,
+            lambda: np.concatenate([self._slots(s, 0, len(s)) for s in seqs]), self._to_device)
 
     @staticmethod
     def shares_pages(seqs: list[Sequence]) -> bool:
@@ -328,8 +338,11 @@ class ModelRunner:
         for seq in seqs:
             ranges.append((start, start + len(seq)))
             start += len(seq)
+        varlen = (attention.prefill_varlen([len(s) for s in seqs], [0] * len(seqs), None, self._to_device)
+                  if self.device.type == "cuda" else None)
         ctx = attention.StepContext([], None, is_prefill=True, q_ranges=ranges, cached_lens=[0] * len(seqs),
-                                    prefill_tables=[None] * len(seqs), features=self.features)
+                                    prefill_tables=[None] * len(seqs), features=self.features,
+                                    varlen=varlen)
         ids = np.fromiter((t for s in seqs for t in s), dtype=np.int64, count=start)
         pos = np.concatenate([np.arange(len(s)) for s in seqs])
         hidden = self.model.base_model(input_ids=self._to_device(ids, torch.int64)[None],
