@@ -20,6 +20,8 @@ callbacks, batching).
                                         # H200: GSM8K shape, 3 arms, ~2.5 min (estimate)
     python benchmarks/profile_trl_step.py --arms polynya,polynya-fused --out $OUT
                                         # H200: the adapter with and without fused RMSNorms
+    python benchmarks/profile_trl_step.py --arms polynya,dynamic --kernels --out $OUT
+                                        # + torch.profiler of the counted step: kernel time
     python benchmarks/profile_trl_step.py --model tiny:qwen3 --prompt-tokens 32 \\
         --max-new-tokens 8 --prompts 2 --group-size 4 --steps 3   # CPU, seconds
     python benchmarks/profile_trl_step.py --layers 2 --prompt-tokens 64 --max-new-tokens 16 \\
@@ -144,6 +146,27 @@ class Profiler:
                 "lm_head_module_calls": dict(self.head_calls)}
 
 
+class KernelTimes:
+    """``torch.profiler`` over one step: the device time of every kernel (self time, so
+    each counts once) summed, and the kernels that took the most."""
+
+    def __init__(self, cuda: bool):
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+
+    def stop(self, top: int = 30) -> dict:
+        self.prof.__exit__(None, None, None)
+        rows = [(e.key, e.count, e.self_device_time_total / 1e3)
+                for e in self.prof.key_averages() if e.self_device_time_total > 0]
+        rows.sort(key=lambda r: -r[2])
+        return {"device_ms": round(sum(r[2] for r in rows), 1), "kernels": len(rows),
+                "launches": sum(r[1] for r in rows),
+                "top": [[k[:120], n, round(ms, 2)] for k, n, ms in rows[:top]]}
+
+
 def profile_arm(arm: str, args, model_dir: str, tok, cuda: bool) -> dict:
     """Runs ``bench.run_arm`` with a ``Profiler`` on its trainer: wall ms per phase over the
     steps after the first but the last, op / sync / call counts in the last step only (the
@@ -168,6 +191,8 @@ def profile_arm(arm: str, args, model_dir: str, tok, cuda: bool) -> dict:
                     if state.global_step == last:
                         built["ms1"] = dict(prof.ms)
                         prof.reset_counts()
+                        if args.kernels:
+                            built["kernels"] = KernelTimes(cuda)
                         prof.counter.__enter__()
                         built["counting"] = True
 
@@ -177,6 +202,8 @@ def profile_arm(arm: str, args, model_dir: str, tok, cuda: bool) -> dict:
                         built.setdefault("steps", []).append(1e3 * (time.perf_counter() - built["t0"]))
                     if built.pop("counting", False):
                         prof.counter.__exit__(None, None, None)
+                        if "kernels" in built:
+                            built["kernels"] = built["kernels"].stop()
 
             trainer.add_callback(_Marks())
 
@@ -194,7 +221,7 @@ def profile_arm(arm: str, args, model_dir: str, tok, cuda: bool) -> dict:
     counts = prof.snapshot()
     last = {k: v for k, v in counts.items() if k != "ms"}
     return {"arm": row["arm"], "step_ms": round(step_ms, 1), "generate_ms": ms.get("generate", 0.0),
-            "ms": ms, "last_step": last,
+            "ms": ms, "last_step": last, "kernels": built.get("kernels"),
             "top_ops": {p: prof.counter.by_name[p].most_common(8) for p in ("logprobs", "backward", "push", "other")}}
 
 
@@ -215,6 +242,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     ap.add_argument("--gradient-checkpointing", type=int, default=None,
                     help="1/0 (default: on with CUDA, as bench_trl_step.py)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also torch.profiler the counted step: total kernel time, top kernels")
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="profile_trl_"))
     args = ap.parse_args()
     if args.steps < 3:
@@ -245,6 +274,12 @@ def main() -> None:
         for p in phases:
             print(p.ljust(10) + str(r["ms"].get(p, 0)).rjust(10)
                   + "".join(str(r["last_step"][k].get(p, 0)).rjust(22) for k in keys))
+        if r["kernels"]:
+            k = r["kernels"]
+            print(f"device time of the counted step's kernels: {k['device_ms']} ms "
+                  f"({k['launches']} launches) against a step of {r['step_ms']} ms")
+            for name, n, ms in k["top"][:15]:
+                print(f"  {ms:9.2f} ms {n:6d}x  {name}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "profile_trl_step.json")
     with open(path, "w") as f:
