@@ -263,7 +263,14 @@ def main() -> None:
     load_model(args.model, dtype=args.dtype, seed=0, **overrides).save_pretrained(model_dir)
     tok = load_tokenizer(args.model)
     tok.save_pretrained(model_dir)
-    rows = [profile_arm(arm, args, model_dir, tok, cuda) for arm in arms]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "profile_trl_step.json")
+    rows = []
+    for arm in arms:  # the JSON after every arm: a run cut short keeps what it measured
+        rows.append(profile_arm(arm, args, model_dir, tok, cuda))
+        with open(path, "w") as f:
+            json.dump({"args": vars(args), "cuda": cuda, "rows": rows,
+                       "complete": len(rows) == len(arms)}, f, indent=1, default=str)
     keys = ("ops", "syncs", "calls", "layer0_forwards", "lm_head_module_calls")
     phases = ("generate", "score", "logprobs", "loss", "backward", "push", "other")
     print(f"ms: mean of steps 2..{args.steps - 1} (synchronised at phase boundaries); counts: step {args.steps}")
@@ -280,10 +287,6 @@ def main() -> None:
                   f"({k['launches']} launches) against a step of {r['step_ms']} ms")
             for name, n, ms in k["top"][:15]:
                 print(f"  {ms:9.2f} ms {n:6d}x  {name}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "profile_trl_step.json")
-    with open(path, "w") as f:
-        json.dump({"args": vars(args), "cuda": cuda, "rows": rows}, f, indent=1, default=str)
     print(f"\nJSON (with the most frequent aten ops per phase): {path}")
 
 
