@@ -18,6 +18,18 @@ compared (``--check-greedy``). The goal shape of issue 15 (64 sequences, P256)::
     python benchmarks/bench_sampler.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128 \
         --Gs 8 --compile both --kv-gb 8 --out benchmarks/results
 
+``--compile-scope`` picks what the compiled arm compiles (``SamplerConfig.compile_scope``):
+one decoder layer reused by every layer (``layers``, the default), the whole model
+(``model``), or ``both``: one compiled engine per scope, arms ``compiled-layers`` and
+``compiled-model`` side by side (compile seconds from the warm-up, step times per case; with
+``--check-greedy`` every arm's greedy tokens against the first arm's). Run each arm's compile
+on a cold Inductor cache (``TORCHINDUCTOR_CACHE_DIR`` fresh) to see the first-use cost. A CPU
+smoke run::
+
+    python benchmarks/bench_sampler.py --model tiny:qwen3 --dtype float32 --groups 2 --G 2 \
+        --prompt-len 32 --new-tokens 8 --kv-gb 0.01 --compile both --compile-scope both \
+        --out /tmp/bench_sampler
+
     python benchmarks/bench_sampler.py --out benchmarks/results
     -> results/bench_sampler.json, results/bench_sampler.png
 """
@@ -75,22 +87,30 @@ def attention_ms_per_step(engine: SamplingEngine, prompts: list[list[int]], G: i
     return total_us / 1e3 / r["decode_steps"]
 
 
-def device_ops(engine: SamplingEngine, prompts: list[list[int]], G: int, new_tokens: int) -> int:
-    """Device operations (kernels, copies, memsets; inside CUDA-graph replays too) that
-    ``torch.profiler`` sees in one generate call."""
+def device_kernels(engine: SamplingEngine, prompts: list[list[int]], G: int,
+                   new_tokens: int) -> dict[str, tuple[int, float]]:
+    """Per device operation name (kernels, copies, memsets; inside CUDA-graph replays too):
+    ``(count, device ms)`` that ``torch.profiler`` sees in one generate call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_case(engine, prompts, G, new_tokens)
-    return sum(e.count for e in prof.key_averages() if str(e.device_type).endswith("CUDA"))
+    return {e.key: (e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
+            if str(e.device_type).endswith("CUDA")}
 
 
-def device_ops_per_step(engine: SamplingEngine, args, G: int, vocab: int, steps: int = 16) -> float:
-    """Device operations per decode step: a run with ``steps`` decode steps minus the same run
-    with none (prefill + first token only), both on fresh prompts of the same shape."""
-    long = device_ops(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=3001 + G), G, steps + 1)
-    short = device_ops(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=3002 + G), G, 1)
-    return (long - short) / steps
+def decode_kernels_per_step(engine: SamplingEngine, args, G: int, vocab: int,
+                            steps: int = 16, top: int = 15) -> dict:
+    """Device operations and their device time per decode step: a run with ``steps`` decode
+    steps minus the same run with none (prefill + first token only), both on fresh prompts of
+    the same shape, per operation name; the total and the ``top`` by time."""
+    long = device_kernels(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=3001 + G), G, steps + 1)
+    short = device_kernels(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=3002 + G), G, 1)
+    per = {k: ((n - short.get(k, (0, 0.0))[0]) / steps, (ms - short.get(k, (0, 0.0))[1]) / steps)
+           for k, (n, ms) in long.items()}
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])
+    return {"ops": sum(n for n, _ in per.values()), "ms": sum(ms for _, ms in per.values()),
+            "top": [[k[:100], round(n, 2), round(ms, 4)] for k, (n, ms) in ranked[:top]]}
 
 
 def greedy_check(engine: SamplingEngine, vocab: int, tokens: int) -> dict:
@@ -121,13 +141,25 @@ def greedy_check(engine: SamplingEngine, vocab: int, tokens: int) -> dict:
 
 
 ARMS = {"on": (True,), "off": (False,), "both": (True, False)}
+SCOPES = {"layers": ("layers",), "model": ("model",), "both": ("layers", "model")}
 
 
-def arm_name(compiled: bool) -> str:
-    return "compiled" if compiled else "eager"
+def arms(compile_: str, scope: str) -> dict[str, dict]:
+    """``{arm name: SamplerConfig overrides}``: ``compiled`` / ``eager``, the compiled arm as
+    ``compiled-<scope>`` per scope when ``scope`` is both."""
+    out = {}
+    for c in ARMS[compile_]:
+        if not c:
+            out["eager"] = {"compile_decode": False}
+        elif len(SCOPES[scope]) == 1:
+            out["compiled"] = {"compile_decode": True, "compile_scope": SCOPES[scope][0]}
+        else:
+            out.update({f"compiled-{s}": {"compile_decode": True, "compile_scope": s}
+                        for s in SCOPES[scope]})
+    return out
 
 
-def warm_up(engine: SamplingEngine, args, cases: list[int], vocab: int) -> dict:
+def warm_up(engine: SamplingEngine, name: str, args, cases: list[int], vocab: int) -> dict:
     """Capture each (batch, fca) graph and compile (Triton kernels, the compiled step) on
     other prompts; returns what that cost."""
     runner = engine.backend.runner
@@ -138,30 +170,35 @@ def warm_up(engine: SamplingEngine, args, cases: list[int], vocab: int) -> dict:
             run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=1000 + 10 * G + fca), G, 8)
     st = engine.stats()
     out = {"warmup_s": time.perf_counter() - t0, "compiles": st["compiles"], "compile_s": st["compile_s"],
+           "compile_scope": st["compile_scope"], "compile_scope_reason": st["compile_scope_reason"],
            "graph_captures": st["graph_captures"], "graph_capture_s": st["graph_capture_s"],
            "compile_error": runner.compiled.error if runner.compiled is not None else None}
-    print(f"{arm_name(runner.compiled is not None)} warm-up: {out}", flush=True)
+    print(f"{name} warm-up: {out}", flush=True)
     return out
 
 
 def arms_agree(engines: dict, vocab: int, tokens: int) -> dict:
-    """Greedy tokens of the compiled and the eager arm (n=2 forks, FCA on and off): per prompt
-    x fork, how many leading tokens agree (bf16 may flip a near-tie)."""
-    g = np.random.default_rng(11)
+    """Greedy tokens of every other arm vs the first (n=2 forks, FCA on and off): per prompt
+    x fork, how many leading tokens agree (bf16 may flip a near-tie); keyed ``"<arm> vs
+    <first>"`` (just ``fca`` / ``paged`` with two arms, as before)."""
+    g = np.random.default_rng(5)  # no timed case's seed (10 * G + fca): no prefix-cache hits there
     longest = next(iter(engines.values())).backend.max_model_len - tokens - 1
     prompts = [g.integers(100, vocab - 100, size=min(n, longest)).tolist() for n in (37, 300, 129)]
-    report = {}
+    outs: dict[str, dict] = {name: {} for name in engines}
     for fca in (True, False):
-        outs = []
-        for engine in engines.values():
+        for name, engine in engines.items():
             engine.backend.runner.use_fca = fca
-            outs.append(engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=tokens,
-                                                                stop_token_ids=())))
-        report["fca" if fca else "paged"] = [
-            [next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), tokens)
-             for x, y in zip(ox, oy)] for ox, oy in zip(*outs)]
-    print(f"greedy agreement compiled vs eager (leading tokens of {tokens}): {report}", flush=True)
-    return report
+            outs[name]["fca" if fca else "paged"] = engine.generate(
+                prompts, SamplingParams(n=2, temperature=0, max_tokens=tokens, stop_token_ids=()))
+    first, *others = engines
+    report = {}
+    for name in others:
+        report[f"{name} vs {first}"] = {
+            path: [[next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), tokens)
+                    for x, y in zip(ox, oy)] for ox, oy in zip(outs[name][path], outs[first][path])]
+            for path in ("fca", "paged")}
+    print(f"greedy agreement (leading tokens of {tokens}): {report}", flush=True)
+    return next(iter(report.values())) if len(report) == 1 else report
 
 
 def main() -> None:
@@ -178,9 +215,12 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--compile", choices=sorted(ARMS), default="on",
                     help="decode step compiled (SamplerConfig.compile_decode), eager, or both arms")
+    ap.add_argument("--compile-scope", choices=sorted(SCOPES), default="layers",
+                    help="what the compiled arm compiles (SamplerConfig.compile_scope): one decoder "
+                         "layer for all, the whole model, or both (one compiled arm per scope)")
     ap.add_argument("--check-greedy", type=int, default=0, metavar="TOKENS",
                     help="first compare greedy tokens with HF generate on the same weights "
-                         "(and, with --compile both, the two arms with each other)")
+                         "(and, with several arms, every arm with the first)")
     ap.add_argument("--profile", action="store_true",
                     help="also time the decode attention kernels and count the device ops per "
                          "decode step (torch.profiler)")
@@ -194,20 +234,21 @@ def main() -> None:
                         max_model_len=args.prompt_len + args.new_tokens + args.block_size,
                         cuda_graphs=not args.no_graphs)
     # one engine per arm (same seed: same weights); FCA toggled on each model runner per run
-    engines = {c: SamplingEngine(replace(cfg, compile_decode=c)) for c in ARMS[args.compile]}
+    engines = {name: SamplingEngine(replace(cfg, **kw))
+               for name, kw in arms(args.compile, args.compile_scope).items()}
     first = next(iter(engines.values()))
     vocab = first.backend.runner.vocab_size
     results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "arms": {}}
     if args.check_greedy:
         results["greedy_check"] = greedy_check(first, vocab, args.check_greedy)
-    for c, engine in engines.items():
-        results["arms"][arm_name(c)] = warm_up(engine, args, cases, vocab)
-    if args.check_greedy and len(engines) == 2:
+    for name, engine in engines.items():
+        results["arms"][name] = warm_up(engine, name, args, cases, vocab)
+    if args.check_greedy and len(engines) >= 2:
         results["arms_agree"] = arms_agree(engines, vocab, args.check_greedy)
 
     for G in cases:
-        for c, engine in engines.items():  # arms interleaved per case
+        for name, engine in engines.items():  # arms interleaved per case
             runner = engine.backend.runner
             row = {}
             for fca in (True, False):  # fresh prompts per arm: each must compute its own prefill
@@ -216,34 +257,45 @@ def main() -> None:
                              G, args.new_tokens)
                 assert r["prefill_tokens"] == args.groups * args.prompt_len, r
                 row["fca" if fca else "paged"] = r
-                print(f"G={G:3d} {arm_name(c):8} fca={fca!s:5}: {r['decode_tok_per_s']:10.0f} tok/s  "
+                print(f"G={G:3d} {name:8} fca={fca!s:5}: {r['decode_tok_per_s']:10.0f} tok/s  "
                       f"{r['ms_per_step']:7.3f} ms/step  prefill {r['prefill_tokens']} tok "
                       f"in {r['prefill_time_s']:.2f}s  preemptions {r['preemptions']}", flush=True)
             row["speedup"] = row["fca"]["decode_tok_per_s"] / row["paged"]["decode_tok_per_s"]
-            print(f"G={G} {arm_name(c)}: FCA decode speedup {row['speedup']:.2f}x", flush=True)
-            results["arms"][arm_name(c)][f"G{G}"] = row
+            print(f"G={G} {name}: FCA decode speedup {row['speedup']:.2f}x", flush=True)
+            results["arms"][name][f"G{G}"] = row
             if args.profile:
                 for fca in (True, False):
                     runner.use_fca = fca
                     prompts = make_prompts(args.groups, args.prompt_len, vocab, seed=2000 + 10 * G + fca)
                     attn = attention_ms_per_step(engine, prompts, G, steps=min(16, args.new_tokens - 1))
                     row["fca" if fca else "paged"]["attention_ms_per_step"] = attn
-                    print(f"G={G:3d} {arm_name(c):8} fca={fca!s:5}: decode attention kernels "
+                    print(f"G={G:3d} {name:8} fca={fca!s:5}: decode attention kernels "
                           f"{attn:.3f} ms/step", flush=True)
                     if torch.cuda.is_available():
-                        ops = device_ops_per_step(engine, args, G, vocab, steps=min(16, args.new_tokens - 1))
-                        row["fca" if fca else "paged"]["device_ops_per_step"] = ops
-                        print(f"G={G:3d} {arm_name(c):8} fca={fca!s:5}: {ops:.0f} device ops per "
-                              "decode step", flush=True)
-        if len(engines) == 2:
-            arms = results["arms"]
-            for path in ("fca", "paged"):
-                ratio = arms["eager"][f"G{G}"][path]["ms_per_step"] / arms["compiled"][f"G{G}"][path]["ms_per_step"]
-                print(f"G={G} {path}: compiled decode step {ratio:.2f}x faster than eager", flush=True)
-        results[f"G{G}"] = results["arms"][arm_name(next(iter(engines)))][f"G{G}"]  # first arm
+                        k = decode_kernels_per_step(engine, args, G, vocab, steps=min(16, args.new_tokens - 1))
+                        row["fca" if fca else "paged"]["device_ops_per_step"] = k["ops"]
+                        row["fca" if fca else "paged"]["decode_kernels"] = k
+                        print(f"G={G:3d} {name:8} fca={fca!s:5}: {k['ops']:.0f} device ops, "
+                              f"{k['ms']:.3f} ms of device time per decode step; the most:", flush=True)
+                        for kname, n, ms in k["top"]:
+                            print(f"    {ms:8.4f} ms {n:6.1f}x  {kname}", flush=True)
+        compare_arms(results["arms"], G)
+        results[f"G{G}"] = results["arms"][next(iter(engines))][f"G{G}"]  # first arm
     with open(os.path.join(args.out, "bench_sampler.json"), "w") as f:
         json.dump(results, f, indent=2)
     plot(results, args, cases, os.path.join(args.out, "bench_sampler.png"))
+
+
+def compare_arms(arms_: dict, G: int) -> None:
+    """Print each compiled arm's step-time ratio to the eager arm, and the layer scope's to the
+    model scope's (>1: the first is faster)."""
+    pairs = [(c, "eager") for c in arms_ if c.startswith("compiled") and "eager" in arms_]
+    if {"compiled-layers", "compiled-model"} <= set(arms_):
+        pairs.append(("compiled-layers", "compiled-model"))
+    for fast, slow in pairs:
+        for path in ("fca", "paged"):
+            ratio = arms_[slow][f"G{G}"][path]["ms_per_step"] / arms_[fast][f"G{G}"][path]["ms_per_step"]
+            print(f"G={G} {path}: {fast} decode step {ratio:.2f}x as fast as {slow}", flush=True)
 
 
 def plot(results: dict, args, cases: list[int], path: str) -> None:
@@ -266,8 +318,8 @@ def plot(results: dict, args, cases: list[int], path: str) -> None:
                .replace("fca", "FCA"))
     ax.set_xticks(x, labels)
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"{args.model} {args.dtype} (decode {args.compile}): {args.groups} prompts x G, P{args.prompt_len}, "
-                 f"{args.new_tokens} new", fontsize=9)
+    ax.set_title(f"{args.model} {args.dtype} (decode {args.compile}, scope {args.compile_scope})\n"
+                 f"{args.groups} prompts x G, P{args.prompt_len}, {args.new_tokens} new", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -107,6 +107,7 @@ VALUES = {
     "sampling.cuda_graphs": (False, [], {}),
     "sampling.async_scheduling": (False, [], {}),
     "sampling.compile_decode": (True, [], {}),
+    "sampling.compile_scope": ("model", [], {}),
 }
 
 

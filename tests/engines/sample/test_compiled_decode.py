@@ -1,10 +1,13 @@
 """The compiled decode step (``SamplerConfig.compile_decode``, Inductor on CPU) equals the eager
 one, for a full-attention family with q/k norms (Qwen3) and a windowed, soft-capped one
-(Gemma 2): every step's full logits over a teacher-forced multi-step decode (ragged rows,
+(Gemma 2), in both compile scopes (one decoder layer's graph reused by every layer, or the
+whole model): every step's full logits over a teacher-forced multi-step decode (ragged rows,
 shared pages, the batch shrinking to one row; FCA and paged), and greedy tokens + log-probs
 over generates with forks, ragged prompts and a batch of one (padded to two rows). One
-compile per attention path serves every CUDA-graph bucket; past the compile bound, or when a
-compile fails, the runner decodes eagerly with a warning and the same numbers.
+compile per attention path (and layer kind, per layer scope) serves every CUDA-graph bucket
+and every layer, however many; a model whose layers cannot be found compiles whole; past the
+compile bound, or when a compile fails, the runner decodes eagerly with a warning and the
+same numbers.
 """
 from __future__ import annotations
 
@@ -18,12 +21,17 @@ from polynya.engines.sample.native import compiled
 from polynya.models import TINY_SLIDING_WINDOW
 
 NEW = 6
+# compiles of a runner that decoded both attention paths (FCA, paged): one graph per path, and
+# in the layer scope per layer kind too (Gemma 2 alternates windowed and full layers, whose
+# graphs differ in the window and, on FCA steps, in the op: windowed layers decode paged)
+COMPILES = {("qwen3", "layers"): 2, ("gemma2", "layers"): 4, ("qwen3", "model"): 2,
+            ("gemma2", "model"): 2}
 
 
-def make_engine(family: str, compile_decode: bool) -> SamplingEngine:
+def make_engine(family: str, compile_decode: bool, scope: str = "layers") -> SamplingEngine:
     return SamplingEngine(SamplerConfig(f"tiny:{family}", dtype="float32", device="cpu", num_blocks=64,
                                         max_num_seqs=8, fca_min_shared_tokens=0,
-                                        compile_decode=compile_decode))
+                                        compile_decode=compile_decode, compile_scope=scope))
 
 
 def calls(seed: int) -> list[tuple[list[list[int]], SamplingParams]]:
@@ -64,9 +72,10 @@ def teacher_forced(runner, forward, fca: bool) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("scope", ["layers", "model"])
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])
-def test_compiled_decode_equals_eager(family, monkeypatch):
-    eager, comp = make_engine(family, False), make_engine(family, True)
+def test_compiled_decode_equals_eager(family, scope, monkeypatch):
+    eager, comp = make_engine(family, False), make_engine(family, True, scope)
     for prompts, params in calls(len(family)):
         want = eager.generate(prompts, params)
         got = comp.generate(prompts, params)
@@ -81,13 +90,15 @@ def test_compiled_decode_equals_eager(family, monkeypatch):
     stats = comp.stats()
     assert runner.compiled.error is None
     assert 0 < stats["fca_steps"] < stats["decode_steps"]  # both attention paths ran compiled
-    # one graph per attention path serves every batch size and table width
-    assert stats["compiles"] == 2 and stats["compile_s"] > 0
+    # one graph per attention path (and layer kind) serves every batch size and table width
+    assert stats["compiles"] == COMPILES[family, scope] and stats["compile_s"] > 0
+    assert (stats["compile_scope"], stats["compile_scope_reason"]) == (scope, None)
     assert eager.stats()["compiles"] == 0 and eager.backend.runner.compiled is None
+    assert eager.stats()["compile_scope"] is None
 
     # past the bound a recompile is refused (here: int64 block tables fail a dtype guard), and
     # the runner decodes eagerly from then on, with a warning and the same logits
-    monkeypatch.setattr(compiled, "MAX_COMPILES", stats["compiles"])
+    monkeypatch.setattr(compiled, "MAX_COMPILES", stats["compiles"] // runner.compiled.layer_kinds)
     ref = teacher_forced(runner, runner._decode_eager, False)
 
     def wide(ids, pos, slots, tables, lens, fca):
@@ -98,17 +109,63 @@ def test_compiled_decode_equals_eager(family, monkeypatch):
     assert runner.compiled.error is not None and comp.stats()["compiles"] == stats["compiles"]
 
 
-def test_compile_failure_decodes_eagerly_with_a_warning(monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_layer_graphs_serve_every_layer(family, monkeypatch):
+    """Six decoder layers instead of two: the layer scope compiles exactly as often (each
+    layer kind's graph serves all its layers: parameters and the layer index are graph
+    inputs, not guards), and every step's logits equal the eager step's."""
+    from polynya import models
+
+    monkeypatch.setitem(models._TINY, family, dict(models._TINY[family], num_hidden_layers=6))
+    engine = make_engine(family, True)
+    runner = engine.backend.runner
+    assert runner.num_layers == 6 and len(runner.compiled._layers) == 6
+    for fca in (True, False):
+        ref = teacher_forced(runner, runner._decode_eager, fca)
+        torch.testing.assert_close(teacher_forced(runner, runner.compiled, fca), ref,
+                                   rtol=1e-5, atol=1e-5)
+    assert runner.compiled.error is None
+    assert engine.stats()["compiles"] == COMPILES[family, "layers"]
+
+
+def test_layers_not_found_compile_the_whole_model(monkeypatch):
+    """Decoder layers of more than one class (here the last one re-classed) share no layer
+    graph: the runner compiles the whole model, says why in ``stats()``, and decodes the same
+    numbers as the eager step."""
+    from polynya.engines.sample.native import model_runner
+    from polynya.models import load_model
+
+    def mixed(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        last = model.model.layers[-1]
+        last.__class__ = type("OtherDecoderLayer", (type(last),), {})
+        return model
+
+    monkeypatch.setattr(model_runner, "load_model", mixed)
+    comp = make_engine("qwen3", True)
+    runner = comp.backend.runner
+    stats = comp.stats()
+    assert stats["compile_scope"] == "model" and runner.compiled._layers is None
+    assert "no decoder layers found" in stats["compile_scope_reason"]
+    for fca in (True, False):
+        ref = teacher_forced(runner, runner._decode_eager, fca)
+        torch.testing.assert_close(teacher_forced(runner, runner.compiled, fca), ref,
+                                   rtol=1e-5, atol=1e-5)
+    assert runner.compiled.error is None and comp.stats()["compiles"] == 2
+
+
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_compile_failure_decodes_eagerly_with_a_warning(scope, monkeypatch):
     calls_made = []
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         calls_made.append(1)
         raise RuntimeError("graph break in some model code\nmore detail")
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
     prompts, params = calls(0)[0]
     want = make_engine("qwen3", False).generate(prompts, params)
-    comp = make_engine("qwen3", True)
+    comp = make_engine("qwen3", True, scope)
     with pytest.warns(RuntimeWarning, match=r"cannot be compiled \(RuntimeError: graph break in "
                                             r"some model code\); decoding with the eager model"):
         got = comp.generate(prompts, params)
@@ -147,8 +204,7 @@ def test_compiled_steps_of_engines_in_threads_take_turns(monkeypatch):
 
     for e in engines:
         runner = e.backend.runner
-        runner.compiled._step = wrap(torch.compile(compiled._own_copy(compiled._decode_step),
-                                                   backend=runner.compiled._inductor, fullgraph=True))
+        runner.compiled._step = wrap(runner.compiled.make_step())
     prompts, params = calls(3)[0]
     outs = [None, None]
     threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, engines[i].generate(prompts, params)))

@@ -21,7 +21,8 @@ def test_defaults_validate():
     ("cuda_graphs", 1), ("seed", 1.5), ("seed", True), ("fca_min_shared_tokens", -1),
     ("fca_min_shared_tokens", 2.0), ("fca_min_shared_tokens", True), ("async_scheduling", 1),
     ("async_scheduling", None),
-    ("compile_decode", 1), ("compile_decode", "auto"),
+    ("compile_decode", 1), ("compile_decode", "auto"), ("compile_scope", "layer"),
+    ("compile_scope", None),
 ])
 def test_bad_fields_raise_value_error(field, value):
     kwargs = {"model": "tiny:qwen3", field: value}
@@ -31,7 +32,7 @@ def test_bad_fields_raise_value_error(field, value):
 
 def test_compile_decode_default_is_on_for_cuda_only():
     auto = SamplerConfig("tiny:qwen3")
-    assert auto.compile_decode is None
+    assert auto.compile_decode is None and auto.compile_scope == "layers"
     assert auto.decode_compiled("cuda") and not auto.decode_compiled("cpu")
     for forced in (True, False):
         cfg = SamplerConfig("tiny:qwen3", compile_decode=forced)

@@ -18,7 +18,11 @@ their true ``position_ids``). Per layer the function
 
 The compiled decode (``compiled.py``) passes the whole cache in ``StepContext.cache``; steps 1-2
 then run as one ``torch.library`` custom op per layer (``paged_decode_layer`` /
-``fca_decode_layer``, declared to mutate the cache), opaque to ``torch.compile``.
+``fca_decode_layer``, declared to mutate the cache), opaque to ``torch.compile``. Nothing of that
+branch reads a layer's Python ``layer_idx`` (Dynamo would guard on the int: one graph per layer):
+the op takes the layer as the 0-dim tensor ``tag_layers`` gives each attention module, and the
+window as the model passes it — so one compiled decoder layer serves every layer of its kind
+(``compile_scope="layers"``) and a whole-model compile (``"model"``) works the same.
 
 What the model's attention needs (``polynya.model_features``) is honoured per layer: a
 sliding-window layer's prefill masks keys more than ``W - 1`` positions back and its decode
@@ -45,6 +49,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NAME = "polynya_paged"
 CTX_KWARG = "polynya_ctx"
+LAYER_ATTR = "polynya_layer"  # an attention module's layer index as a 0-dim int64 CPU tensor
 SUPPORTS = frozenset({WINDOWS, SOFTCAP})  # model features the native sampler implements
 
 
@@ -128,6 +133,29 @@ def register() -> None:
     AttentionInterface.register(NAME, paged_attention)
 
 
+def tag_layers(model: torch.nn.Module) -> int:
+    """Give every module of ``model`` with an int ``layer_idx`` (the attention modules) its
+    index as a 0-dim int64 CPU tensor ``LAYER_ATTR``, which the compiled decode's ops take.
+    A plain attribute (not a buffer: ``state_dict``, ``.to()`` and the weight checksums never
+    see it); Dynamo lifts it as a graph input, so layers differ in a tensor's value, not in a
+    guard. Idempotent; returns how many modules were tagged."""
+    tagged = 0
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            setattr(module, LAYER_ATTR, torch.tensor(idx, dtype=torch.int64))
+            tagged += 1
+    return tagged
+
+
+def _layer_tensor(module: torch.nn.Module) -> torch.Tensor:
+    layer = getattr(module, LAYER_ATTR, None)
+    if layer is None:
+        raise RuntimeError(f"{type(module).__name__} has no {LAYER_ATTR!r} (tag_layers): the "
+                           "compiled decode cannot tell which layer's cache it writes")
+    return layer
+
+
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, attention_mask: torch.Tensor | None,
                     scaling: float | None = None, dropout: float = 0.0,
@@ -146,14 +174,17 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                            "run the model through polynya's ModelRunner")
     if kwargs.get("s_aux") is not None:
         raise ValueError("the native sampler does not implement attention sinks")
-    window = (ctx.features.check_call(module.layer_idx, kwargs) if ctx.features is not None
-              else kwargs.get("sliding_window"))
     softcap = kwargs.get("softcap")
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     if ctx.cache is not None:  # compiled decode: cache write + attention as one opaque op
-        return _decode_op(q, k, v, ctx, module.layer_idx, scaling, window, softcap).unsqueeze(0), None
+        # the window as the model passes it: the layer's prefill (eager, before any decode of
+        # it) checked it against the config; no Python layer index in traced code
+        return _decode_op(q, k, v, ctx, _layer_tensor(module), scaling,
+                          kwargs.get("sliding_window"), softcap).unsqueeze(0), None
+    window = (ctx.features.check_call(module.layer_idx, kwargs) if ctx.features is not None
+              else kwargs.get("sliding_window"))
     k_cache = v_cache = None
     if ctx.slot_mapping is not None:  # None: a scoring pass, which neither reads nor writes pages
         k_cache, v_cache = ctx.kv_caches[module.layer_idx]
@@ -275,12 +306,13 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @torch.library.custom_op("polynya::paged_decode_layer", mutates_args=("cache",))
 def paged_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                       layer: int, slots: torch.Tensor, block_tables: torch.Tensor,
+                       layer: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, scale: float | None, window: int | None,
                        softcap: float | None) -> torch.Tensor:
     """Write layer ``layer``'s new keys / values ``[B, Hkv, D]`` into ``cache`` (the whole
-    ``[layers, 2, ...]`` cache) and attend ``q [B, Hq, D]`` over the pages; ``[B, Hq, D]``."""
-    k_cache, v_cache = cache[layer, 0], cache[layer, 1]
+    ``[layers, 2, ...]`` cache) and attend ``q [B, Hq, D]`` over the pages; ``[B, Hq, D]``.
+    ``layer``: 0-dim CPU tensor (``tag_layers``), read on the host (no device sync)."""
+    k_cache, v_cache = cache[int(layer)]  # [2, ...]: this layer's keys, values
     write_kv(k_cache, v_cache, slots, k, v)
     return _decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, window,
                    softcap).contiguous()
@@ -288,13 +320,13 @@ def paged_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
 
 @torch.library.custom_op("polynya::fca_decode_layer", mutates_args=("cache", "counters"))
 def fca_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                     layer: int, slots: torch.Tensor, block_tables: torch.Tensor,
+                     layer: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, work: list[torch.Tensor], counters: torch.Tensor,
                      max_shared_slots: int, scale: float | None,
                      softcap: float | None) -> torch.Tensor:
     """``paged_decode_layer`` through FCA with the step's plan (``ForestPlan.work_tensors``
     and its ``counters``, which the kernels use and reset)."""
-    k_cache, v_cache = cache[layer, 0], cache[layer, 1]
+    k_cache, v_cache = cache[int(layer)]  # [2, ...]: this layer's keys, values
     write_kv(k_cache, v_cache, slots, k, v)
     plan = ForestPlan.from_tensors(block_tables, seq_lens, cache.shape[3], max_shared_slots,
                                    work, counters)
@@ -313,8 +345,9 @@ def _(q, k, v, cache, layer, slots, block_tables, seq_lens, work, counters, max_
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
-               scale: float | None, window: int | None, softcap: float | None) -> torch.Tensor:
+def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
+               layer: torch.Tensor, scale: float | None, window: int | None,
+               softcap: float | None) -> torch.Tensor:
     """One layer of the compiled decode: FCA's op for full-attention layers of an FCA step,
     the paged op otherwise (windowed layers read only their window)."""
     plan = ctx.plan

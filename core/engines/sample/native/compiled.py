@@ -6,11 +6,27 @@ count. Compiled, Inductor fuses them around the GEMMs, and the result is capture
 same ``DecodeGraphs`` buckets as the eager step (the compile runs on the warm-up calls before
 the capture; replays run no Python at all).
 
-What is compiled is the HF model's forward only: the forest plan is built eagerly before it
-(inside the CUDA graph, as before) and each layer's cache write + decode attention is one
-opaque ``torch.library`` op (``attention.paged_decode_layer`` / ``fca_decode_layer``), so
-Dynamo never traces into the Triton launchers. Prefill stays eager: its shapes change every
-step (new prompt lengths), a compile per shape would cost more than it saves.
+What is compiled (``SamplerConfig.compile_scope``):
+
+* ``"layers"`` (default, "regional compilation"): one decoder layer's forward. Every layer of
+  the model runs the same code, Dynamo lifts the layer's parameters (and its layer index, a
+  0-dim tensor: ``attention.tag_layers``) as graph inputs, so one graph serves every layer of
+  a kind (same window, same attention path) and a compile traces one layer, not N. Each
+  decoder layer's ``forward`` is routed (an instance attribute, set once): a call carrying the
+  compiled decode's context (``StepContext.cache``) goes through this runner's compiled layer
+  function; every other call (prefill, scoring, the eager decode) runs the layer as before.
+  The embedding, rotary, final norm and LM head run eagerly around the layers (inside the
+  same CUDA graph: no Python at replay). Without CUDA graphs every layer call pays Dynamo's
+  guard check and call wrapper (~0.1 ms each on the CPU), where the ``"model"`` scope pays it
+  once per step;
+* ``"model"``: the whole HF model's forward (may fuse across layer boundaries; ~N times the
+  compile cost). Taken as well when the decoder layers cannot be found (``scope_reason``).
+
+Either way the forest plan is built eagerly before the forward (inside the CUDA graph, as
+before) and each layer's cache write + decode attention is one opaque ``torch.library`` op
+(``attention.paged_decode_layer`` / ``fca_decode_layer``), so Dynamo never traces into the
+Triton launchers. Prefill stays eager: its shapes change every step (new prompt lengths), a
+compile per shape would cost more than it saves.
 
 Compiles are bounded:
 
@@ -18,33 +34,37 @@ Compiles are bounded:
   tensors) is marked dynamic; a batch of one is padded to two rows (the extra row decodes into
   the scratch page, like a CUDA-graph padding row) because torch specialises sizes 0 and 1;
 * FCA and plain paged steps call different ops, so a runner compiles one graph per attention
-  path (two), plus whatever a guard failure costs, up to ``MAX_COMPILES``; past it, and while a
-  CUDA graph is being captured, a recompile raises instead;
+  path (two), times the layer kinds in the ``"layers"`` scope (Gemma 2's windowed and full
+  layers: four), plus whatever a guard failure costs, up to ``MAX_COMPILES`` per layer kind;
+  past it, and while a CUDA graph is being captured, a recompile raises instead;
 * any failure to compile (a graph break, an unsupported op, a limit hit) makes the runner
   decode eagerly from then on, with a ``RuntimeWarning`` saying why — never a crash and never
   different numbers.
 
-Each runner compiles its own copy of the step function (Dynamo keeps graphs and the recompile
-limit per code object), so its graphs and its budget go with it. ``compiles`` / ``compile_s``
+Each runner compiles its own copy of the step (or layer) function (Dynamo keeps graphs and the
+recompile limit per code object), so its graphs and its budget go with it. ``compiles`` / ``compile_s``
 count its compiles and the wall seconds of the calls that compiled (Dynamo trace + Inductor +
 the first run; Inductor's on-disk cache makes a repeat in a later process or runner cheaper).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import types
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from polynya.model_features import attention_features, text_config
 
 from . import attention
 
-# per runner: one graph per attention path under CUDA graphs (fixed block-table width); the
-# graph-less path may add a specialisation for a one-block width and one per 2048 tokens of
-# context (FCA's slot count follows the width)
+# per runner and layer kind: one graph per attention path under CUDA graphs (fixed block-table
+# width); the graph-less path may add a specialisation for a one-block width and one per 2048
+# tokens of context (FCA's slot count follows the width)
 MAX_COMPILES = 8
 # Dynamo's stance and config patches are process-wide, not per thread: compiled steps of
 # several engines in one process (threads) run one at a time, so one engine's CUDA-graph
@@ -55,9 +75,54 @@ _DYNAMO_SETTINGS = threading.RLock()
 
 def _decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
                  ctx: attention.StepContext) -> torch.Tensor:
-    """The function ``torch.compile`` traces: one decode forward; ``[B, V]`` logits."""
+    """One decode forward; ``[B, V]`` logits. What ``torch.compile`` traces in the ``"model"``
+    scope; in the ``"layers"`` scope it runs eagerly around the compiled layers."""
     out = model(input_ids=ids, position_ids=pos, use_cache=False, **{attention.CTX_KWARG: ctx})
     return out.logits[0]
+
+
+def _decode_layer(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The function ``torch.compile`` traces in the ``"layers"`` scope: one decoder layer's
+    own ``forward`` (a bound method: every layer's has the same function underneath and its
+    module's parameters become graph inputs, so one graph serves every layer of a kind)."""
+    return forward(*args, **kwargs)
+
+
+def _routed_forward(step: Callable, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    """A routed decoder layer's ``forward``: the compiled decode's calls (their context holds
+    the whole cache) through the runner's compiled ``step``, every other call as before."""
+    ctx = kwargs.get(attention.CTX_KWARG)
+    if ctx is None or ctx.cache is None:
+        return forward(*args, **kwargs)
+    _mark_layer_inputs(args, kwargs)
+    return step(forward, *args, **kwargs)
+
+
+def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.ModuleList | None, str | None]:
+    """The model's decoder layers: the first ``nn.ModuleList`` of ``num_hidden_layers`` (text
+    config) modules of one class whose ``i``-th holds an attention module with ``layer_idx
+    == i``; ``(None, why)`` when there is none."""
+    n = getattr(text_config(model.config), "num_hidden_layers", None)
+    for module in model.modules():
+        if (isinstance(module, torch.nn.ModuleList) and len(module) == n
+                and len({type(m) for m in module}) == 1
+                and all(any(getattr(sub, "layer_idx", None) == i for sub in layer.modules())
+                        for i, layer in enumerate(module))):
+            return module, None
+    return None, (f"no decoder layers found in {type(model).__name__} (an nn.ModuleList of "
+                  f"num_hidden_layers={n} modules of one class, layer i holding the attention "
+                  "module with layer_idx i)")
+
+
+def _route(layers: torch.nn.ModuleList, step: Callable) -> None:
+    """Route each layer's calls (``_routed_forward``) to ``step``; routing again replaces the
+    step (the layer's own forward stays the one underneath)."""
+    for layer in layers:
+        forward = layer.forward
+        if isinstance(forward, functools.partial) and forward.func is _routed_forward:
+            forward = forward.args[1]
+        # a partial of module-level functions (as polynya.fused): deepcopy keeps the pairing
+        layer.forward = functools.partial(_routed_forward, step, forward)
 
 
 def _own_copy(fn: Callable) -> Callable:
@@ -114,6 +179,18 @@ def _mark_dynamic(ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepConte
         _mark(plan.pv_bt, 1, torch._dynamo.maybe_mark_dynamic)
 
 
+def _mark_layer_inputs(args: tuple, kwargs: dict) -> None:
+    """A decoder layer's batch-sized inputs, before each compiled layer call (each layer gets
+    new hidden states): hidden states ``[1, B, H]``, the rotary ``(cos, sin)`` ``[1, B, D]``
+    and ``position_ids`` ``[1, B]``, dim 1 each (the context's tensors are marked once per
+    step). transformers passes no attention mask to this attention (its mask functions do not
+    know it); a mask tensor would stay static (a recompile per batch size, then the limit)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    for t in (hidden, kwargs.get("position_ids"), *(kwargs.get("position_embeddings") or ())):
+        if isinstance(t, torch.Tensor):
+            _mark(t, 1)
+
+
 class CompiledDecode:
     """The compiled decode step of one model runner, with its eager fallback.
 
@@ -124,17 +201,28 @@ class CompiledDecode:
         eager: the eager decode step ``(ids, pos, slots, tables, lens, fca) -> logits``.
         scratch_block / block_size: the page padding rows write into.
         name: how warnings name the model.
+        scope: ``"layers"`` or ``"model"`` (module docstring); ``self.scope`` is the one taken
+            and ``self.scope_reason`` says why it is not the one asked for (else None).
     """
 
     def __init__(self, model: torch.nn.Module, context: Callable[..., attention.StepContext],
                  eager: Callable[..., torch.Tensor], scratch_block: int, block_size: int,
-                 name: str) -> None:
+                 name: str, scope: str = "layers") -> None:
         self.model, self.context, self.eager = model, context, eager
         self.scratch_block, self.block_size, self.name = scratch_block, block_size, name
         self.compiles = 0
         self.compile_s = 0.0
         self.error: str | None = None  # why decode runs eagerly
         self._step: Callable | None = None  # made on first use (importing Dynamo costs seconds)
+        attention.tag_layers(model)
+        self.scope, self.scope_reason = scope, None
+        self._layers, self.layer_kinds = None, 1
+        if scope == "layers":
+            self._layers, self.scope_reason = decoder_layers(model)
+            if self._layers is None:
+                self.scope = "model"
+            else:  # a graph per (layer kind, path): the compile budget grows with the kinds
+                self.layer_kinds = len(set(attention_features(model).layer_windows))
 
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         """The backend: Inductor, counted."""
@@ -158,8 +246,7 @@ class CompiledDecode:
         before, start = self.compiles, time.perf_counter()
         try:
             if self._step is None:
-                self._step = torch.compile(_own_copy(_decode_step), backend=self._inductor,
-                                           fullgraph=True, dynamic=None)
+                self._step = self.make_step()
             with _DYNAMO_SETTINGS, self._limits():
                 logits = self._step(self.model, args[0], args[1], ctx)
         except Exception as exc:  # noqa: BLE001 - any compile failure: decode eagerly, say why
@@ -170,15 +257,27 @@ class CompiledDecode:
                 self.compile_s += time.perf_counter() - start
         return logits[:batch]
 
+    def make_step(self) -> Callable:
+        """The step ``(model, ids, pos, ctx) -> [B, V] logits``: this runner's compiled copy of
+        ``_decode_step`` (``"model"``), or ``_decode_step`` itself over decoder layers routed to
+        this runner's compiled copy of ``_decode_layer`` (``"layers"``)."""
+        compile_ = functools.partial(torch.compile, backend=self._inductor, fullgraph=True,
+                                     dynamic=None)
+        if self._layers is None:
+            return compile_(_own_copy(_decode_step))
+        _route(self._layers, compile_(_own_copy(_decode_layer)))
+        return _decode_step
+
     def _limits(self) -> contextlib.ExitStack:
         """Recompiles raise (rather than run eagerly unnoticed, or compile per step) past
-        ``MAX_COMPILES`` (Dynamo's limit on this runner's code object) and during a CUDA-graph
-        capture, where a compile cannot run; sizes not marked dynamic stay static."""
+        ``MAX_COMPILES`` per layer kind (Dynamo's limit on this runner's code object) and
+        during a CUDA-graph capture, where a compile cannot run; sizes not marked dynamic stay
+        static."""
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.compiler.set_stance("fail_on_recompile" if capturing else "default"))
         stack.enter_context(torch._dynamo.config.patch(
-            recompile_limit=MAX_COMPILES, fail_on_recompile_limit_hit=True,
+            recompile_limit=MAX_COMPILES * self.layer_kinds, fail_on_recompile_limit_hit=True,
             automatic_dynamic_shapes=False))
         return stack
 

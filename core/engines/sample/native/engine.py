@@ -528,7 +528,7 @@ class NativeEngine:
                 self.runner.allocate_kv()
             self.asleep = False
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str | None]:
         """Counters since start: ``prefill_tokens`` (computed, cache hits excluded),
         ``decode_tokens``, ``scored_tokens`` (``prompt_logprobs``), ``cache_hit_tokens`` /
         ``cache_hit_blocks``, ``aborted_requests`` (requests ``abort`` stopped), ``fca_steps``
@@ -541,12 +541,13 @@ class NativeEngine:
         in prefill / decode steps (``prefill_time_s`` / ``decode_time_s``), CUDA-graph captures
         and their wall time (``graph_captures`` / ``graph_capture_s``, inside the step times),
         compiles of the decode step (``compile_decode``) and the wall time of the steps that
-        compiled (``compiles`` / ``compile_s``, inside the step and capture times)."""
+        compiled (``compiles`` / ``compile_s``, inside the step and capture times), and what
+        was compiled (``compile_scope``: ``"layers"`` / ``"model"``, None when nothing is;
+        ``compile_scope_reason``: why not the configured ``compile_scope``, else None)."""
         with self._steps.plain(), self._lock:
             captures, capture_s = self.runner.graph_stats()
-            compiles, compile_s = self.runner.compile_stats()
             return dict(self._counts, **self._times, cache_hit_blocks=self.block_manager.hit_blocks,
                         graph_captures=captures, graph_capture_s=capture_s,
-                        compiles=compiles, compile_s=compile_s,
+                        **self.runner.compile_stats(),
                         blocks_in_use=self.block_manager.num_used, num_blocks=self.block_manager.num_blocks,
                         preemptions=self.scheduler.num_preemptions, weight_version=self.weight_version)

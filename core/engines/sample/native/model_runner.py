@@ -94,7 +94,8 @@ class ModelRunner:
         self.compiled = None  # the compiled decode step (compiled.py), when compile_decode is on
         if config.decode_compiled(self.device.type):
             self.compiled = CompiledDecode(self.model, self._decode_context, self._decode_eager,
-                                           self.num_blocks, self.block_size, config.model)
+                                           self.num_blocks, self.block_size, config.model,
+                                           scope=config.compile_scope)
         shape = (self.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
                  self.head_dim)
         self._kv_memory = KVMemory(shape, self.dtype, self.device)
@@ -158,12 +159,17 @@ class ModelRunner:
             n, s = n + self.graphs.captures, s + self.graphs.capture_s
         return n, s
 
-    def compile_stats(self) -> tuple[int, float]:
-        """Compiles of the decode step by this runner and the wall seconds of the calls that
-        compiled (0, 0.0 with ``compile_decode`` off)."""
-        if self.compiled is None:
-            return 0, 0.0
-        return self.compiled.compiles, self.compiled.compile_s
+    def compile_stats(self) -> dict[str, int | float | str | None]:
+        """``compiles`` of the decode step by this runner, ``compile_s`` (the wall seconds of
+        the calls that compiled), ``compile_scope`` (the scope compiled: ``"layers"`` /
+        ``"model"``; None with ``compile_decode`` off) and ``compile_scope_reason`` (why it is
+        not the configured one, else None)."""
+        c = self.compiled
+        if c is None:
+            return {"compiles": 0, "compile_s": 0.0, "compile_scope": None,
+                    "compile_scope_reason": None}
+        return {"compiles": c.compiles, "compile_s": c.compile_s, "compile_scope": c.scope,
+                "compile_scope_reason": c.scope_reason}
 
     def _disable_graphs(self, exc: GraphCaptureError) -> None:
         """Decode eagerly from now on (the path every correctness test checks), and say why."""
