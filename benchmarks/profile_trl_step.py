@@ -147,8 +147,8 @@ class Profiler:
 
 
 class KernelTimes:
-    """``torch.profiler`` over one step: the device time of every kernel (self time, so
-    each counts once) summed, and the kernels that took the most."""
+    """``torch.profiler`` over one step: the device time of every kernel, copy and memset
+    (the device's rows only, each once) summed, and the ones that took the most."""
 
     def __init__(self, cuda: bool):
         acts = [torch.profiler.ProfilerActivity.CPU]
@@ -159,8 +159,10 @@ class KernelTimes:
 
     def stop(self, top: int = 30) -> dict:
         self.prof.__exit__(None, None, None)
+        # device rows only: an aten op's row carries its kernels' time too (counted twice)
         rows = [(e.key, e.count, e.self_device_time_total / 1e3)
-                for e in self.prof.key_averages() if e.self_device_time_total > 0]
+                for e in self.prof.key_averages()
+                if str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
         rows.sort(key=lambda r: -r[2])
         return {"device_ms": round(sum(r[2] for r in rows), 1), "kernels": len(rows),
                 "launches": sum(r[1] for r in rows),
