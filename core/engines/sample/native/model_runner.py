@@ -33,7 +33,6 @@ from .decode_inputs import DecodeInputs
 from .kv_memory import KVMemory
 from .sequence import Sequence
 
-
 KV_AUTO_FRACTION = {"cpu": 0.1, "cuda": 0.4}  # share of free memory a default-sized cache may take
 
 
