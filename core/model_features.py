@@ -25,6 +25,10 @@ config can stop a run, never bend its numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.nn import ModuleList
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 WINDOWS, SOFTCAP = "sliding-window attention", "attention soft-capping"
@@ -125,6 +129,24 @@ def text_config(config):
     """The decoder's config (multimodal configs nest it; plain ones are their own)."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
+
+
+def decoder_layers(model) -> tuple[ModuleList | None, str | None]:
+    """The model's decoder layers: the first ``nn.ModuleList`` of ``num_hidden_layers`` (text
+    config) modules of one class whose ``i``-th holds an attention module with ``layer_idx
+    == i``; ``(None, why)`` when there is none."""
+    from torch.nn import ModuleList
+
+    n = getattr(text_config(model.config), "num_hidden_layers", None)
+    for module in model.modules():
+        if (isinstance(module, ModuleList) and len(module) == n
+                and len({type(m) for m in module}) == 1
+                and all(any(getattr(sub, "layer_idx", None) == i for sub in layer.modules())
+                        for i, layer in enumerate(module))):
+            return module, None
+    return None, (f"no decoder layers found in {type(model).__name__} (an nn.ModuleList of "
+                  f"num_hidden_layers={n} modules of one class, layer i holding the attention "
+                  "module with layer_idx i)")
 
 
 def attention_features(model_or_config) -> AttentionFeatures:

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from polynya.model_features import attention_features, text_config
+from polynya.model_features import attention_features, decoder_layers
 
 from . import attention
 
@@ -96,22 +96,6 @@ def _routed_forward(step: Callable, forward: Callable, *args: Any, **kwargs: Any
         return forward(*args, **kwargs)
     _mark_layer_inputs(args, kwargs)
     return step(forward, *args, **kwargs)
-
-
-def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.ModuleList | None, str | None]:
-    """The model's decoder layers: the first ``nn.ModuleList`` of ``num_hidden_layers`` (text
-    config) modules of one class whose ``i``-th holds an attention module with ``layer_idx
-    == i``; ``(None, why)`` when there is none."""
-    n = getattr(text_config(model.config), "num_hidden_layers", None)
-    for module in model.modules():
-        if (isinstance(module, torch.nn.ModuleList) and len(module) == n
-                and len({type(m) for m in module}) == 1
-                and all(any(getattr(sub, "layer_idx", None) == i for sub in layer.modules())
-                        for i, layer in enumerate(module))):
-            return module, None
-    return None, (f"no decoder layers found in {type(model).__name__} (an nn.ModuleList of "
-                  f"num_hidden_layers={n} modules of one class, layer i holding the attention "
-                  "module with layer_idx i)")
 
 
 def _route(layers: torch.nn.ModuleList, step: Callable) -> None:
