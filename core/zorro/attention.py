@@ -123,7 +123,12 @@ def _ordinary(module, query, key, value, attention_mask, dropout, scaling, kwarg
 def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, **kwargs):
-    """query ``[b, Hq, L, D]``, key/value ``[b, Hkv, L, D]`` -> (``[b, L, Hq, D]``, None)."""
+    """query ``[b, Hq, L, D]``, key/value ``[b, Hkv, L, D]`` -> (``[b, L, Hq, D]``, None).
+
+    Traced by ``torch.compile`` (a compiled attention module: ``polynya.compiled_layers``) it
+    leaves the graph: the call runs eagerly, plans and all, between the compiled projections."""
+    if torch.compiler.is_compiling():
+        return _outside_graph(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not isinstance(attention_mask, ZorroMask):
         return _ordinary(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if kwargs.get("s_aux") is not None:
@@ -155,6 +160,9 @@ def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
             return out.view(b, length, hq, d), None
     out = _flex(query, key, value, attention_mask.flex_mask(window), scale, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+_outside_graph = torch.compiler.disable(polynya_attention_forward)
 
 
 def _segments_eager(query, key, value, bounds, scale: float, window: int | None,
