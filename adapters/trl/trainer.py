@@ -40,6 +40,8 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
+from ...compiled_layers import compile_layers as compile_model_layers
+from ...compiled_layers import compile_reason
 from ...config.sampler import SamplerConfig
 from ...engines.sample import SamplingEngine
 from ...fused import fuse_model
@@ -84,23 +86,39 @@ class GRPOTrainer(trl.GRPOTrainer):
         fused_kernels: the policy's and the reference model's RMSNorms and RoPE run as fused
             Triton kernels on CUDA (``polynya.fused.fuse_model``: HF's exact math in fewer
             launches); default off. CPU runs are unchanged either way.
+        compile_layers: the policy's and the reference model's decoder-layer sub-modules run
+            through ``torch.compile`` (``polynya.compiled_layers``: fused element-wise kernels
+            around the GEMMs, attention unchanged; a one-time compile); default off. Not with
+            ``fused_kernels`` nor under DeepSpeed ZeRO-3.
     """
 
     def __init__(self, *args, sampler_config: SamplerConfig | None = None, zorro: bool = True,
-                 fused_kernels: bool = False, **kwargs):
-        for name, value in (("zorro", zorro), ("fused_kernels", fused_kernels)):
+                 fused_kernels: bool = False, compile_layers: bool = False, **kwargs):
+        for name, value in (("zorro", zorro), ("fused_kernels", fused_kernels),
+                            ("compile_layers", compile_layers)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
+        if fused_kernels and compile_layers:
+            raise ValueError("fused_kernels and compile_layers both replace the layers' forwards: "
+                             "pick one")
         if sampler_config is not None and not isinstance(sampler_config, SamplerConfig):
             raise ValueError(f"sampler_config must be a polynya SamplerConfig, got {type(sampler_config).__name__}")
         _check_args(kwargs.get("args", args[2] if len(args) > 2 else None), kwargs)
         super().__init__(*args, **kwargs)
         self.zorro = zorro
         self._check_trainer()
+        models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
+        if compile_layers:
+            if self.is_deepspeed_enabled and self._dist.is_zero3:
+                raise ValueError("compile_layers is not verified under DeepSpeed ZeRO-3 (its parameter "
+                                 "gathering hooks); use ZeRO 0-2 or compile_layers=False")
+            for why in filter(None, map(compile_reason, models)):
+                raise ValueError(f"compile_layers: {why}")
+            for model in models:
+                compile_model_layers(model)
         if fused_kernels:
-            for model in (self.model, self.ref_model):
-                if model is not None:
-                    fuse_model(model)
+            for model in models:
+                fuse_model(model)
         with _plain_model_loading(self.args):
             self.sampler = SamplingEngine(self._sampler_config(sampler_config, args, kwargs))
         self._pushed_step: int | None = None

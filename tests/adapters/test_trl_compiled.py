@@ -1,0 +1,69 @@
+"""``polynya.adapters.trl.GRPOTrainer(..., compile_layers=True)``: the option is checked before TRL
+builds anything (a bool; not together with ``fused_kernels``), the policy and TRL's reference
+model come out with compiled decoder layers, and a short GRPO run through them trains, its
+log-probs and entropy equal to TRL's own implementation on every micro-batch. The compile runs
+with the ``aot_eager`` backend here (graphs without code generation: seconds on 2 cores);
+Inductor's numbers are checked in ``tests/core/test_compiled_layers*.py``."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+import polynya.adapters.trl.trainer as trl_trainer
+from polynya.adapters.trl import GRPOTrainer
+from polynya.compiled_layers import compile_layers, compiled_modules
+from polynya.config import SamplerConfig
+from polynya.models import tiny_tokenizer
+
+from .test_trl_trainer import _args, _dataset, model_dir, reward_digits  # noqa: F401 (fixture)
+
+
+def _trainer(model_dir, tmp_path, **kw):  # noqa: F811
+    return GRPOTrainer(model_dir, reward_funcs=reward_digits, args=_args(tmp_path, **kw.pop("args", {})),
+                       train_dataset=_dataset(), processing_class=tiny_tokenizer(),
+                       sampler_config=SamplerConfig(model_dir, dtype="float32", kv_cache_memory_gb=0.05),
+                       **kw)
+
+
+def test_compiled_layers_train_and_equal_trl_logprobs(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(trl_trainer, "compile_model_layers",
+                        functools.partial(compile_layers, backend="aot_eager"))
+    trainer = _trainer(model_dir, tmp_path, compile_layers=True, args=dict(beta=0.04))
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    names = compiled_modules(policy)
+    assert len(names) == 4 * policy.config.num_hidden_layers
+    assert compiled_modules(trainer.ref_model) == names
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    inner, seen = trainer._get_per_token_logps_and_entropies, []
+
+    def spy(model, input_ids, attention_mask, logits_to_keep, **kw):
+        out = inner(model, input_ids, attention_mask, logits_to_keep, **kw)
+        entropy = bool(kw.get("compute_entropy"))  # TRL's reference model returns no entropy
+        with torch.no_grad():
+            ref = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy=entropy)
+        m = attention_mask[:, -logits_to_keep:].bool()
+        torch.testing.assert_close(out[0].detach()[m], ref[0][m], atol=1e-5, rtol=1e-5)
+        if entropy:
+            torch.testing.assert_close(out[1].detach()[m], ref[1][m], atol=1e-5, rtol=1e-5)
+        seen.append(model is trainer.ref_model)
+        return out
+
+    trainer._get_per_token_logps_and_entropies = spy  # test instrumentation only
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert True in seen and False in seen  # the reference model's and the policy's log-probs
+    assert any(not torch.equal(p, before[n]) for n, p in policy.named_parameters())
+    assert compiled_modules(policy) == names
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(compile_layers=1), "compile_layers must be a bool"),
+    (dict(compile_layers=True, fused_kernels=True), "pick one"),
+])
+def test_compile_layers_option_is_checked_first(model_dir, tmp_path, kw, match):  # noqa: F811
+    with pytest.raises(ValueError, match=match):
+        _trainer(model_dir, tmp_path, **kw)
