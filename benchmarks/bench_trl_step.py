@@ -23,9 +23,11 @@ TRL arms (``--trl-arms``, all three by default): the no-vLLM generation settings
 pick in ``GRPOConfig`` — ``dynamic`` (HF ``generate``, TRL's default), ``static``
 (``cache_implementation="static"``; TRL always sets ``disable_compile=True``, and
 ``generation_kwargs`` cannot undo it, so it runs without torch.compile) and ``cb``
-(``use_transformers_continuous_batching=True``: transformers' paged ``generate_batch``). The
+(``use_transformers_continuous_batching=True``: transformers' paged ``generate_batch``); and,
+not by default, ``dynamic-compile`` (``torch_compile=True``: the training forward compiled by
+transformers' Trainer; its first step took 128 s on the H200). The
 polynya arms (``--polynya-arms``: ``polynya`` by default; ``polynya-fused`` is the adapter with
-``fused_kernels=True``) run first, then the TRL arms in ``--trl-arms`` order; each polynya arm's
+``fused_kernels=True``, ``polynya-compiled`` with ``compile_layers=True``) run first, then the TRL arms in ``--trl-arms`` order; each polynya arm's
 speed-up is against the fastest TRL arm that ran (the table's per-TRL-arm column: the first's); an arm that fails is recorded with its error and the others still run;
 the JSON is rewritten after every arm (``complete: false`` until the end), so a run cut short by
 a time limit keeps what it measured.
@@ -116,6 +118,9 @@ TRL_ARMS = {
     "dynamic": ("TRL (HF generate, dynamic cache)", {}),
     "static": ("TRL (HF generate, static cache)", {"cache_implementation": "static"}),
     "cb": ("TRL (transformers continuous batching)", {"use_transformers_continuous_batching": True}),
+    # the training forward/backward through torch.compile (transformers' ``torch_compile``,
+    # whole model), generation as ``dynamic``: the TRL counterpart of ``polynya-compiled``
+    "dynamic-compile": ("TRL (HF generate, dynamic cache, torch_compile=True)", {"torch_compile": True}),
 }
 
 # polynya's arms (label, adapter options): the adapter with ZoRRo (``bench_trl_step.py`` runs it
@@ -124,6 +129,7 @@ TRL_ARMS = {
 POLYNYA_ARMS = {"polynya": ("polynya adapter", {"zorro": True}),
                 "polynya-nozorro": ("polynya adapter, zorro=False", {"zorro": False}),
                 "polynya-fused": ("polynya adapter, fused kernels", {"zorro": True, "fused_kernels": True}),
+                "polynya-compiled": ("polynya adapter, compiled layers", {"zorro": True, "compile_layers": True}),
                 "polynya-nozorro-fused": ("polynya adapter, zorro=False, fused kernels",
                                           {"zorro": False, "fused_kernels": True})}
 

@@ -25,12 +25,16 @@ arm — the measurement that places the point where ZoRRo starts to pay::
         --arms naive,padded,auto --rounds 7 --out $OUT                          # H200
 
 An arm suffixed ``+fused`` (``naive+fused``) runs the same step with the model's RMSNorms fused
-(``polynya.fused.fuse_model``; toggled outside the timed region, the same model and batch);
-``--fused`` adds ``<arm>+fused`` after every arm::
+(``polynya.fused.fuse_model``), one suffixed ``+compiled`` with the decoder layers' sub-modules
+compiled (``polynya.compiled_layers.compile_layers``); both are toggled outside the timed region,
+on the same model and batch (an arm's first calls, untimed, pay the compile). ``--fused`` /
+``--compiled`` add ``<arm>+fused`` / ``<arm>+compiled`` after every arm::
 
     python benchmarks/profile_zorro_step.py --shape 384/0/8 --arms naive --fused --out $OUT
     python benchmarks/profile_zorro_step.py --scan 256/128/8x1,256/128/8x4 --arms naive,auto \\
         --fused --rounds 9 --out $OUT                                           # H200
+    python benchmarks/profile_zorro_step.py --scan 256/128/8x1,256/128/8x4 --arms naive,auto \\
+        --compiled --rounds 9 --out $OUT                                        # H200
 """
 from __future__ import annotations
 
@@ -46,30 +50,36 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_zorro import make_batch, step_fn  # noqa: E402
 from common import environment, save  # noqa: E402
 
+from polynya.compiled_layers import compile_layers, uncompile_layers  # noqa: E402
 from polynya.fused import fuse_model, unfuse_model  # noqa: E402
 from polynya.models import load_model  # noqa: E402
 
-FUSED = "+fused"
+SUFFIXES = {"fused": fuse_model, "compiled": compile_layers}
 
 
-def arm_parts(arm: str) -> tuple[str, bool]:
-    """``"naive+fused"`` -> ``("naive", True)``; any other suffix is refused."""
+def arm_parts(arm: str) -> tuple[str, str | None]:
+    """``"naive+fused"`` -> ``("naive", "fused")``; any other suffix than ``SUFFIXES`` is refused."""
     base, plus, rest = arm.partition("+")
-    if plus and plus + rest != FUSED:
-        raise ValueError(f"unknown arm suffix in {arm!r}: only {FUSED!r}")
-    return base, bool(plus)
+    if plus and rest not in SUFFIXES:
+        raise ValueError(f"unknown arm suffix in {arm!r}: only {', '.join('+' + k for k in SUFFIXES)}")
+    return base, rest or None
 
 
 def set_fused(model, arm: str) -> None:
-    """Fuse the model's norms for a ``+fused`` arm, unfuse for any other (outside timing)."""
-    (fuse_model if arm_parts(arm)[1] else unfuse_model)(model)
+    """Put the model in the arm's mode (fused norms, compiled layers, or plain), outside timing."""
+    unfuse_model(model)
+    uncompile_layers(model)
+    mode = arm_parts(arm)[1]
+    if mode:
+        SUFFIXES[mode](model)
 
 
 def arm_list(args) -> list[str]:
     arms = args.arms.split(",")
     for arm in arms:
         arm_parts(arm)
-    return [x for arm in arms for x in ((arm, arm + FUSED) if args.fused else (arm,))]
+    extra = [k for k in SUFFIXES if getattr(args, k)]
+    return [x for arm in arms for x in (arm, *(f"{arm}+{k}" for k in extra))]
 
 
 def busy_ms(events) -> float:
@@ -169,6 +179,8 @@ def main() -> None:
     ap.add_argument("--arms", default="naive,padded,split")
     ap.add_argument("--fused", action="store_true",
                     help="also run every arm with fused RMSNorms (<arm>+fused)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also run every arm with compiled decoder layers (<arm>+compiled)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-checkpointing", action="store_true")
     ap.add_argument("--scan", default=None, help="P/R/GxN,...: interleaved timing instead of profiles")
