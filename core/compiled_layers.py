@@ -29,8 +29,9 @@ What it does and guarantees:
   cheaper); a recompile beyond ``torch._dynamo.config`` 's limit falls back to eager (torch's
   behaviour), never to other numbers.
 - Only the decoder-layer classes in ``LAYER_CLASSES`` (dense Llama, Qwen2, Qwen3, Mistral in
-  transformers 5.x) are compiled; any other model is refused with a ``ValueError`` rather than
-  guessed at (mixture-of-experts routing and windowed/soft-capped families are not verified).
+  transformers 5.x; Mistral's sliding window is applied by the attention, outside the graph) are
+  compiled; any other model is refused with a ``ValueError`` rather than guessed at
+  (mixture-of-experts routing, Gemma's soft-caps and norms are not verified).
 - Idempotent; reversible with ``uncompile_layers``. A sub-module that already has an
   instance-level ``forward`` from someone else (``polynya.fused``, accelerate's hooks) is refused.
 """

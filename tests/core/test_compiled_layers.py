@@ -88,9 +88,10 @@ def test_refuses_sub_modules_that_already_have_an_instance_forward():
         compile_layers("tiny:qwen3")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])  # mistral: window 8 on every layer
 @pytest.mark.parametrize("zorro", [True, False], ids=["zorro", "packed"])
-def test_compiled_model_equals_eager_with_checkpointing(zorro):
-    eager, compiled = _pair()
+def test_compiled_model_equals_eager_with_checkpointing(zorro, family):
+    eager, compiled = _pair(family)
     compile_layers(compiled, backend="aot_eager")
     calls = []
     mlp = compiled.model.layers[1].mlp
