@@ -92,6 +92,9 @@ def compile_reason(model: torch.nn.Module) -> str | None:
     """Why ``compile_layers`` refuses ``model``, or None when it takes it."""
     if not isinstance(model, torch.nn.Module):
         return f"compile_layers needs a torch.nn.Module, got {type(model).__name__}"
+    if getattr(model, "config", None) is None:
+        return (f"compile_layers needs a Hugging Face model (with a .config); got a "
+                f"{type(model).__name__} (under DeepSpeed pass engine.module)")
     layers, why = decoder_layers(model)
     if layers is None:
         return why

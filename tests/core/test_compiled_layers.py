@@ -86,6 +86,10 @@ def test_refuses_sub_modules_that_already_have_an_instance_forward():
     assert compiled_modules(model) == []
     with pytest.raises(ValueError, match="torch.nn.Module"):
         compile_layers("tiny:qwen3")
+    plain = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs a Hugging Face model"):
+        compile_layers(plain)
+    assert "forward" not in plain.__dict__
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])  # mistral: window 8 on every layer
