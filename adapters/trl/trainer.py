@@ -86,10 +86,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         fused_kernels: the policy's and the reference model's RMSNorms and RoPE run as fused
             Triton kernels on CUDA (``polynya.fused.fuse_model``: HF's exact math in fewer
             launches); default off. CPU runs are unchanged either way.
-        compile_layers: the policy's and the reference model's decoder-layer sub-modules run
-            through ``torch.compile`` (``polynya.compiled_layers``: fused element-wise kernels
-            around the GEMMs, attention unchanged; a one-time compile); default off. Not with
-            ``fused_kernels`` nor under DeepSpeed ZeRO-3.
+        compile_layers: the policy's and the reference model's decoder layers run as two
+            ``torch.compile`` regions around their attention (``polynya.compiled_layers``: fused
+            element-wise kernels around the GEMMs, attention unchanged; ~15 s of compiling at
+            the first step; 1.16-1.25x the eager adapter's GSM8K-like step on an H200); default
+            off. Not with ``fused_kernels`` nor under DeepSpeed ZeRO-3.
     """
 
     def __init__(self, *args, sampler_config: SamplerConfig | None = None, zorro: bool = True,

@@ -125,8 +125,8 @@ def polynya_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                               scaling: float | None = None, **kwargs):
     """query ``[b, Hq, L, D]``, key/value ``[b, Hkv, L, D]`` -> (``[b, L, Hq, D]``, None).
 
-    Traced by ``torch.compile`` (a compiled attention module: ``polynya.compiled_layers``) it
-    leaves the graph: the call runs eagerly, plans and all, between the compiled projections."""
+    Traced by ``torch.compile`` (a user's ``torch.compile(model)``; ``polynya.compiled_layers``
+    calls it outside its regions) it leaves the graph: the call runs eagerly, plans and all."""
     if torch.compiler.is_compiling():
         return _outside_graph(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not isinstance(attention_mask, ZorroMask):

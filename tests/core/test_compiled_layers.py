@@ -1,16 +1,19 @@
-"""``polynya.compiled_layers``: which sub-modules ``compile_layers`` routes, that it refuses
-models it does not know and sub-modules someone else patched (nothing changed then), that it is
+"""``polynya.compiled_layers``: which layers ``compile_layers`` routes, that it refuses models it
+does not know and layers or sub-modules someone else patched (nothing changed then), that it is
 idempotent and reversible, and that a compiled model's log-probs, entropy and every gradient
-equal the eager model's (fp32, gradient checkpointing on, ZoRRo and the packed naive layout,
-ragged batches of new lengths each call) — with the attention left outside the graph and the
-checkpoint's recompute running the compiled sub-modules again. The plumbing is checked with
+equal the eager model's (fp32, gradient checkpointing on and off, ZoRRo and the packed naive
+layout, ragged batches of new lengths each call, all four families) — with the attention called
+eagerly, the checkpoint's recompute running the compiled regions again, and calls the regions do
+not cover (a KV cache, hooks on the attention) running the class's own forward. The plumbing is checked with
 the ``aot_eager`` backend (the graphs, no code generation: seconds); Inductor itself (the
 default backend) once on the CPU and on a GPU in ``test_compiled_layers_gpu.py``."""
 import copy
+import dataclasses
 
 import polynya
 import pytest
 import torch
+from polynya import compiled_layers
 from polynya.compiled_layers import (
     compile_layers,
     compile_reason,
@@ -21,7 +24,6 @@ from polynya.fused import fuse_model, unfuse_model
 from polynya.logprobs import compute_logprobs
 from polynya.models import load_model
 
-SUB = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 
 
 def _batch(P, R, G, seed):
@@ -39,19 +41,31 @@ def _run(model, batch, zorro):
     return s.logprobs.detach(), s.entropy.detach(), grads
 
 
-def _pair(family="qwen3"):
+def _pair(family="qwen3", checkpointing=True):
     torch.manual_seed(0)
     eager = load_model(f"tiny:{family}", dtype="float32")
-    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     eager.train()
     return eager, copy.deepcopy(eager)
 
 
+def _count_regions(model, calls):
+    """Spy on one layer's compiled regions: ``calls`` gets "before" / "after" per call."""
+    layer = model.model.layers[1]
+    regions = layer._polynya_compiled
+
+    def spy(tag, fn):
+        return lambda *a, **k: (calls.append(tag), fn(*a, **k))[1]
+    layer._polynya_compiled = dataclasses.replace(regions, before=spy("before", regions.before),
+                                                  after=spy("after", regions.after))
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "mistral"])
-def test_routes_the_sub_modules_of_every_decoder_layer_and_nothing_else(family):
+def test_routes_every_decoder_layer_and_nothing_else(family):
     model = load_model(f"tiny:{family}", dtype="float32")
     n = model.config.num_hidden_layers
-    want = [f"model.layers.{i}.{s}" for i in range(n) for s in SUB]
+    want = [f"model.layers.{i}" for i in range(n)]
     got = compile_layers(model, backend="aot_eager")
     assert sorted(got) == sorted(want)
     assert compile_layers(model, backend="aot_eager") == got  # idempotent
@@ -80,6 +94,12 @@ def test_refuses_sub_modules_that_already_have_an_instance_forward():
     assert compiled_modules(model) == []
     unfuse_model(model)
     assert compile_reason(model) is None
+    layer = model.model.layers[0]
+    layer.forward = layer.forward  # someone else's instance-level forward on the layer itself
+    with pytest.raises(ValueError, match="instance-level forward"):
+        compile_layers(model)
+    assert compiled_modules(model) == []
+    del layer.forward
     for bad in (dict(backend=3), dict(dynamic="yes")):
         with pytest.raises(ValueError, match="backend must be a str"):
             compile_layers(model, **bad)
@@ -92,21 +112,23 @@ def test_refuses_sub_modules_that_already_have_an_instance_forward():
     assert "forward" not in plain.__dict__
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])  # mistral: window 8 on every layer
+@pytest.mark.parametrize(("family", "checkpointing"), [
+    ("qwen3", True), ("qwen3", False), ("llama", True), ("qwen2", True),
+    ("mistral", True),  # mistral: window 8 on every layer
+])
 @pytest.mark.parametrize("zorro", [True, False], ids=["zorro", "packed"])
-def test_compiled_model_equals_eager_with_checkpointing(zorro, family):
-    eager, compiled = _pair(family)
+def test_compiled_model_equals_eager(zorro, family, checkpointing):
+    eager, compiled = _pair(family, checkpointing)
     compile_layers(compiled, backend="aot_eager")
     calls = []
-    mlp = compiled.model.layers[1].mlp
-    inner = mlp._polynya_compiled
-    mlp._polynya_compiled = lambda *a, **k: (calls.append(1), inner(*a, **k))[1]
+    _count_regions(compiled, calls)
     for i, (P, R, G) in enumerate([(21, 9, 4), (34, 13, 3), (17, 7, 4)]):  # a new length each call
         batch = _batch(P, R, G, seed=i)
         lp_e, ent_e, g_e = _run(eager, batch, zorro)
         calls.clear()
         lp_c, ent_c, g_c = _run(compiled, batch, zorro)
-        assert len(calls) == 2  # forward + the checkpoint's recompute, both through the compiled mlp
+        # forward (+ the checkpoint's recompute), both regions each time
+        assert calls == ["before", "after"] * (2 if checkpointing else 1)
         torch.testing.assert_close(lp_c, lp_e, atol=1e-5, rtol=0)
         torch.testing.assert_close(ent_c, ent_e, atol=1e-5, rtol=0)
         for name, g in g_e.items():
@@ -115,26 +137,55 @@ def test_compiled_model_equals_eager_with_checkpointing(zorro, family):
                                        msg=name)
 
 
-def test_attention_runs_outside_the_graph():
-    """The "polynya" attention is not traced: the mask object and its plans stay eager."""
-    from polynya.zorro import attention
+def test_attention_is_called_eagerly_with_the_class_arguments(monkeypatch):
+    """The configured attention function runs outside the regions (never traced), once per
+    layer and pass, with the arguments the class's own forward passes it."""
+    from transformers import AttentionInterface
 
-    _, compiled = _pair()
+    eager, compiled = _pair("mistral")
     compile_layers(compiled, backend="aot_eager")
+    inner = AttentionInterface._global_mapping[polynya.zorro.attention.NAME]
     seen = []
-    inner = attention._outside_graph
 
-    def spy(*args, **kwargs):  # what the graph break runs: the attention, eagerly
-        seen.append(torch.compiler.is_compiling())
-        return attention.polynya_attention_forward(*args, **kwargs)
+    def spy(module, q, k, v, mask, **kwargs):
+        seen.append((torch.compiler.is_compiling(), module.layer_idx, sorted(kwargs),
+                     kwargs.get("sliding_window")))
+        return inner(module, q, k, v, mask, **kwargs)
 
-    attention._outside_graph = torch.compiler.disable(spy)
-    try:
-        _run(compiled, _batch(19, 8, 3, seed=5), zorro=True)
-    finally:
-        attention._outside_graph = inner
+    monkeypatch.setitem(AttentionInterface._global_mapping, polynya.zorro.attention.NAME, spy)
+    batch = _batch(19, 8, 3, seed=5)
+    _run(eager, batch, zorro=True)
+    want, seen[:] = list(seen), []
+    _run(compiled, batch, zorro=True)
     layers = compiled.config.num_hidden_layers
-    assert len(seen) == 2 * layers and not any(seen)  # forward + recompute, every layer, eagerly
+    assert len(seen) == 2 * layers and not any(s[0] for s in seen)  # forward + recompute, eagerly
+    assert seen == want and {s[3] for s in seen} == {8}
+
+
+def test_calls_the_regions_do_not_cover_run_the_class_forward():
+    """A KV cache (generation) and a hook on the attention module take the eager class forward:
+    same outputs as the eager model, the regions not entered, the hook fired."""
+    from transformers import DynamicCache
+
+    eager, compiled = _pair(checkpointing=False)
+    compile_layers(compiled, backend="aot_eager")
+    calls = []
+    _count_regions(compiled, calls)
+    ids = torch.randint(5, 400, (2, 11), generator=torch.Generator().manual_seed(3))
+    eager.eval(), compiled.eval()
+    with torch.no_grad():
+        want = eager(ids, past_key_values=DynamicCache(config=eager.config), use_cache=True).logits
+        got = compiled(ids, past_key_values=DynamicCache(config=compiled.config), use_cache=True).logits
+        assert calls == []
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        fired = []
+        handle = compiled.model.layers[1].self_attn.register_forward_hook(lambda *a: fired.append(1))
+        got = compiled(ids, use_cache=False).logits  # no cache: only the hook sends it eager
+        handle.remove()
+        assert fired == [1] and calls == []
+        torch.testing.assert_close(got, eager(ids, use_cache=False).logits, atol=1e-6, rtol=0)
+        compiled(ids, use_cache=False)
+        assert calls == ["before", "after"]  # hook gone: the regions again
 
 
 def test_inductor_on_cpu_equals_eager():

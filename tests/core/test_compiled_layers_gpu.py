@@ -58,7 +58,7 @@ def test_compiled_bf16_within_the_bf16_rule(monkeypatch, attention):
     ref = _ckpt(load_model("random:qwen3-0.6b", num_hidden_layers=2, device="cuda"))
     eager = _ckpt(load_model("random:qwen3-0.6b", num_hidden_layers=2, device="cuda", dtype="bfloat16"))
     compiled = _ckpt(copy.deepcopy(eager))
-    assert len(compile_layers(compiled)) == 8
+    assert len(compile_layers(compiled)) == 2  # the two decoder layers
     kw = dict(zorro=False, naive_layout="packed") if attention == "varlen" else dict(zorro=True)
     for i in range(2):  # two batches of other lengths: the dynamic graph serves both
         batch = random_batch(rng, 151936, groups=2, max_group=8, max_prompt=700, max_response=200)
