@@ -16,6 +16,7 @@ from .train import (
     ENGINE_DTYPES,
     _check_bool,
     _check_seed,
+    check_compile_layers,
     check_deepspeed_overrides,
     check_device,
     check_zero_stage,
@@ -41,6 +42,8 @@ class LogProbConfig:
         seed: model init for random specs (same seed as the trainer = same weights).
         fused_kernels: run the model's RMSNorms and RoPE as fused Triton kernels on CUDA
             (``polynya.fused.fuse_model``); CPU unchanged.
+        compile_layers: run each decoder layer as two ``torch.compile`` regions around its
+            attention (``polynya.compiled_layers``; not with ``fused_kernels`` nor ZeRO-3).
         device: ``"cpu"``, ``"cuda"``; ``None`` = CUDA when available.
         deepspeed: raw DeepSpeed settings merged over the generated config.
     """
@@ -56,6 +59,7 @@ class LogProbConfig:
     max_tokens_per_row: int | None = None
     seed: int = 0
     fused_kernels: bool = False
+    compile_layers: bool = False
     device: str | None = None
     deepspeed: dict[str, Any] = field(default_factory=dict)
 
@@ -72,5 +76,6 @@ class LogProbConfig:
             check_positive(self.max_tokens_per_row, "LogProbConfig.max_tokens_per_row", integer=True)
         _check_seed(self.seed, "LogProbConfig.seed")
         _check_bool(self.fused_kernels, "LogProbConfig.fused_kernels")
+        check_compile_layers(self.compile_layers, self.fused_kernels, self.zero_stage, "LogProbConfig")
         check_device(self.device, "LogProbConfig")
         check_deepspeed_overrides(self.deepspeed, "LogProbConfig")

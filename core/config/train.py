@@ -175,6 +175,9 @@ class TrainConfig:
         gradient_checkpointing: recompute decoder layers in the backward pass.
         fused_kernels: run the model's RMSNorms and RoPE as fused Triton kernels on CUDA
             (``polynya.fused.fuse_model``: HF's exact math, fewer launches); CPU unchanged.
+        compile_layers: run each decoder layer as two ``torch.compile`` regions around its
+            attention (``polynya.compiled_layers``; Llama / Qwen2 / Qwen3 / Mistral; not with
+            ``fused_kernels`` nor ZeRO-3). Compiles for tens of seconds at the first step.
         log_entropy: compute the entropy metric even when ``entropy_coef == 0``.
         device: ``"cpu"``, ``"cuda"``; ``None`` = CUDA when available (``LOCAL_RANK``'s GPU).
         deepspeed: raw DeepSpeed settings merged over the generated config (nested dicts merge).
@@ -198,6 +201,7 @@ class TrainConfig:
     temperature: float = 1.0
     gradient_checkpointing: bool = False
     fused_kernels: bool = False
+    compile_layers: bool = False
     log_entropy: bool = True
     device: str | None = None
     deepspeed: dict[str, Any] = field(default_factory=dict)
@@ -228,10 +232,22 @@ class TrainConfig:
         check_positive(self.temperature, "TrainConfig.temperature")
         _check_bool(self.gradient_checkpointing, "TrainConfig.gradient_checkpointing")
         _check_bool(self.fused_kernels, "TrainConfig.fused_kernels")
+        check_compile_layers(self.compile_layers, self.fused_kernels, self.zero_stage, "TrainConfig")
         _check_bool(self.log_entropy, "TrainConfig.log_entropy")
         check_device(self.device, "TrainConfig")
         check_deepspeed_overrides(self.deepspeed, "TrainConfig")
         _check_bool(self.export_hf, "TrainConfig.export_hf")
+
+
+def check_compile_layers(compile_layers: object, fused_kernels: bool, zero_stage: int,
+                         owner: str) -> None:
+    _check_bool(compile_layers, f"{owner}.compile_layers")
+    if compile_layers and fused_kernels:
+        raise ValueError(f"{owner}: compile_layers and fused_kernels both replace the layers' "
+                         "forwards; pick one (compile_layers fuses the same ops)")
+    if compile_layers and zero_stage == 3:
+        raise ValueError(f"{owner}: compile_layers does not run under ZeRO-3 (its parameter "
+                         "gathering hooks would be traced); use zero_stage 0-2 or compile_layers=False")
 
 
 def check_device(device: object, owner: str) -> None:

@@ -82,6 +82,10 @@ class LogProbEngine:
             from ..fused import fuse_model
 
             fuse_model(model)
+        if config.compile_layers:
+            from .. import compiled_layers
+
+            compiled_layers.compile_layers(model)
         model.requires_grad_(False)
         ds_cfg = dsu.ds_config(zero_stage=config.zero_stage, dtype=resolve_dtype(config.dtype),
                                train=False, overrides=config.deepspeed,

@@ -113,6 +113,10 @@ class TrainingEngine:
             from ..fused import fuse_model
 
             fuse_model(model)
+        if cfg.compile_layers:
+            from .. import compiled_layers
+
+            compiled_layers.compile_layers(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.optim.betas,
