@@ -102,6 +102,11 @@ class RLClientConfig:
         log_prob_gpus: log-prob ranks for old-policy / reference log-probs; 0 = on the trainer.
         colocate: engines share devices and take turns (offload/onload, sleep/wake; CUDA-IPC or
             shared-memory sync); False = separate devices, broadcast sync.
+        offload_trainer: colocated, move the trainer's weights, gradients and optimizer states to
+            host memory while the samplers generate (ZeRO 1-3; ZeRO-0 cannot). False keeps them
+            on the device: no offload / onload copies in the hand-over (~0.19 s per step for a
+            0.6B model on an H200), but trainer, reference, samplers' weights and KV cache must
+            fit on the device together (size ``sampling.kv_cache_memory_gb`` for it).
         sampler: ``"native"`` or ``"vllm"``.
         zorro_train: ZoRRo in the training and log-prob engines.
         fca: forest cascade attention (FCA) decode in the sampler (``SamplerConfig.fca``).
@@ -137,6 +142,7 @@ class RLClientConfig:
     sampling_gpus: int = 1
     log_prob_gpus: int = 0
     colocate: bool = True
+    offload_trainer: bool = True
     sampler: str = "native"
     zorro_train: bool = True
     fca: bool = True
@@ -181,6 +187,7 @@ class RLClientConfig:
         )
         for name in (
             "colocate",
+            "offload_trainer",
             "zorro_train",
             "fca",
             "reference_model",

@@ -89,7 +89,8 @@ class RayClient(ClientLifecycle):
         except BaseException:
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
-        self.handover = HandOver(colocate=cfg.colocate, trainer_offloads=cfg.train.zero_stage > 0,
+        self.handover = HandOver(colocate=cfg.colocate,
+                                 trainer_offloads=cfg.offload_trainer and cfg.train.zero_stage > 0,
                                  has_logprob=bool(self.logprobs))
         self._group_ready = False
 

@@ -20,6 +20,7 @@ from polynya.cluster.placement import plan_layout
         (dict(sampler="sglang"), "sampler"),
         (dict(colocate=True, training_gpus=2, sampling_gpus=1), "sampling_gpus"),
         (dict(colocate="yes"), "colocate"),
+        (dict(offload_trainer=1), "offload_trainer"),
         (dict(server_url="localhost:80"), "server_url"),
         (dict(train=dict(zero_stage=5)), "zero_stage"),
         (dict(train=3), "train"),

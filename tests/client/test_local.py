@@ -196,3 +196,17 @@ def test_a_failed_share_stops_the_rest_of_the_call(monkeypatch):
         assert after["aborted_requests"] == before["aborted_requests"] + 1
         assert after["decode_tokens"] - before["decode_tokens"] < 399 and after["blocks_in_use"] == 0
         assert client._router.load() == [0, 0] and client._generating == 0
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "resident"])
+def test_offload_trainer_decides_the_colocated_hand_over(offload):
+    """``offload_trainer=False`` keeps the trainer on the device while the samplers generate
+    (no offload / onload in the hand-over); the RL round trip works either way."""
+    cfg = tiny_config("local", offload_trainer=offload)
+    with polynya.create_rl_client(cfg) as client:
+        client.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=3, seed=0))
+        assert client.handover.trainer_resident is (not offload)
+        assert client.trainer._offloaded is offload
+        rl_round_trip(client)
+        client.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=3, seed=0))
+        assert client.trainer._offloaded is offload
