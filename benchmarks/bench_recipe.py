@@ -20,7 +20,10 @@ can be compared with it (``generate / direct``). The difference is the colocated
 The ZoRRo-off arm's engines run ``zorro=False`` in ``--naive-layout`` (default ``auto``: packed
 samples without padding, FlashAttention-2 varlen, as verl's remove-padding; ``padded`` gives the
 previous one-row-per-sample baseline for reference). ``--fused`` runs both arms' trainer and
-log-prob engine with ``fused_kernels=True`` (compare with a run without it).
+log-prob engine with ``fused_kernels=True`` (compare with a run without it), ``--compiled`` with
+``compile_layers=True`` (``polynya.compiled_layers``; the first step pays the compile), and
+``--keep-trainer`` sets ``client.offload_trainer=false`` (the trainer stays on the device while the
+sampler generates: no offload / onload copies in the hand-over).
 """
 from __future__ import annotations
 
@@ -59,7 +62,9 @@ def compose_recipe(args, on: bool, out: str):
                  f"client.train.naive_layout={args.naive_layout}",
                  f"client.logprob.naive_layout={args.naive_layout}",
                  "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true",
-                 f"client.train.fused_kernels={args.fused}", f"client.logprob.fused_kernels={args.fused}"]
+                 f"client.train.fused_kernels={args.fused}", f"client.logprob.fused_kernels={args.fused}",
+                 f"client.train.compile_layers={args.compiled}", f"client.logprob.compile_layers={args.compiled}",
+                 f"client.offload_trainer={not args.keep_trainer}"]
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         return compose("config", overrides=overrides)
 
@@ -183,6 +188,10 @@ def main() -> None:
                     help="layout of the ZoRRo-off arm's engines (auto: packed varlen on GPU)")
     ap.add_argument("--fused", action="store_true",
                     help="both arms' trainer and log-prob engine with fused RMSNorm + RoPE kernels")
+    ap.add_argument("--compiled", action="store_true",
+                    help="both arms' trainer and log-prob engine with compiled decoder layers")
+    ap.add_argument("--keep-trainer", action="store_true",
+                    help="client.offload_trainer=false: the trainer stays on the device while sampling")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
