@@ -26,8 +26,9 @@ pick in ``GRPOConfig`` — ``dynamic`` (HF ``generate``, TRL's default), ``stati
 (``use_transformers_continuous_batching=True``: transformers' paged ``generate_batch``); and,
 not by default, ``dynamic-compile`` (``torch_compile=True``: the training forward compiled by
 transformers' Trainer; its first step took 128 s on the H200). The
-polynya arms (``--polynya-arms``: ``polynya`` by default; ``polynya-fused`` is the adapter with
-``fused_kernels=True``, ``polynya-compiled`` with ``compile_layers=True``) run first, then the TRL arms in ``--trl-arms`` order; each polynya arm's
+polynya arms (``--polynya-arms``: ``polynya`` by default, the adapter with eager layers;
+``polynya-fused`` with ``fused_kernels=True``, ``polynya-compiled`` with ``compile_layers=True``,
+``polynya-default`` with the adapter's defaults) run first, then the TRL arms in ``--trl-arms`` order; each polynya arm's
 speed-up is against the fastest TRL arm that ran (the table's per-TRL-arm column: the first's); an arm that fails is recorded with its error and the others still run;
 the JSON is rewritten after every arm (``complete: false`` until the end), so a run cut short by
 a time limit keeps what it measured.
@@ -123,15 +124,19 @@ TRL_ARMS = {
     "dynamic-compile": ("TRL (HF generate, dynamic cache, torch_compile=True)", {"torch_compile": True}),
 }
 
-# polynya's arms (label, adapter options): the adapter with ZoRRo (``bench_trl_step.py`` runs it
-# by default), without it (``zorro=False``: compute_logprobs' packed naive layout), and with the
-# fused RMSNorm kernels (``fused_kernels=True``); ``--polynya-arms`` / ``profile_trl_step.py --arms``
-POLYNYA_ARMS = {"polynya": ("polynya adapter", {"zorro": True}),
-                "polynya-nozorro": ("polynya adapter, zorro=False", {"zorro": False}),
-                "polynya-fused": ("polynya adapter, fused kernels", {"zorro": True, "fused_kernels": True}),
+# polynya's arms (label, adapter options): the adapter with ZoRRo and eager layers
+# (``bench_trl_step.py`` runs it by default), without ZoRRo (``zorro=False``: compute_logprobs'
+# packed naive layout), with the fused RMSNorm kernels (``fused_kernels=True``), with compiled
+# layers (``compile_layers=True``), and with the adapter's own defaults (``polynya-default``:
+# ``compile_layers=None``, i.e. compiled on a GPU); ``--polynya-arms`` / ``profile_trl_step.py --arms``
+_EAGER = {"compile_layers": False}
+POLYNYA_ARMS = {"polynya": ("polynya adapter", {"zorro": True, **_EAGER}),
+                "polynya-nozorro": ("polynya adapter, zorro=False", {"zorro": False, **_EAGER}),
+                "polynya-fused": ("polynya adapter, fused kernels", {"zorro": True, "fused_kernels": True, **_EAGER}),
                 "polynya-compiled": ("polynya adapter, compiled layers", {"zorro": True, "compile_layers": True}),
+                "polynya-default": ("polynya adapter, defaults", {}),
                 "polynya-nozorro-fused": ("polynya adapter, zorro=False, fused kernels",
-                                          {"zorro": False, "fused_kernels": True})}
+                                          {"zorro": False, "fused_kernels": True, **_EAGER})}
 
 
 def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict:
@@ -169,6 +174,7 @@ def run_arm(arm: str, shape: str, args, model_dir: str, tok, cuda: bool) -> dict
            "completion_len": trainer.state.log_history[-2].get("completions/mean_length")}
     if arm in POLYNYA_ARMS:
         row["sampler"] = {k: v for k, v in trainer.sampler.stats().items() if isinstance(v, (int, float))}
+        row["compiled_layers"] = trainer.compiled_layers
     del trainer
     if cuda:
         torch.cuda.empty_cache()

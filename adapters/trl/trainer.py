@@ -89,16 +89,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         compile_layers: the policy's and the reference model's decoder layers run as two
             ``torch.compile`` regions around their attention (``polynya.compiled_layers``: fused
             element-wise kernels around the GEMMs, attention unchanged; ~15 s of compiling at
-            the first step; 1.16-1.25x the eager adapter's GSM8K-like step on an H200); default
-            off. Not with ``fused_kernels`` nor under DeepSpeed ZeRO-3.
+            the first step; 1.16-1.25x the eager adapter's GSM8K-like step on an H200).
+            ``None`` (default): on when the models are on a CUDA device, their decoder layers
+            are supported (Llama, Qwen2, Qwen3, Mistral), ``fused_kernels`` is off and DeepSpeed
+            is not at ZeRO-3; off otherwise (``compiled_layers`` says which). ``True`` insists
+            (a ``ValueError`` where it cannot), ``False`` keeps the eager forwards.
     """
 
     def __init__(self, *args, sampler_config: SamplerConfig | None = None, zorro: bool = True,
-                 fused_kernels: bool = False, compile_layers: bool = False, **kwargs):
-        for name, value in (("zorro", zorro), ("fused_kernels", fused_kernels),
-                            ("compile_layers", compile_layers)):
+                 fused_kernels: bool = False, compile_layers: bool | None = None, **kwargs):
+        for name, value in (("zorro", zorro), ("fused_kernels", fused_kernels)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
+        if compile_layers is not None and not isinstance(compile_layers, bool):
+            raise ValueError(f"compile_layers must be a bool or None, got {compile_layers!r}")
         if fused_kernels and compile_layers:
             raise ValueError("fused_kernels and compile_layers both replace the layers' forwards: "
                              "pick one")
@@ -109,6 +113,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.zorro = zorro
         self._check_trainer()
         models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
+        if compile_layers is None:
+            compile_layers = self._why_not_compiled(models, fused_kernels) is None
+        self.compiled_layers = compile_layers
         if compile_layers:
             if self.is_deepspeed_enabled and self._dist.is_zero3:
                 raise ValueError("compile_layers is not verified under DeepSpeed ZeRO-3 (its parameter "
@@ -128,6 +135,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.add_callback(_PushWeights(self))
 
     # ------------------------------------------------------------------ set-up checks
+    def _why_not_compiled(self, models: list[torch.nn.Module], fused_kernels: bool) -> str | None:
+        """Why ``compile_layers=None`` leaves the models eager, or None to compile them."""
+        if fused_kernels:
+            return "fused_kernels is on"
+        if self.is_deepspeed_enabled and self._dist.is_zero3:
+            return "DeepSpeed ZeRO-3"
+        if any(_device_type(m) != "cuda" for m in models):
+            return "not on a CUDA device"
+        return next(filter(None, map(compile_reason, models)), None)
+
     def _check_trainer(self) -> None:
         if self._is_vlm:
             raise ValueError("polynya's TRL adapter supports text-only models; vision-language "
@@ -230,6 +247,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             parts = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(p) for p in parts]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
 
 
 @contextlib.contextmanager

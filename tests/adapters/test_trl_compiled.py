@@ -16,7 +16,7 @@ import polynya.adapters.trl.trainer as trl_trainer
 from polynya.adapters.trl import GRPOTrainer
 from polynya.compiled_layers import compile_layers, compiled_modules
 from polynya.config import SamplerConfig
-from polynya.models import tiny_tokenizer
+from polynya.models import load_model, tiny_tokenizer
 
 from .test_trl_trainer import _args, _dataset, model_dir, reward_digits  # noqa: F401 (fixture)
 
@@ -61,9 +61,24 @@ def test_compiled_layers_train_and_equal_trl_logprobs(model_dir, tmp_path, monke
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(compile_layers=1), "compile_layers must be a bool"),
+    (dict(compile_layers=1), "compile_layers must be a bool or None"),
     (dict(compile_layers=True, fused_kernels=True), "pick one"),
 ])
 def test_compile_layers_option_is_checked_first(model_dir, tmp_path, kw, match):  # noqa: F811
     with pytest.raises(ValueError, match=match):
         _trainer(model_dir, tmp_path, **kw)
+
+
+def test_compile_layers_default_is_on_only_where_it_is_verified(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """``compile_layers=None`` (the default): off on the CPU (nothing compiled, the eager
+    forwards); on for supported layers on CUDA (decided by ``_why_not_compiled``, checked here
+    with the device lookup patched: this machine has no GPU); off with ``fused_kernels``."""
+    trainer = _trainer(model_dir, tmp_path)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert trainer.compiled_layers is False and compiled_modules(policy) == []
+    assert trainer._why_not_compiled([policy], False) == "not on a CUDA device"
+    monkeypatch.setattr(trl_trainer, "_device_type", lambda model: "cuda")
+    assert trainer._why_not_compiled([policy], False) is None
+    assert trainer._why_not_compiled([policy], True) == "fused_kernels is on"
+    gemma = load_model("tiny:gemma2", dtype="float32")
+    assert "is not verified" in trainer._why_not_compiled([policy, gemma], False)
