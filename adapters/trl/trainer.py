@@ -91,8 +91,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             element-wise kernels around the GEMMs, attention unchanged; ~15 s of compiling at
             the first step; 1.16-1.25x the eager adapter's GSM8K-like step on an H200).
             ``None`` (default): on when the models are on a CUDA device, their decoder layers
-            are supported (Llama, Qwen2, Qwen3, Mistral), ``fused_kernels`` is off and DeepSpeed
-            is not at ZeRO-3; off otherwise (``compiled_layers`` says which). ``True`` insists
+            are supported (Llama, Qwen2, Qwen3, Mistral), ``fused_kernels`` is off, DeepSpeed
+            is not at ZeRO-3 and the run is one process (what the H200 runs verified); off
+            otherwise (``compiled_layers`` says which). ``True`` insists
             (a ``ValueError`` where it cannot), ``False`` keeps the eager forwards.
     """
 
@@ -141,6 +142,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             return "fused_kernels is on"
         if self.is_deepspeed_enabled and self._dist.is_zero3:
             return "DeepSpeed ZeRO-3"
+        if self.accelerator.num_processes > 1:
+            return "several processes (verified on one GPU only: pass compile_layers=True)"
         if any(_device_type(m) != "cuda" for m in models):
             return "not on a CUDA device"
         return next(filter(None, map(compile_reason, models)), None)

@@ -7,6 +7,7 @@ Inductor's numbers are checked in ``tests/core/test_compiled_layers*.py``."""
 from __future__ import annotations
 
 import functools
+import types
 
 import pytest
 import torch
@@ -82,3 +83,9 @@ def test_compile_layers_default_is_on_only_where_it_is_verified(model_dir, tmp_p
     assert trainer._why_not_compiled([policy], True) == "fused_kernels is on"
     gemma = load_model("tiny:gemma2", dtype="float32")
     assert "is not verified" in trainer._why_not_compiled([policy, gemma], False)
+    monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)
+    monkeypatch.setattr(trainer, "_dist", types.SimpleNamespace(is_zero3=True))
+    assert trainer._why_not_compiled([policy], False) == "DeepSpeed ZeRO-3"
+    monkeypatch.setattr(trainer, "_dist", types.SimpleNamespace(is_zero3=False))
+    monkeypatch.setattr(trainer.accelerator.state, "num_processes", 2)
+    assert "several processes" in trainer._why_not_compiled([policy], False)
