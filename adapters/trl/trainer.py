@@ -91,8 +91,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             element-wise kernels around the GEMMs, attention unchanged; ~15 s of compiling at
             the first step; 1.16-1.25x the eager adapter's GSM8K-like step on an H200).
             ``None`` (default): on when the models are on a CUDA device, their decoder layers
-            are supported (Llama, Qwen2, Qwen3, Mistral), ``fused_kernels`` is off, DeepSpeed
-            is not at ZeRO-3 and the run is one process (what the H200 runs verified); off
+            are supported (Llama, Qwen2, Qwen3, Mistral), ``fused_kernels`` and TRL's
+            ``torch_compile`` are off, DeepSpeed is not at ZeRO-3 and the run is one process (what the H200 runs verified); off
             otherwise (``compiled_layers`` says which). ``True`` insists
             (a ``ValueError`` where it cannot), ``False`` keeps the eager forwards.
     """
@@ -121,6 +121,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             if self.is_deepspeed_enabled and self._dist.is_zero3:
                 raise ValueError("compile_layers is not verified under DeepSpeed ZeRO-3 (its parameter "
                                  "gathering hooks); use ZeRO 0-2 or compile_layers=False")
+            if self.args.torch_compile:
+                raise ValueError("compile_layers and GRPOConfig(torch_compile=True) both compile the "
+                                 "model: pick one (compile_layers=False keeps TRL's torch.compile)")
             for why in filter(None, map(compile_reason, models)):
                 raise ValueError(f"compile_layers: {why}")
             for model in models:
@@ -140,6 +143,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         """Why ``compile_layers=None`` leaves the models eager, or None to compile them."""
         if fused_kernels:
             return "fused_kernels is on"
+        if self.args.torch_compile:
+            return "TRL's torch_compile is on"
         if self.is_deepspeed_enabled and self._dist.is_zero3:
             return "DeepSpeed ZeRO-3"
         if self.accelerator.num_processes > 1:

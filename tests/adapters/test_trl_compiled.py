@@ -64,6 +64,7 @@ def test_compiled_layers_train_and_equal_trl_logprobs(model_dir, tmp_path, monke
 @pytest.mark.parametrize("kw, match", [
     (dict(compile_layers=1), "compile_layers must be a bool or None"),
     (dict(compile_layers=True, fused_kernels=True), "pick one"),
+    (dict(compile_layers=True, args=dict(torch_compile=True)), "torch_compile=True"),
 ])
 def test_compile_layers_option_is_checked_first(model_dir, tmp_path, kw, match):  # noqa: F811
     with pytest.raises(ValueError, match=match):
@@ -81,6 +82,9 @@ def test_compile_layers_default_is_on_only_where_it_is_verified(model_dir, tmp_p
     monkeypatch.setattr(trl_trainer, "_device_type", lambda model: "cuda")
     assert trainer._why_not_compiled([policy], False) is None
     assert trainer._why_not_compiled([policy], True) == "fused_kernels is on"
+    monkeypatch.setattr(trainer.args, "torch_compile", True)
+    assert trainer._why_not_compiled([policy], False) == "TRL's torch_compile is on"
+    monkeypatch.setattr(trainer.args, "torch_compile", False)
     gemma = load_model("tiny:gemma2", dtype="float32")
     assert "is not verified" in trainer._why_not_compiled([policy, gemma], False)
     monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)
