@@ -4,8 +4,8 @@ verl builds every engine from dataclasses named by ``_target_`` in its YAML and 
 backend's strategy name, so polynya's DeepSpeed backend brings its own:
 
 - ``DeepSpeedEngineConfig`` (``strategy: deepspeed``) — verl's ``EngineConfig`` plus the knobs
-  verl has no word for: ``zero_stage``, ``zorro``, ``zorro_attention`` and raw ``deepspeed``
-  overrides. They are the fields of the same name of ``polynya.config.TrainConfig`` and are
+  verl has no word for: ``zero_stage``, ``zorro``, ``zorro_attention``, ``compile_layers`` and
+  raw ``deepspeed`` overrides. They are the fields of the same name of ``polynya.config.TrainConfig`` and are
   validated by it (one schema, not a copy).
 - ``DeepSpeedActorConfig`` — verl's ``ActorConfig`` with that engine under ``deepspeed``.
 
@@ -34,7 +34,8 @@ class DeepSpeedEngineConfig(EngineConfig):
     """verl engine config of the ``deepspeed`` strategy (polynya's ``TrainingEngine``).
 
     Args:
-        zero_stage, zorro, zorro_attention, deepspeed: as ``polynya.config.TrainConfig``.
+        zero_stage, zorro, zorro_attention, compile_layers, deepspeed: as
+            ``polynya.config.TrainConfig``.
         The inherited fields keep verl's meaning (``dtype``, ``seed``, ``param_offload`` ...).
     """
 
@@ -42,6 +43,7 @@ class DeepSpeedEngineConfig(EngineConfig):
     zero_stage: int = 2
     zorro: bool = True
     zorro_attention: str = "auto"
+    compile_layers: bool = False
     deepspeed: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,7 +58,8 @@ class DeepSpeedEngineConfig(EngineConfig):
     def polynya_fields(self) -> dict[str, Any]:
         """The ``TrainConfig`` fields this config sets directly."""
         return dict(dtype=self.dtype, seed=self.seed, zero_stage=self.zero_stage, zorro=self.zorro,
-                    zorro_attention=self.zorro_attention, deepspeed=dict(self.deepspeed))
+                    zorro_attention=self.zorro_attention, compile_layers=self.compile_layers,
+                    deepspeed=dict(self.deepspeed))
 
 
 @dataclass

@@ -70,6 +70,7 @@ def test_swap_composes_and_verl_validates_it():
     ("actor_rollout_ref.actor.deepspeed.dtype=float16", "dtype"),
     ("actor_rollout_ref.actor.deepspeed.zorro_attention=dense", "zorro_attention"),
     ("actor_rollout_ref.actor.deepspeed.param_offload=true", "param_offload and optimizer_offload"),
+    ("actor_rollout_ref.actor.deepspeed.compile_layers=1", "compile_layers must be a bool"),
 ])
 def test_bad_engine_settings_fail_at_config_time(override, message):
     cfg = compose_verl(override)
@@ -93,6 +94,19 @@ def test_settings_polynya_cannot_honour_are_refused(override, message):
     model = SimpleNamespace(path="m", local_path=None, lora_rank=0)
     with pytest.raises(ValueError, match=message):
         train_config(model, actor.engine, actor.optim)
+
+
+def test_compile_layers_reaches_the_train_config_and_is_checked():
+    cfg = compose_verl("actor_rollout_ref.actor.deepspeed.compile_layers=true")
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    actor.engine.max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    model = SimpleNamespace(path="m", local_path=None, lora_rank=0)
+    assert train_config(model, actor.engine, actor.optim).compile_layers is True
+    assert omega_conf_to_dataclass(worker_ref_config(cfg)).engine.compile_layers is True  # the reference too
+    cfg = compose_verl("actor_rollout_ref.actor.deepspeed.compile_layers=true",
+                       "actor_rollout_ref.actor.deepspeed.zero_stage=3")
+    with pytest.raises((ValueError, InstantiationException), match="ZeRO-3"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
 def test_multi_gpu_rollout_replica_is_refused():
