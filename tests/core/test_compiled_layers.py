@@ -1,7 +1,7 @@
 """``polynya.compiled_layers``: which layers ``compile_layers`` routes, that it refuses models it
 does not know and layers or sub-modules someone else patched (nothing changed then), that it is
 idempotent and reversible, and that a compiled model's log-probs, entropy and every gradient
-equal the eager model's (fp32, gradient checkpointing on and off, ZoRRo and the packed naive
+equal the eager model's (fp32, gradient checkpointing off, non-reentrant and reentrant, ZoRRo and the packed naive
 layout, ragged batches of new lengths each call, all four families) — with the attention called
 eagerly, the checkpoint's recompute running the compiled regions again, and calls the regions do
 not cover (a KV cache, hooks on the attention) running the class's own forward. The plumbing is checked with
@@ -44,8 +44,9 @@ def _run(model, batch, zorro):
 def _pair(family="qwen3", checkpointing=True):
     torch.manual_seed(0)
     eager = load_model(f"tiny:{family}", dtype="float32")
-    if checkpointing:
-        eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # True: non-reentrant (HF's default here), "reentrant": torch's old kind
+        eager.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     eager.train()
     return eager, copy.deepcopy(eager)
 
@@ -113,7 +114,7 @@ def test_refuses_sub_modules_that_already_have_an_instance_forward():
 
 
 @pytest.mark.parametrize(("family", "checkpointing"), [
-    ("qwen3", True), ("qwen3", False), ("llama", True), ("qwen2", True),
+    ("qwen3", True), ("qwen3", False), ("qwen3", "reentrant"), ("llama", True), ("qwen2", True),
     ("mistral", True),  # mistral: window 8 on every layer
 ])
 @pytest.mark.parametrize("zorro", [True, False], ids=["zorro", "packed"])
