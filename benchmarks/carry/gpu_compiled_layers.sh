@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
  || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
-timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/core/test_compiled_layers_gpu.py -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/tests.txt
+timeout ${T_TESTS:-200} python3 -m pytest -q -m gpu tests/core/test_compiled_layers_gpu.py tests/adapters/test_trl_gpu.py -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/tests.txt
 timeout ${T_SCAN:-90} python3 benchmarks/profile_zorro_step.py --scan ${SCAN:-256/128/8x1,256/128/8x4} \
   --arms naive,auto --compiled --rounds 7 --out $OUT 2>&1 | grep -v Warning | tail -8
 [ "${T_PROFILE:-50}" -gt 0 ] && timeout ${T_PROFILE:-50} python3 benchmarks/profile_zorro_step.py --shape 256/128/8 --groups 1 \
