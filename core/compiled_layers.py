@@ -130,8 +130,10 @@ def _regions(cls: type, backend: str, dynamic: bool) -> _Regions:
 def _hooked(module: torch.nn.Module) -> bool:
     from torch.nn.modules import module as nn_module
 
-    return bool(module._forward_hooks or module._forward_pre_hooks
-                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or nn_module._global_forward_hooks
+                or nn_module._global_forward_pre_hooks or nn_module._global_backward_hooks
+                or nn_module._global_backward_pre_hooks)
 
 
 def _checkpoints_in_forward(layer: torch.nn.Module) -> bool:

@@ -187,6 +187,10 @@ def test_calls_the_regions_do_not_cover_run_the_class_forward():
         torch.testing.assert_close(got, eager(ids, use_cache=False).logits, atol=1e-6, rtol=0)
         compiled(ids, use_cache=False)
         assert calls == ["before", "after"]  # hook gone: the regions again
+        handle = compiled.model.layers[1].self_attn.register_full_backward_hook(lambda *a: None)
+        compiled(ids, use_cache=False)
+        handle.remove()
+        assert calls == ["before", "after"]  # a backward hook, too, sends it to the class forward
 
 
 def test_inductor_on_cpu_equals_eager():
