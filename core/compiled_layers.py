@@ -28,8 +28,9 @@ What it does and guarantees:
   itself under the same conditions), so the recompute in the backward pass runs the compiled
   regions again.
 - Any call the two regions do not cover runs the class's own forward, eagerly: a KV cache
-  (generation), extra positional arguments, no ``position_embeddings``, or forward hooks on the
-  attention module (HF's output recorders, accelerate). No weight, buffer or class is changed.
+  (generation), extra positional arguments, no ``position_embeddings``, or forward / backward
+  hooks on the attention module (HF's output recorders, accelerate). No weight, buffer or class
+  is changed.
 - Shapes are dynamic (``dynamic=True``): a new number of tokens does not recompile. Compiling
   costs tens of seconds once per process (Inductor's on-disk cache makes a later process
   cheaper); a recompile beyond ``torch._dynamo.config`` 's limit falls back to eager (torch's
