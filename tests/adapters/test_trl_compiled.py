@@ -29,6 +29,31 @@ def _trainer(model_dir, tmp_path, **kw):  # noqa: F811
                        **kw)
 
 
+
+def check_logprobs_against_trl(trainer, tol: float) -> list[bool]:
+    """Test instrumentation: every ``_get_per_token_logps_and_entropies`` call of ``trainer`` is
+    compared with TRL's own implementation on the same batch (log-probs, and entropy where asked;
+    TRL's reference model returns none). Returns the list the calls append to (True: the
+    reference model's call)."""
+    inner, seen = trainer._get_per_token_logps_and_entropies, []
+
+    def spy(model, input_ids, attention_mask, logits_to_keep, **kw):
+        out = inner(model, input_ids, attention_mask, logits_to_keep, **kw)
+        entropy = bool(kw.get("compute_entropy"))
+        with torch.no_grad():
+            ref = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy=entropy)
+        m = attention_mask[:, -logits_to_keep:].bool()
+        torch.testing.assert_close(out[0].detach()[m], ref[0][m], atol=tol, rtol=tol)
+        if entropy:
+            torch.testing.assert_close(out[1].detach()[m], ref[1][m], atol=tol, rtol=tol)
+        seen.append(model is trainer.ref_model)
+        return out
+
+    trainer._get_per_token_logps_and_entropies = spy
+    return seen
+
+
 def test_compiled_layers_train_and_equal_trl_logprobs(model_dir, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setattr(trl_trainer, "compile_model_layers",
                         functools.partial(compile_layers, backend="aot_eager"))
@@ -38,22 +63,7 @@ def test_compiled_layers_train_and_equal_trl_logprobs(model_dir, tmp_path, monke
     assert len(names) == policy.config.num_hidden_layers
     assert compiled_modules(trainer.ref_model) == names
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    inner, seen = trainer._get_per_token_logps_and_entropies, []
-
-    def spy(model, input_ids, attention_mask, logits_to_keep, **kw):
-        out = inner(model, input_ids, attention_mask, logits_to_keep, **kw)
-        entropy = bool(kw.get("compute_entropy"))  # TRL's reference model returns no entropy
-        with torch.no_grad():
-            ref = trl.GRPOTrainer._get_per_token_logps_and_entropies(
-                trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy=entropy)
-        m = attention_mask[:, -logits_to_keep:].bool()
-        torch.testing.assert_close(out[0].detach()[m], ref[0][m], atol=1e-5, rtol=1e-5)
-        if entropy:
-            torch.testing.assert_close(out[1].detach()[m], ref[1][m], atol=1e-5, rtol=1e-5)
-        seen.append(model is trainer.ref_model)
-        return out
-
-    trainer._get_per_token_logps_and_entropies = spy  # test instrumentation only
+    seen = check_logprobs_against_trl(trainer, tol=1e-5)
     trainer.train()
     assert trainer.state.global_step == 3
     assert True in seen and False in seen  # the reference model's and the policy's log-probs

@@ -13,6 +13,7 @@ from polynya.compiled_layers import compiled_modules  # noqa: E402
 from polynya.config import SamplerConfig  # noqa: E402
 from polynya.models import tiny_tokenizer  # noqa: E402
 
+from .test_trl_compiled import check_logprobs_against_trl  # noqa: E402
 from .test_trl_trainer import _args, _dataset, model_dir, reward_digits  # noqa: E402, F401 (fixture)
 
 pytestmark = [pytest.mark.gpu,
@@ -28,22 +29,7 @@ def test_defaults_compile_on_gpu_and_equal_trl_logprobs(model_dir, tmp_path):  #
     assert trainer.compiled_layers is True
     assert compiled_modules(policy) and compiled_modules(trainer.ref_model) == compiled_modules(policy)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    inner, seen = trainer._get_per_token_logps_and_entropies, []
-
-    def spy(model, input_ids, attention_mask, logits_to_keep, **kw):
-        out = inner(model, input_ids, attention_mask, logits_to_keep, **kw)
-        entropy = bool(kw.get("compute_entropy"))
-        with torch.no_grad():
-            ref = trl.GRPOTrainer._get_per_token_logps_and_entropies(
-                trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy=entropy)
-        m = attention_mask[:, -logits_to_keep:].bool()
-        torch.testing.assert_close(out[0].detach()[m], ref[0][m], atol=1e-4, rtol=1e-4)
-        if entropy:
-            torch.testing.assert_close(out[1].detach()[m], ref[1][m], atol=1e-4, rtol=1e-4)
-        seen.append(model is trainer.ref_model)
-        return out
-
-    trainer._get_per_token_logps_and_entropies = spy  # test instrumentation only
+    seen = check_logprobs_against_trl(trainer, tol=1e-4)
     trainer.train()
     assert trainer.state.global_step == 3
     assert True in seen and False in seen
