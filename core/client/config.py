@@ -231,6 +231,12 @@ class RLClientConfig:
             fixed = {f: (key, _client_value(self, key)) for f, key in owned_fields(name).items()}
             setattr(self, name, _section(name, getattr(self, name), fixed))
 
+    @property
+    def trainer_offloads(self) -> bool:
+        """Whether a colocated hand-over moves the trainer off the device: asked for
+        (``offload_trainer``) and possible (ZeRO 1-3)."""
+        return self.offload_trainer and self.train.zero_stage > 0
+
     def replace(self, **changes) -> "RLClientConfig":
         """A copy with ``changes`` (validated again); engine fields that came from a changed
         client setting follow it."""

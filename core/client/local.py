@@ -87,7 +87,7 @@ class LocalClient(ThreadedAsync):
             else None
         )
         self.handover = HandOver(colocate=config.colocate,
-                                 trainer_offloads=config.offload_trainer and config.train.zero_stage > 0,
+                                 trainer_offloads=config.trainer_offloads,
                                  has_logprob=self.logprob is not None)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)

@@ -90,7 +90,7 @@ class RayClient(ClientLifecycle):
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
         self.handover = HandOver(colocate=cfg.colocate,
-                                 trainer_offloads=cfg.offload_trainer and cfg.train.zero_stage > 0,
+                                 trainer_offloads=cfg.trainer_offloads,
                                  has_logprob=bool(self.logprobs))
         self._group_ready = False
 
