@@ -23,7 +23,14 @@ previous one-row-per-sample baseline for reference). ``--fused`` runs both arms'
 log-prob engine with ``fused_kernels=True`` (compare with a run without it), ``--compiled`` with
 ``compile_layers=True`` (``polynya.compiled_layers``; the first step pays the compile), and
 ``--keep-trainer`` sets ``client.offload_trainer=false`` (the trainer stays on the device while the
-sampler generates: no offload / onload copies in the hand-over).
+sampler generates: no offload / onload copies in the hand-over). ``--arms`` picks the arms, in
+order (default ``zorro,naive``); ``+compiled`` compiles one arm's layers, so
+``--arms zorro,naive,zorro+compiled,naive+compiled`` measures the compiled layers' gain in one
+process (each ZoRRo+FCA arm is compared with the naive+paged arm of its compile mode, each
+compiled arm with its eager twin)::
+
+    python benchmarks/bench_recipe.py --model tiny --steps 2 --prompts 2 --group-size 2 \
+        --max-new-tokens 8 --arms zorro,naive+compiled --out /tmp/br     # CPU smoke, no numbers
 """
 from __future__ import annotations
 
@@ -53,17 +60,37 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def compose_recipe(args, on: bool, out: str):
+ARM_NAMES = {"zorro": (True, "ZoRRo+FCA"), "naive": (False, "naive+paged")}
+
+
+def parse_arms(spec: str, compiled: bool) -> list[tuple[str, bool, bool]]:
+    """``--arms`` (``zorro,naive``, each optionally ``+compiled``) -> (label, ZoRRo+FCA on,
+    compiled layers); ``--compiled`` compiles every arm."""
+    arms = []
+    for item in spec.split(","):
+        base, plus, mode = item.partition("+")
+        if base not in ARM_NAMES or (plus and mode != "compiled"):
+            raise SystemExit(f"--arms: unknown arm {item!r}; use zorro / naive, optionally +compiled")
+        on, label = ARM_NAMES[base]
+        comp = compiled or bool(plus)
+        arms.append((label + (" compiled" if comp and not compiled else ""), on, comp))
+    if len({a[0] for a in arms}) != len(arms):
+        raise SystemExit(f"--arms: an arm is listed twice in {spec!r}")
+    return arms
+
+
+def compose_recipe(args, on: bool, compiled: bool, out: str):
     overrides = [f"task={args.task}", f"model={args.model}", "placement=local",
                  f"run.steps={args.steps}", f"run.prompts_per_step={args.prompts}",
                  f"run.group_size={args.group_size}", f"run.max_new_tokens={args.max_new_tokens}",
-                 f"run.out_dir={out}/{'on' if on else 'off'}", "run.resume=false", "run.progress=false",
+                 f"run.out_dir={out}/{'on' if on else 'off'}{'-compiled' if compiled else ''}",
+                 "run.resume=false", "run.progress=false",
                  f"client.zorro_train={on}", f"client.fca={on}",
                  f"client.train.naive_layout={args.naive_layout}",
                  f"client.logprob.naive_layout={args.naive_layout}",
                  "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true",
                  f"client.train.fused_kernels={args.fused}", f"client.logprob.fused_kernels={args.fused}",
-                 f"client.train.compile_layers={args.compiled}", f"client.logprob.compile_layers={args.compiled}",
+                 f"client.train.compile_layers={compiled}", f"client.logprob.compile_layers={compiled}",
                  f"client.offload_trainer={not args.keep_trainer}"]
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         return compose("config", overrides=overrides)
@@ -94,9 +121,10 @@ def direct_generate(driver: GRPODriver, client, first_step: int, calls: int) -> 
     return rows
 
 
-def run_arm(args, on: bool, out: str) -> tuple[dict, list[dict]]:
+def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dict]]:
+    label, on, compiled = arm
     t0 = time.perf_counter()
-    driver = GRPODriver(compose_recipe(args, on, out))
+    driver = GRPODriver(compose_recipe(args, on, compiled, out))
     steps = []
     with create_rl_client(driver.client_config) as client:
         sampler = client.samplers[0]
@@ -112,10 +140,11 @@ def run_arm(args, on: bool, out: str) -> tuple[dict, list[dict]]:
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         direct = direct_generate(driver, client, args.steps + 1, args.direct_calls)
         client.wake("trainer")  # how much of the trainer's device memory the hand-over frees
-        freed = client.trainer.offload()
+        freed = client.trainer.offload() if client.trainer.config.zero_stage > 0 else None
     steady = steps[1:] or steps
     med = lambda key, rows=steady: statistics.median(r[key] for r in rows)  # noqa: E731
-    summary = {"arm": "ZoRRo+FCA" if on else "naive+paged", "wall_s": round(time.perf_counter() - t0, 1)}
+    summary = {"arm": label, "zorro_fca": on, "compiled": compiled,
+               "wall_s": round(time.perf_counter() - t0, 1)}
     for k in (*PHASES, "step_s", "handover_s"):
         summary[k.replace("_s", "_ms")] = round(1e3 * med(k), 1)
     summary["decode_ms_per_step"] = round(1e3 * med("decode_time_s") / med("decode_steps"), 2)
@@ -124,7 +153,7 @@ def run_arm(args, on: bool, out: str) -> tuple[dict, list[dict]]:
     summary["fca_steps"] = sum(r["fca_steps"] for r in steps)
     summary["decode_steps"] = sum(r["decode_steps"] for r in steps)
     summary["graph_captures"] = sum(r["graph_captures"] for r in steps)
-    summary["offload_freed_fraction"] = round(freed["freed_fraction"], 3)
+    summary["offload_freed_fraction"] = round(freed["freed_fraction"], 3) if freed else None
     summary["reward"] = round(statistics.mean(r["reward_mean"] for r in steps), 3)
     return summary, [dict(r, arm=summary["arm"]) for r in steps] + [
         dict(r, arm=summary["arm"], direct=True) for r in direct]
@@ -152,11 +181,11 @@ def plot(rows: list[dict], per_step: list[dict], args, env: dict, path: str) -> 
     ax.scatter(x, direct, marker="_", s=900, color="black", zorder=3, label="direct generate")
     for i, r in enumerate(rows):
         ax.text(i, bottom[i], f"{r['step_ms']:.0f} ms", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), [r["arm"] for r in rows])
+    ax.set_xticks(list(x), [r["arm"].replace(" ", "\n") for r in rows], fontsize=8)
     ax.set_ylabel("median step (ms, steps after the first)")
     ax.set_ylim(0, 1.12 * max(bottom + direct))
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    for arm, marker in (("ZoRRo+FCA", "o"), ("naive+paged", "s")):
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    for arm, marker in zip((r["arm"] for r in rows), "osD^"):
         pts = [r for r in per_step if r["arm"] == arm and not r.get("direct")]
         ax2.plot([p["step"] for p in pts], [1e3 * p["step_s"] for p in pts], marker=marker, label=f"{arm} step")
         ax2.plot([p["step"] for p in pts], [1e3 * p["generate_s"] for p in pts], marker=marker,
@@ -165,11 +194,10 @@ def plot(rows: list[dict], per_step: list[dict], args, env: dict, path: str) -> 
     ax2.set_xlabel("step (new prompts and lengths every step)")
     ax2.set_ylabel("ms")
     ax2.legend(fontsize=7)
-    if len(rows) == 2:
-        ratio = rows[1]["step_ms"] / rows[0]["step_ms"]
-        fig.suptitle(f"bench_recipe {args.task}: {args.prompts} prompts x G{args.group_size}, "
-                     f"{args.max_new_tokens} new, {args.model}, colocated — {env['gpu']} — "
-                     f"ZoRRo+FCA {ratio:.2f}x naive+paged", fontsize=9)
+    ratios = ", ".join(f"{r['arm']} {r['speedup_step']:.2f}x" for r in rows if "speedup_step" in r)
+    fig.suptitle(f"bench_recipe {args.task}: {args.prompts} prompts x G{args.group_size}, "
+                 f"{args.max_new_tokens} new, {args.model}, colocated — {env['gpu']}"
+                 + (f" — vs naive+paged: {ratios}" if ratios else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -188,27 +216,35 @@ def main() -> None:
                     help="layout of the ZoRRo-off arm's engines (auto: packed varlen on GPU)")
     ap.add_argument("--fused", action="store_true",
                     help="both arms' trainer and log-prob engine with fused RMSNorm + RoPE kernels")
+    ap.add_argument("--arms", default="zorro,naive",
+                    help="zorro (ZoRRo+FCA) / naive (naive+paged), each optionally +compiled")
     ap.add_argument("--compiled", action="store_true",
-                    help="both arms' trainer and log-prob engine with compiled decoder layers")
+                    help="every arm's trainer and log-prob engine with compiled decoder layers")
     ap.add_argument("--keep-trainer", action="store_true",
                     help="client.offload_trainer=false: the trainer stays on the device while sampling")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     register()
+    arms = parse_arms(args.arms, args.compiled)
     start, rows, per_step = time.perf_counter(), [], []
-    for on in (True, False):
+    for arm in arms:
         if rows and time.perf_counter() - start > args.budget_s - rows[-1]["wall_s"]:
-            print(f"skipping the {'on' if on else 'off'} arm: it would not fit in --budget-s", flush=True)
+            print(f"skipping the {arm[0]} arm: it would not fit in --budget-s", flush=True)
             break
-        summary, steps = run_arm(args, on, os.path.join(args.out, "recipe_runs"))
+        summary, steps = run_arm(args, arm, os.path.join(args.out, "recipe_runs"))
         rows.append(summary)
         per_step += steps
         print(summary, flush=True)
     env = environment()
-    if len(rows) == 2:
-        for key in ("step_ms", "generate_ms", "train_ms", "logprobs_ms"):
-            rows[0][f"speedup_{key[:-3]}"] = round(rows[1][key] / rows[0][key], 3)
+    for row in rows:  # each ZoRRo+FCA arm against the naive+paged arm of the same compile mode
+        base = next((r for r in rows if not r["zorro_fca"] and r["compiled"] == row["compiled"]), None)
+        if row["zorro_fca"] and base is not None:
+            for key in ("step_ms", "generate_ms", "train_ms", "logprobs_ms"):
+                row[f"speedup_{key[:-3]}"] = round(base[key] / row[key], 3)
+        eager = next((r for r in rows if r["zorro_fca"] == row["zorro_fca"] and not r["compiled"]), None)
+        if row["compiled"] and eager is not None:
+            row["compiled_vs_eager_step"] = round(eager["step_ms"] / row["step_ms"], 3)
     save(dict(env, **vars(args), rows=rows, per_step=per_step), args.out, f"bench_recipe_{args.task}")
     plot(rows, per_step, args, env, os.path.join(args.out, f"bench_recipe_{args.task}.png"))
     print(markdown_table(rows, [("arm", "arm"), ("generate_ms", "generate ms"),
@@ -218,11 +254,13 @@ def main() -> None:
                                 ("train_ms", "train ms"), ("sync_ms", "sync ms"), ("step_ms", "step ms"),
                                 ("fca_steps", "FCA steps"), ("graph_captures", "captures"),
                                 ("reward", "mean reward"), ("wall_s", "arm wall s")]))
-    if len(rows) == 2:
-        print(f"step speedup ZoRRo+FCA vs naive+paged: {rows[0]['speedup_step']:.3f}x "
-              f"(generate {rows[0]['speedup_generate']:.3f}x, train {rows[0]['speedup_train']:.3f}x, "
-              f"logprobs {rows[0]['speedup_logprobs']:.3f}x)")
-
+    for row in rows:
+        if "speedup_step" in row:
+            print(f"step speedup {row['arm']} vs naive+paged: {row['speedup_step']:.3f}x "
+                  f"(generate {row['speedup_generate']:.3f}x, train {row['speedup_train']:.3f}x, "
+                  f"logprobs {row['speedup_logprobs']:.3f}x)")
+        if "compiled_vs_eager_step" in row:
+            print(f"{row['arm']}: compiled layers {row['compiled_vs_eager_step']:.3f}x its eager step")
 
 if __name__ == "__main__":
     main()
