@@ -76,6 +76,7 @@ class _Regions:
     after: Callable
     rope: Callable          # the family's apply_rotary_pos_emb
     eager_attention: Callable  # the family's eager_attention_forward (HF's fallback interface)
+    interfaces: Any         # transformers' ALL_ATTENTION_FUNCTIONS (looked up per call, as HF does)
     qk_norm: bool
     window: str | None
 
@@ -119,12 +120,15 @@ def _regions(cls: type, backend: str, dynamic: bool) -> _Regions:
     with _LOCK:
         regions = _COMPILED.get(key)
         if regions is None:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
             qk_norm, window = _FAMILIES[_class_name(cls)]
             family = sys.modules[cls.__module__]
             compiled = (torch.compile(_fresh(f), backend=backend, dynamic=dynamic)
                         for f in (_before_attention, _after_attention))
             regions = _COMPILED[key] = _Regions(*compiled, family.apply_rotary_pos_emb,
-                                                family.eager_attention_forward, qk_norm, window)
+                                                family.eager_attention_forward,
+                                                ALL_ATTENTION_FUNCTIONS, qk_norm, window)
     return regions
 
 
@@ -150,10 +154,8 @@ def _two_regions(layer, hidden_states, attention_mask=None, position_ids=None,
     regions: _Regions = layer.__dict__["_polynya_compiled"]
     attn = layer.self_attn
     q, k, v = regions.before(layer, hidden_states, *position_embeddings, regions.rope, regions.qk_norm)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                      regions.eager_attention)
+    attention = regions.interfaces.get_interface(attn.config._attn_implementation,
+                                                 regions.eager_attention)
     if regions.window == "module":
         kwargs["sliding_window"] = attn.sliding_window
     elif regions.window == "config":

@@ -45,7 +45,7 @@ from ...compiled_layers import compile_reason
 from ...config.sampler import SamplerConfig
 from ...engines.sample import SamplingEngine
 from ...fused import fuse_model
-from ...logprobs import compute_logprobs
+from ...logprobs import _device, compute_logprobs
 from ...sync.push import WeightPush
 from ...types import SamplingParams
 from .translate import (
@@ -116,16 +116,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
         if compile_layers is None:
             compile_layers = self._why_not_compiled(models, fused_kernels) is None
+        elif compile_layers and (why := self._compile_refusal(models)):
+            raise ValueError(f"compile_layers=True cannot run: {why} (pass compile_layers=False, or "
+                             "run without GRPOConfig(torch_compile=True) and ZeRO-3)")
         self.compiled_layers = compile_layers
         if compile_layers:
-            if self.is_deepspeed_enabled and self._dist.is_zero3:
-                raise ValueError("compile_layers is not verified under DeepSpeed ZeRO-3 (its parameter "
-                                 "gathering hooks); use ZeRO 0-2 or compile_layers=False")
-            if self.args.torch_compile:
-                raise ValueError("compile_layers and GRPOConfig(torch_compile=True) both compile the "
-                                 "model: pick one (compile_layers=False keeps TRL's torch.compile)")
-            for why in filter(None, map(compile_reason, models)):
-                raise ValueError(f"compile_layers: {why}")
             for model in models:
                 compile_model_layers(model)
         if fused_kernels:
@@ -139,19 +134,25 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.add_callback(_PushWeights(self))
 
     # ------------------------------------------------------------------ set-up checks
-    def _why_not_compiled(self, models: list[torch.nn.Module], fused_kernels: bool) -> str | None:
-        """Why ``compile_layers=None`` leaves the models eager, or None to compile them."""
-        if fused_kernels:
-            return "fused_kernels is on"
+    def _compile_refusal(self, models: list[torch.nn.Module]) -> str | None:
+        """Why the layers cannot be compiled in this run at all (``True`` is refused with it)."""
         if self.args.torch_compile:
             return "TRL's torch_compile is on"
         if self.is_deepspeed_enabled and self._dist.is_zero3:
             return "DeepSpeed ZeRO-3"
+        return next(filter(None, map(compile_reason, models)), None)
+
+    def _why_not_compiled(self, models: list[torch.nn.Module], fused_kernels: bool) -> str | None:
+        """Why ``compile_layers=None`` leaves the models eager, or None to compile them."""
+        if fused_kernels:
+            return "fused_kernels is on"
+        if why := self._compile_refusal(models):
+            return why
         if self.accelerator.num_processes > 1:
             return "several processes (verified on one GPU only: pass compile_layers=True)"
-        if any(_device_type(m) != "cuda" for m in models):
+        if any(_device(m).type != "cuda" for m in models):
             return "not on a CUDA device"
-        return next(filter(None, map(compile_reason, models)), None)
+        return None
 
     def _check_trainer(self) -> None:
         if self._is_vlm:
@@ -255,11 +256,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             parts = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(p) for p in parts]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
-
-def _device_type(model: torch.nn.Module) -> str:
-    param = next(model.parameters(), None)
-    return param.device.type if param is not None else "cpu"
 
 
 @contextlib.contextmanager

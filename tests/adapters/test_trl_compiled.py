@@ -89,7 +89,7 @@ def test_compile_layers_default_is_on_only_where_it_is_verified(model_dir, tmp_p
     policy = trainer.accelerator.unwrap_model(trainer.model)
     assert trainer.compiled_layers is False and compiled_modules(policy) == []
     assert trainer._why_not_compiled([policy], False) == "not on a CUDA device"
-    monkeypatch.setattr(trl_trainer, "_device_type", lambda model: "cuda")
+    monkeypatch.setattr(trl_trainer, "_device", lambda model: torch.device("cuda"))
     assert trainer._why_not_compiled([policy], False) is None
     assert trainer._why_not_compiled([policy], True) == "fused_kernels is on"
     monkeypatch.setattr(trainer.args, "torch_compile", True)
