@@ -206,3 +206,23 @@ def test_inductor_on_cpu_equals_eager():
         for name, g in g_e.items():
             torch.testing.assert_close(g_c[name], g, atol=1e-4 * g.abs().max().item(), rtol=1e-4,
                                        msg=name)
+
+
+def test_a_users_torch_compile_leaves_the_polynya_attention_eager():
+    """A user's ``torch.compile`` over a model with the "polynya" attention (not
+    ``compile_layers``): Dynamo breaks the graph at the attention (its ``torch.compiler.disable``'d
+    copy) instead of tracing the ZoRRo mask and plans; log-probs and gradients equal eager."""
+    from torch._dynamo.utils import counters
+
+    eager, compiled = _pair("qwen3")
+    compiled.model.forward = torch.compile(compiled.model.forward, backend="aot_eager")
+    counters.clear()
+    batch = _batch(19, 8, 3, seed=5)
+    lp_e, ent_e, g_e = _run(eager, batch, zorro=True)
+    lp_c, ent_c, g_c = _run(compiled, batch, zorro=True)
+    breaks = [reason for reason in counters["graph_break"] if "torch.compiler.disable" in reason]
+    assert breaks, dict(counters["graph_break"])
+    torch.testing.assert_close(lp_c, lp_e, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_c, ent_e, atol=1e-5, rtol=0)
+    for name, g in g_e.items():
+        torch.testing.assert_close(g_c[name], g, atol=1e-4 * g.abs().max().item(), rtol=1e-4, msg=name)
