@@ -107,6 +107,8 @@ def test_refuses_sub_modules_that_already_have_an_instance_forward():
     assert compiled_modules(model) == []
     with pytest.raises(ValueError, match="torch.nn.Module"):
         compile_layers("tiny:qwen3")
+    with pytest.raises(ValueError, match="uncompile_layers needs a torch.nn.Module"):
+        uncompile_layers("tiny:qwen3")
     plain = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="needs a Hugging Face model"):
         compile_layers(plain)
