@@ -59,6 +59,17 @@ FCA_SWEEP = [  # (plan kwargs, kernel config); entry 0 is the default
     ({"chunk_tokens": 2048}, DecodeConfig(mode="streams", shared_progs_per_sm=1)),
     ({}, DecodeConfig(mode="streams", shared_progs_per_sm=1, block_n_shared=32)),
     ({}, DecodeConfig(mode="split", block_m_shared=32)),
+    # 2026-12-02: deeper pipelining and wider tiles for the shared pass (issue 15 goal 8)
+    ({}, DecodeConfig(mode="streams", shared_num_stages=3)),
+    ({}, DecodeConfig(mode="streams", shared_num_stages=4)),
+    ({}, DecodeConfig(mode="streams", block_n_shared=128, shared_num_warps=8)),
+    ({}, DecodeConfig(mode="streams", block_n_shared=128, shared_num_warps=8, shared_num_stages=3)),
+    ({"chunk_tokens": 1024}, DecodeConfig(mode="streams", shared_progs_per_sm=2)),
+    ({"chunk_tokens": 1024}, DecodeConfig(mode="streams", shared_progs_per_sm=2, shared_num_stages=3)),
+    ({"chunk_tokens": 4096}, DecodeConfig(mode="streams", shared_num_stages=3)),
+    ({}, DecodeConfig(mode="streams", num_stages=3)),
+    ({}, DecodeConfig(mode="streams", shared_num_warps=8, shared_num_stages=3)),
+    ({}, DecodeConfig(mode="streams", progs_per_sm=8, shared_num_stages=3)),
 ]
 
 

@@ -22,8 +22,10 @@ samples without padding, FlashAttention-2 varlen, as verl's remove-padding; ``pa
 previous one-row-per-sample baseline for reference). ``--fused`` runs both arms' trainer and
 log-prob engine with ``fused_kernels=True`` (compare with a run without it), ``--compiled`` with
 ``compile_layers=True`` (``polynya.compiled_layers``; the first step pays the compile), and
-``--keep-trainer`` sets ``client.offload_trainer=false`` (the trainer stays on the device while the
-sampler generates: no offload / onload copies in the hand-over). ``--arms`` picks the arms, in
+``--offload`` sets ``client.offload_trainer`` (default ``auto``, the client's default: the trainer
+stays on the device when the sampler's room is free there; ``true``: always offloaded; ``false``,
+also ``--keep-trainer``: never); each arm reports how many hand-overs moved the trainer
+(``trainer_offloads``). ``--arms`` picks the arms, in
 order (default ``zorro,naive``); ``+compiled`` compiles one arm's layers, so
 ``--arms zorro,naive,zorro+compiled,naive+compiled`` measures the compiled layers' gain in one
 process (each ZoRRo+FCA arm is compared with the naive+paged arm of its compile mode, each
@@ -91,13 +93,13 @@ def compose_recipe(args, on: bool, compiled: bool, out: str):
                  "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true",
                  f"client.train.fused_kernels={args.fused}", f"client.logprob.fused_kernels={args.fused}",
                  f"client.train.compile_layers={compiled}", f"client.logprob.compile_layers={compiled}",
-                 f"client.offload_trainer={not args.keep_trainer}"]
+                 f"client.offload_trainer={'false' if args.keep_trainer else args.offload}"]
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         return compose("config", overrides=overrides)
 
 
 def direct_generate(driver: GRPODriver, client, first_step: int, calls: int) -> list[dict]:
-    """The sampler called directly (already awake, trainer offloaded) on the prompts of steps
+    """The sampler called directly (already awake, the hand-over done) on the prompts of steps
     the run did not use, with the recipe's sampling parameters."""
     rc = driver.run_cfg
     client.sleep("sampler")  # hand the device to the sampler once, outside the timings
@@ -138,6 +140,7 @@ def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dic
             row["handover_s"] = row["generate_s"] - row["prefill_time_s"] - row["decode_time_s"]
             steps.append(row)
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        offloads = client.handover.offloads  # hand-overs of the recipe's steps that moved it
         direct = direct_generate(driver, client, args.steps + 1, args.direct_calls)
         client.wake("trainer")  # how much of the trainer's device memory the hand-over frees
         freed = client.trainer.offload() if client.trainer.config.zero_stage > 0 else None
@@ -154,6 +157,8 @@ def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dic
     summary["decode_steps"] = sum(r["decode_steps"] for r in steps)
     summary["graph_captures"] = sum(r["graph_captures"] for r in steps)
     summary["offload_freed_fraction"] = round(freed["freed_fraction"], 3) if freed else None
+    summary["trainer_offloads"] = offloads
+    summary["offload_trainer"] = str(driver.client_config.offload_trainer)
     summary["reward"] = round(statistics.mean(r["reward_mean"] for r in steps), 3)
     return summary, [dict(r, arm=summary["arm"]) for r in steps] + [
         dict(r, arm=summary["arm"], direct=True) for r in direct]
@@ -220,8 +225,9 @@ def main() -> None:
                     help="zorro (ZoRRo+FCA) / naive (naive+paged), each optionally +compiled")
     ap.add_argument("--compiled", action="store_true",
                     help="every arm's trainer and log-prob engine with compiled decoder layers")
-    ap.add_argument("--keep-trainer", action="store_true",
-                    help="client.offload_trainer=false: the trainer stays on the device while sampling")
+    ap.add_argument("--offload", default="auto", choices=("auto", "true", "false"),
+                    help="client.offload_trainer (auto: offloaded only when the sampler lacks room)")
+    ap.add_argument("--keep-trainer", action="store_true", help="same as --offload false")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -253,6 +259,7 @@ def main() -> None:
                                 ("decode_ms_per_step", "decode ms/step"), ("logprobs_ms", "logprobs ms"),
                                 ("train_ms", "train ms"), ("sync_ms", "sync ms"), ("step_ms", "step ms"),
                                 ("fca_steps", "FCA steps"), ("graph_captures", "captures"),
+                                ("trainer_offloads", "trainer offloads"),
                                 ("reward", "mean reward"), ("wall_s", "arm wall s")]))
     for row in rows:
         if "speedup_step" in row:

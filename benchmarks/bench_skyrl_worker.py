@@ -24,6 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_zorro import make_batch
 from common import environment, markdown_table, paired_bars, save, wall_median_ms
+from polynya.logprobs import naive_layout_for
+from polynya.model_features import attention_features
 from polynya.adapters.skyrl import (
     PolicyWorker,
     rollout_from_training_batch,
@@ -87,6 +89,8 @@ def main() -> None:
                                       gradient_checkpointing=True, micro_batch_tokens=1 << 20)
         workers[zorro] = PolicyWorker(cfg)
     vocab = workers[True].engine.module.config.vocab_size
+    off = workers[False].engine
+    layout = naive_layout_for(attention_features(off.module), off.config.naive_layout)
     for P, R, G in shapes:
         data = skyrl_layout(P, R, G, a.groups, vocab, seed=P + R + G)
         translate_ms = wall_median_ms(lambda: rollout_from_training_batch(data, with_ref=True),
@@ -98,12 +102,13 @@ def main() -> None:
             ms[zorro] = wall_median_ms(lambda: (w.forward_backward(data), w.optim_step()), iters=a.iters)
             ms[f"mem{zorro}"] = (torch.cuda.max_memory_allocated() / 2**30
                                  if torch.cuda.is_available() else 0.0)
-        rows.append(dict(shape=f"P{P}/R{R}/G{G}x{a.groups}", naive_ms=round(ms[False], 1),
+        rows.append(dict(shape=f"P{P}/R{R}/G{G}x{a.groups}", naive_layout=layout,
+                         naive_ms=round(ms[False], 1),
                          zorro_ms=round(ms[True], 1), speedup=round(ms[False] / ms[True], 2),
                          translate_ms=round(translate_ms, 1),
                          naive_peak_gb=round(ms["memFalse"], 2), zorro_peak_gb=round(ms["memTrue"], 2)))
         print(rows[-1], flush=True)
-    print(markdown_table(rows, [("shape", "shape"), ("naive_ms", "naive ms"), ("zorro_ms", "ZoRRo ms"),
+    print(markdown_table(rows, [("shape", "shape"), ("naive_layout", "naive layout"), ("naive_ms", "naive ms"), ("zorro_ms", "ZoRRo ms"),
                                 ("speedup", "speedup"), ("translate_ms", "batch translation ms"),
                                 ("naive_peak_gb", "naive peak GB"), ("zorro_peak_gb", "ZoRRo peak GB")]))
     if a.smoke:

@@ -47,7 +47,7 @@ def _client_schema():
             fields.append((f.name, cls, field(default_factory=lambda cls=cls: OmegaConf.structured(cls))))
             continue
         typ = {"str": str, "int": int, "bool": bool, "float": float, "str | None": Optional[str],
-               "int | None": Optional[int]}[f.type]
+               "int | None": Optional[int], "bool | str": Any}[f.type]
         default = MISSING if f.default is dataclasses.MISSING else f.default
         fields.append((f.name, typ, field(default=default)))
     return dataclasses.make_dataclass("ClientSchema", fields)

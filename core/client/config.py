@@ -102,11 +102,15 @@ class RLClientConfig:
         log_prob_gpus: log-prob ranks for old-policy / reference log-probs; 0 = on the trainer.
         colocate: engines share devices and take turns (offload/onload, sleep/wake; CUDA-IPC or
             shared-memory sync); False = separate devices, broadcast sync.
-        offload_trainer: colocated, move the trainer's weights, gradients and optimizer states to
-            host memory while the samplers generate (ZeRO 1-3; ZeRO-0 cannot). False keeps them
-            on the device: no offload / onload copies in the hand-over (~0.19 s per step for a
-            0.6B model on an H200), but trainer, reference, samplers' weights and KV cache must
-            fit on the device together (size ``sampling.kv_cache_memory_gb`` for it).
+        offload_trainer: colocated, whether the trainer's weights, gradients and optimizer
+            states go to host memory while the samplers generate (ZeRO 1-3; ZeRO-0 cannot).
+            ``"auto"`` (default): only when the device lacks the room the samplers take to wake
+            and generate (their KV cache, weights brought back and an estimate of their working
+            memory; ``SamplingEngine.room_bytes``), so a trainer that fits stays and the
+            hand-over costs no copies (~0.19 s per step for a 0.6B model on an H200); a sampler
+            that cannot tell its room (vLLM) always gets the trainer offloaded. ``True``: always
+            offload; ``False``: never (trainer, reference, samplers' weights and KV cache must
+            then fit together: size ``sampling.kv_cache_memory_gb`` for it).
         sampler: ``"native"`` or ``"vllm"``.
         zorro_train: ZoRRo in the training and log-prob engines.
         fca: forest cascade attention (FCA) decode in the sampler (``SamplerConfig.fca``).
@@ -142,7 +146,7 @@ class RLClientConfig:
     sampling_gpus: int = 1
     log_prob_gpus: int = 0
     colocate: bool = True
-    offload_trainer: bool = True
+    offload_trainer: bool | str = "auto"
     sampler: str = "native"
     zorro_train: bool = True
     fca: bool = True
@@ -185,9 +189,11 @@ class RLClientConfig:
         check_positive(
             self.log_prob_gpus, "RLClientConfig.log_prob_gpus", allow_zero=True, integer=True
         )
+        if not (isinstance(self.offload_trainer, bool) or self.offload_trainer == "auto"):
+            raise ValueError("RLClientConfig.offload_trainer must be True, False or 'auto', got "
+                             f"{self.offload_trainer!r}")
         for name in (
             "colocate",
-            "offload_trainer",
             "zorro_train",
             "fca",
             "reference_model",
@@ -232,10 +238,10 @@ class RLClientConfig:
             setattr(self, name, _section(name, getattr(self, name), fixed))
 
     @property
-    def trainer_offloads(self) -> bool:
-        """Whether a colocated hand-over moves the trainer off the device: asked for
-        (``offload_trainer``) and possible (ZeRO 1-3)."""
-        return self.offload_trainer and self.train.zero_stage > 0
+    def trainer_offloads(self) -> bool | str:
+        """How a colocated hand-over treats the trainer: ``offload_trainer`` where offloading
+        is possible (ZeRO 1-3), False under ZeRO-0."""
+        return self.offload_trainer if self.train.zero_stage > 0 else False
 
     def replace(self, **changes) -> "RLClientConfig":
         """A copy with ``changes`` (validated again); engine fields that came from a changed

@@ -27,7 +27,7 @@ import torch
 
 from ..cluster.routing import ReplicaRouter, merge_routed
 from ..coordination import Action, HandOver
-from ..coordination.handover import LOGPROB, SAMPLERS, TRAINER
+from ..coordination.handover import LOGPROB, SAMPLERS, SLEEP_LEVELS, TRAINER, sampler_room
 from ..sync import StagedUpdate, apply_update, build_manifest
 from ..sync.manifest import flat_spans
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
@@ -88,7 +88,10 @@ class LocalClient(ThreadedAsync):
         )
         self.handover = HandOver(colocate=config.colocate,
                                  trainer_offloads=config.trainer_offloads,
-                                 has_logprob=self.logprob is not None)
+                                 has_logprob=self.logprob is not None,
+                                 sampler_room=sampler_room(
+                                     {lv: [s.room_bytes(lv) for s in self.samplers]
+                                      for lv in SLEEP_LEVELS}, sum))
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._generating = 0
@@ -118,9 +121,9 @@ class LocalClient(ThreadedAsync):
             if action.role == SAMPLERS and action.method == "sleep":
                 while self._generating:  # never free the KV cache under a running generate
                     self._idle.wait()
-            for engine in self._engines(action.role):
-                getattr(engine, action.method)(*action.args)
-            self.handover.done(action)
+            results = [getattr(engine, action.method)(*action.args)
+                       for engine in self._engines(action.role)]
+            self.handover.done(action, results)
 
     def _to_sampler(self) -> None:
         self._run(self.handover.to_sampling())

@@ -26,7 +26,7 @@ from typing import Any, Generator, Sequence
 from ..cluster.placement import GENERATE_GROUP, create_placement_group, plan_layout, start_actors
 from ..cluster.routing import ReplicaRouter, merge_routed
 from ..coordination import Action, HandOver
-from ..coordination.handover import LOGPROB, SAMPLERS, TRAINER
+from ..coordination.handover import LOGPROB, SAMPLERS, SLEEP_LEVELS, TRAINER, sampler_room
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats
 from .api import ClientLifecycle, EngineError, check_logprob_model
 from .config import RLClientConfig
@@ -86,12 +86,13 @@ class RayClient(ClientLifecycle):
         try:
             self.trainers, self.samplers, self.logprobs = start_actors(cfg, self.layout, self.pg)
             self._run(self._plan_ready(), "starting the engines")
+            room = self._run(self._plan_room(), "asking the samplers' room")
         except BaseException:
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
         self.handover = HandOver(colocate=cfg.colocate,
                                  trainer_offloads=cfg.trainer_offloads,
-                                 has_logprob=bool(self.logprobs))
+                                 has_logprob=bool(self.logprobs), sampler_room=room)
         self._group_ready = False
 
     # ------------------------------------------------------------------ driving plans
@@ -141,6 +142,14 @@ class RayClient(ClientLifecycle):
     def _plan_ready(self) -> Plan:
         yield [a.ready.remote() for a in self.trainers + self.samplers + self.logprobs]
 
+    def _plan_room(self) -> Plan:
+        """The hand-over's ``sampler_room``: colocated, each GPU holds one sampler replica
+        next to its training rank, so a rank needs room for one sampler (the largest)."""
+        n = len(self.samplers)
+        values = yield [s.room_bytes.remote(lv) for lv in SLEEP_LEVELS for s in self.samplers]
+        return sampler_room({lv: values[i * n:(i + 1) * n] for i, lv in enumerate(SLEEP_LEVELS)},
+                            max)
+
     @property
     def version(self) -> int:
         """The last weight version every receiver accepted."""
@@ -152,8 +161,9 @@ class RayClient(ClientLifecycle):
     def _plan_actions(self, actions: list[Action]) -> Plan:
         """Execute a ``HandOver`` plan on the actors, one action (all its actors) at a time."""
         for action in actions:
-            yield [getattr(a, action.method).remote(*action.args) for a in self._actors(action.role)]
-            self.handover.done(action)
+            results = yield [getattr(a, action.method).remote(*action.args)
+                             for a in self._actors(action.role)]
+            self.handover.done(action, results)
 
     def _plan_to_sampler(self) -> Plan:
         yield from self._plan_actions(self.handover.to_sampling())

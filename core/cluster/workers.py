@@ -145,6 +145,9 @@ class TrainerWorker:
     def offload(self) -> dict:
         return self.engine.offload()
 
+    def make_room(self, nbytes: int) -> bool:
+        return self.engine.make_room(nbytes)
+
     def onload(self) -> None:
         self.engine.onload()
 
@@ -232,6 +235,9 @@ class SamplerWorker(_ReceivingWorker):
 
     def wake(self) -> None:
         self.engine.wake()
+
+    def room_bytes(self, level: int) -> int | None:
+        return self.engine.room_bytes(level)
 
     def stats(self) -> dict:
         return self.engine.stats()

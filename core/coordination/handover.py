@@ -13,19 +13,25 @@ reports it (``done``), so the recorded state always matches what really happened
             getattr(engine, action.method)(*action.args)
         handover.done(action)
 
-Rules. Colocated, the trainer and the samplers take turns on the device: sampling wakes the
-samplers and offloads the trainer (unless it holds gradients not yet applied, or cannot
-offload: ZeRO-0); training, syncing, saving and log-probs put the samplers to sleep (level 1:
-KV cache freed, weights kept for the next sync) and bring the trainer back. Split, nothing
-moves unless asked. Versions: every sync attempt gets a new number, never reused even when an
-attempt failed half-way (some receivers may hold it); ``version`` is the last one every
-receiver accepted.
+Rules. Colocated, the trainer and the samplers take turns on the device: sampling offloads the
+trainer (unless it holds gradients not yet applied, cannot offload: ZeRO-0, or is told to
+stay) and then wakes the samplers, so their KV cache can take the memory the trainer gave
+back. With ``trainer_offloads="auto"`` the trainer is asked to ``make_room`` for what the
+samplers take when they wake and generate (``sampler_room[level]`` bytes for samplers asleep
+at ``level``, 0 = awake): it stays on the device when that much is free there and offloads
+otherwise (room unknown: it offloads); the transport reports which it did. Training, syncing,
+saving and log-probs put the samplers to sleep (level 1: KV cache freed, weights kept for the
+next sync) and bring the trainer back. Split, nothing moves unless asked. Versions: every
+sync attempt gets a new number, never reused even when an attempt failed half-way (some
+receivers may hold it); ``version`` is the last one every receiver accepted.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 TRAINER, SAMPLERS, LOGPROB = "trainer", "samplers", "logprob"
+OFFLOAD_MODES = (True, False, "auto")  # RLClientConfig.offload_trainer
+SLEEP_LEVELS = (0, 1, 2)  # a sampler's: awake, KV cache freed, weights off the device too
 ENGINES = ("sampler", "trainer", "logprob")  # what a client's sleep / wake name
 _ROLES = {"trainer": TRAINER, "sampler": SAMPLERS, "logprob": LOGPROB}
 
@@ -52,10 +58,15 @@ class SyncPlan:
 class HandOver:
     """Residency and versions of one client's engines (module docstring)."""
 
-    def __init__(self, *, colocate: bool, trainer_offloads: bool, has_logprob: bool):
+    def __init__(self, *, colocate: bool, trainer_offloads: bool | str, has_logprob: bool,
+                 sampler_room: dict[int, int] | None = None):
+        if not (isinstance(trainer_offloads, bool) or trainer_offloads == "auto"):
+            raise ValueError(f"trainer_offloads must be one of {OFFLOAD_MODES}, got {trainer_offloads!r}")
         self.colocate = colocate
         self.trainer_offloads = trainer_offloads  # ZeRO-0 cannot offload: it stays resident
+        self.sampler_room = sampler_room  # {sleep level: device bytes the samplers' wake takes}
         self.has_logprob = has_logprob
+        self.offloads = 0  # hand-overs that moved the trainer off the device
         self.trainer_resident = True
         self.sampler_sleep = 0  # 0: awake; else the level it sleeps at
         self.logprob_asleep = False
@@ -65,11 +76,16 @@ class HandOver:
 
     # ------------------------------------------------------------------ plans
     def to_sampling(self) -> list[Action]:
-        """Before generating: samplers awake; colocated, the trainer off the device."""
-        plan = [Action(SAMPLERS, "wake")] if self.sampler_sleep else []
-        if (self.colocate and self.trainer_resident and not self.gradients_pending
-                and self.trainer_offloads):
-            plan.append(Action(TRAINER, "offload"))
+        """Before generating: colocated, the trainer off the device (or asked to make room:
+        ``"auto"``), then the samplers awake."""
+        plan = []
+        if self.colocate and self.trainer_resident and not self.gradients_pending:
+            if self.trainer_offloads == "auto" and self.sampler_room is not None:
+                plan.append(Action(TRAINER, "make_room", (self.sampler_room[self.sampler_sleep],)))
+            elif self.trainer_offloads:
+                plan.append(Action(TRAINER, "offload"))
+        if self.sampler_sleep:
+            plan.append(Action(SAMPLERS, "wake"))
         return plan
 
     def to_training(self) -> list[Action]:
@@ -102,10 +118,19 @@ class HandOver:
         self._need_logprob()
         return [Action(LOGPROB, "wake")] if self.logprob_asleep else []
 
-    def done(self, action: Action) -> None:
-        """Record that the transport ran ``action`` on every engine of its role."""
+    def done(self, action: Action, results: list | None = None) -> None:
+        """Record that the transport ran ``action`` on every engine of its role; ``results``
+        are their return values (``make_room``: whether each offloaded)."""
         role, method = action.role, action.method
-        if role == TRAINER and method in ("offload", "onload"):
+        if role == TRAINER and method == "make_room":
+            if results is None:
+                raise ValueError("make_room needs the engines' results: did each offload?")
+            if any(results):  # one rank short of room moved: onload them all (a no-op elsewhere)
+                self.trainer_resident = False
+                self.offloads += 1
+        elif role == TRAINER and method in ("offload", "onload"):
+            if method == "offload" and self.trainer_resident:
+                self.offloads += 1
             self.trainer_resident = method == "onload"
         elif role == SAMPLERS and method in ("sleep", "wake"):
             self.sampler_sleep = action.args[0] if method == "sleep" else 0
@@ -138,6 +163,15 @@ class HandOver:
     def _need_logprob(self) -> None:
         if not self.has_logprob:
             raise ValueError("there is no log-prob engine (log_prob_gpus=0)")
+
+
+def sampler_room(rooms: dict[int, list], combine) -> dict[int, int] | None:
+    """``HandOver.sampler_room`` from every sampler's ``room_bytes(level)`` per level:
+    ``combine`` them (``sum`` when the samplers share the trainer's device, ``max`` when each
+    has its own); None when one cannot tell (then ``"auto"`` offloads)."""
+    if any(r is None for per in rooms.values() for r in per):
+        return None
+    return {level: combine(per) for level, per in rooms.items()}
 
 
 def check_engine(engine: str) -> str:

@@ -10,7 +10,11 @@ its module or sets its version. Two roles:
   and restore device memory (level 1: caches; level 2: the weights too).
 - ``TrainerEngine`` (training engine): the source of weights — ``export_weights`` /
   ``weight_checksum``; ``offload()`` / ``onload()`` move its whole state (weights, gradients,
-  optimizer) to host memory and back so a colocated sampler can use the device.
+  optimizer) to host memory and back so a colocated sampler can use the device;
+  ``make_room(nbytes) -> bool`` offloads only when ``nbytes`` are not free on the device
+  (and says whether it did).
+- ``wake_bytes()`` (sampling engine, for the hand-over's ``"auto"`` offload): device bytes its
+  next ``wake`` and generate take, ``None`` when it cannot tell.
 """
 from __future__ import annotations
 
@@ -42,5 +46,7 @@ class TrainerEngine(Protocol):
     def weight_checksum(self, bucket_bytes: int = ...) -> str: ...
 
     def offload(self) -> dict[str, float]: ...
+
+    def make_room(self, nbytes: int) -> bool: ...
 
     def onload(self) -> None: ...

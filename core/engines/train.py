@@ -402,6 +402,23 @@ class TrainingEngine:
         return {"before": before, "after": after,
                 "freed_fraction": (before - after) / before if before else 0.0}
 
+    def make_room(self, nbytes: int) -> bool:
+        """Offload unless ``nbytes`` are free on the device with the trainer resident (first
+        as the device reports it, then after returning PyTorch's cached blocks); returns
+        whether it offloaded. On the CPU nothing is ever moved: the states already live in
+        host memory. The colocated hand-over's ``offload_trainer="auto"`` calls it."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"make_room needs a byte count >= 0, got {nbytes!r}")
+        if self._offloaded or self.device.type != "cuda":
+            return False
+        if _free(self.device) >= nbytes:
+            return False
+        dsu.free_accelerator_cache()
+        if _free(self.device) >= nbytes:
+            return False
+        self.offload()
+        return True
+
     def onload(self) -> None:
         """Bring the states back after ``offload``."""
         if not self._offloaded:
@@ -468,6 +485,10 @@ class TrainingEngine:
         if self._ready is not None:
             self._ready[2].wait()
             self._ready = None
+
+
+def _free(device: torch.device) -> int:
+    return int(torch.cuda.mem_get_info(device)[0])
 
 
 def _allocated(device: torch.device) -> float:

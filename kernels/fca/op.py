@@ -54,6 +54,7 @@ class DecodeConfig:
     interleave: bool = False       # fused: spread shared units among the private ones
     shared_num_warps: int | None = None  # warps of the shared launch (split / streams)
     shared_progs_per_sm: int | None = None  # default: progs_per_sm (split), 1 (streams)
+    shared_num_stages: int | None = None  # pipelining depth of the shared launch: 3
 
     def __post_init__(self):
         if self.mode not in ("fused", "split", "streams"):
@@ -66,7 +67,8 @@ def _resolve(cfg: DecodeConfig | None, d: int) -> DecodeConfig:
     big = d > 128
     return replace(cfg, block_n=cfg.block_n or (32 if big else 64),
                    num_warps=cfg.num_warps or (8 if big else 4),
-                   num_stages=cfg.num_stages or 2)
+                   num_stages=cfg.num_stages or 2,
+                   shared_num_stages=cfg.shared_num_stages or 3)
 
 
 def _next_pow2(x: int) -> int:
@@ -261,7 +263,7 @@ def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: D
             _fca_attend_kernel[(nprog,)](*persist, plan.counters, *tail, DO_SHARED=True,
                                          DO_PRIVATE=False,
                                          num_warps=cfg.shared_num_warps or cfg.num_warps,
-                                         **common)
+                                         **{**common, "num_stages": cfg.shared_num_stages})
 
         def private_pass():
             _paged_decode_kernel[(B, Hkv, nsplit)](

@@ -198,6 +198,34 @@ def test_a_failed_share_stops_the_rest_of_the_call(monkeypatch):
         assert client._router.load() == [0, 0] and client._generating == 0
 
 
+def test_auto_offload_keeps_a_cpu_trainer_and_asks_for_the_samplers_room(monkeypatch):
+    """``offload_trainer="auto"`` (the default): the hand-over asks the trainer to make room
+    for the samplers' wake; on the CPU it never moves (its states already live in host
+    memory). A trainer that reports it had to offload is onloaded before training."""
+    cfg = tiny_config("local")
+    assert cfg.offload_trainer == "auto"
+    with polynya.create_rl_client(cfg) as client:
+        assert client.handover.sampler_room == {0: 0, 1: 0, 2: 0}  # CPU samplers need no device room
+        asked = []
+        real = client.trainer.make_room
+        monkeypatch.setattr(client.trainer, "make_room", lambda n: asked.append(n) or real(n))
+        client.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=3, seed=0))
+        assert asked == [0] and client.handover.trainer_resident and not client.trainer._offloaded
+        assert client.handover.offloads == 0
+        rl_round_trip(client)
+
+        def short_of_room(n):  # what a GPU trainer does when the samplers' room is not free
+            client.trainer.offload()
+            return True
+
+        monkeypatch.setattr(client.trainer, "make_room", short_of_room)
+        client.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=3, seed=0))
+        assert client.trainer._offloaded and not client.handover.trainer_resident
+        assert client.handover.offloads == 1
+        rl_round_trip(client)  # onloaded for training, sync and log-probs
+        assert not client.trainer._offloaded
+
+
 @pytest.mark.parametrize("offload", [True, False], ids=["offload", "resident"])
 def test_offload_trainer_decides_the_colocated_hand_over(offload):
     """``offload_trainer=False`` keeps the trainer on the device while the samplers generate

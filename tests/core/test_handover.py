@@ -9,15 +9,16 @@ from polynya.coordination import Action, HandOver
 
 
 class Recorder:
-    """Runs plans the way a transport does and records the calls."""
+    """Runs plans the way a transport does and records the calls (``make_room`` answers
+    ``offloads``: whether each trainer rank had to offload)."""
 
-    def __init__(self, handover: HandOver):
-        self.handover, self.calls = handover, []
+    def __init__(self, handover: HandOver, offloads: list[bool] = (False,)):
+        self.handover, self.calls, self.offloads = handover, [], list(offloads)
 
     def run(self, plan: list[Action]) -> None:
         for action in plan:
             self.calls.append((action.role, action.method, *action.args))
-            self.handover.done(action)
+            self.handover.done(action, self.offloads if action.method == "make_room" else None)
 
 
 def test_colocated_turns():
@@ -35,6 +36,49 @@ def test_colocated_turns():
     h.trained("step")
     r.run(h.to_sampling())
     assert r.calls[4:] == [("trainer", "offload")]
+    r.run(h.to_training())
+    r.run(h.to_sampling())  # the trainer leaves before the samplers' KV cache comes back
+    assert r.calls[7:] == [("trainer", "offload"), ("samplers", "wake")]
+    assert h.offloads == 3
+
+
+ROOM = {0: 10, 1: 1000, 2: 5000}
+
+
+@pytest.mark.parametrize("offloads", [[False], [True], [False, True]],
+                         ids=["fits", "short", "one-rank-short"])
+def test_auto_asks_for_the_room_of_the_samplers_sleep_level(offloads):
+    h = HandOver(colocate=True, trainer_offloads="auto", has_logprob=False, sampler_room=ROOM)
+    r = Recorder(h, offloads)
+    r.run(h.to_sampling())  # samplers awake: room for their working memory only
+    moved = any(offloads)
+    assert r.calls == [("trainer", "make_room", 10)] and h.trainer_resident is not moved
+    r.run(h.to_training())
+    assert r.calls[1:] == [("samplers", "sleep", 1)] + ([("trainer", "onload")] if moved else [])
+    r.calls.clear()
+    r.run(h.sleep("sampler", 2))
+    r.run(h.to_sampling())  # level 2: the weights come back too
+    assert r.calls[1:] == [("trainer", "make_room", 5000), ("samplers", "wake")]
+    assert h.offloads == 2 * moved
+    with pytest.raises(ValueError, match="make_room needs the engines' results"):
+        h.done(Action("trainer", "make_room", (1,)))
+
+
+def test_auto_offloads_when_the_room_is_unknown_and_checks_its_mode():
+    h = HandOver(colocate=True, trainer_offloads="auto", has_logprob=False, sampler_room=None)
+    assert h.to_sampling() == [Action("trainer", "offload")]
+    for bad in ("always", 1, None):
+        with pytest.raises(ValueError, match="trainer_offloads must be one of"):
+            HandOver(colocate=True, trainer_offloads=bad, has_logprob=False)
+
+
+def test_sampler_room_combines_replicas():
+    from polynya.coordination.handover import sampler_room
+
+    rooms = {0: [1, 2], 1: [10, 30], 2: [100, 300]}
+    assert sampler_room(rooms, sum) == {0: 3, 1: 40, 2: 400}
+    assert sampler_room(rooms, max) == {0: 2, 1: 30, 2: 300}
+    assert sampler_room({0: [1, None], 1: [1, 1], 2: [1, 1]}, sum) is None
 
 
 def test_split_and_zero0_never_move_unasked():

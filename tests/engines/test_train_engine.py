@@ -238,6 +238,35 @@ def test_offload_onload_roundtrip_keeps_training(stage):
     assert_same_tensors(optimizer_state(engine), optimizer_state(twin))
 
 
+def test_make_room_on_cpu_never_moves_and_refuses_bad_sizes():
+    engine = TrainingEngine(train_config(2))
+    assert engine.make_room(0) is False and engine.make_room(1 << 50) is False
+    assert not engine._offloaded  # host memory: nothing to give back
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="byte count"):
+            engine.make_room(bad)
+
+
+@pytest.mark.parametrize("free, after_cache, moved", [(100, None, False), (10, 100, False),
+                                                      (10, 20, True)],
+                         ids=["free", "after-cache", "short"])
+def test_make_room_decision_on_a_device(monkeypatch, free, after_cache, moved):
+    """The CUDA path's decision on a stand-in engine: free bytes first as the device reports
+    them, then after PyTorch's cached blocks go back; offload only when still short."""
+    from types import SimpleNamespace
+
+    from polynya.engines import train as train_module
+
+    seen = [free, after_cache]
+    calls = []
+    monkeypatch.setattr(train_module, "_free", lambda device: seen.pop(0))
+    monkeypatch.setattr(train_module.dsu, "free_accelerator_cache", lambda: calls.append("cache"))
+    fake = SimpleNamespace(_offloaded=False, device=torch.device("cuda"),
+                           offload=lambda: calls.append("offload"))
+    assert TrainingEngine.make_room(fake, 50) is moved
+    assert calls == ([] if after_cache is None else ["cache"]) + (["offload"] if moved else [])
+
+
 def test_offload_needs_zero():
     engine = TrainingEngine(train_config(0))
     with pytest.raises(NotImplementedError):

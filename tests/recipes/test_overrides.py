@@ -224,3 +224,11 @@ def test_builtin_only_run_settings_are_rejected_by_other_frameworks(key, tmp_pat
     with pytest.raises(ValueError, match=f"framework=verl does not translate run.{key.split('=')[0]}"):
         verl.write_run(cfg, tmp_path / "verl")
     assert not (tmp_path / "verl").exists()
+
+
+@pytest.mark.parametrize("value, want", [("true", True), ("false", False), ("auto", "auto")])
+def test_offload_trainer_takes_a_bool_or_auto(value, want):
+    assert to_client_config(_compose([]).client).offload_trainer == "auto"
+    assert to_client_config(_compose([f"client.offload_trainer={value}"]).client).offload_trainer == want
+    with pytest.raises(ValueError, match="offload_trainer must be True, False or 'auto'"):
+        to_client_config(_compose(["client.offload_trainer=sometimes"]).client)

@@ -216,6 +216,15 @@ class SamplingEngine:
         checks a sender's announcement against before any transfer."""
         return self.backend.weight_specs()
 
+    def room_bytes(self, level: int = 1) -> int | None:
+        """Device bytes this engine takes when it wakes from sleep ``level`` (0: awake) and
+        generates: KV cache and weights brought back plus its working memory (an estimate);
+        0 on the CPU, ``None`` when the backend cannot tell (vLLM sizes its own cache).
+        The colocated hand-over's ``offload_trainer="auto"`` keeps the trainer resident when
+        this much is free."""
+        room = getattr(self.backend, "room_bytes", None)
+        return None if room is None else room(level)
+
     def sleep(self, level: int = 1) -> None:
         """Release the KV cache (level 1) and also the weights' device memory (level 2)."""
         self.backend.sleep(level)

@@ -236,6 +236,22 @@ def test_load_weights_sleep_wake():
     assert engine.stats()["weight_version"] == 8
 
 
+def test_room_bytes_counts_what_a_wake_brings_back(qwen, monkeypatch):
+    """CPU engines need no device room; on a device the room at each sleep level is the
+    working-memory estimate, plus the KV cache (level >= 1), plus the weights (level 2)."""
+    from polynya.engines.sample.native import model_runner
+
+    assert [qwen.room_bytes(lv) for lv in (0, 1, 2)] == [0, 0, 0]
+    runner = qwen.backend.runner
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))  # only the arithmetic runs
+    rooms = [qwen.room_bytes(lv) for lv in (0, 1, 2)]
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert rooms[0] > model_runner.ROOM_RESERVE
+    assert rooms[1] - rooms[0] == runner.kv_bytes() and rooms[2] - rooms[1] == weights
+    with pytest.raises(ValueError, match="sleep level"):
+        qwen.room_bytes(3)
+
+
 def test_concurrent_threads_batch_together(qwen):
     prompts = ragged_prompts(10, [4, 8, 12])
     p = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=())

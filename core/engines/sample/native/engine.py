@@ -505,6 +505,10 @@ class NativeEngine:
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return self.runner.weight_specs()
 
+    def room_bytes(self, level: int) -> int:
+        """``ModelRunner.room_bytes``: device bytes waking from ``level`` and generating take."""
+        return self.runner.room_bytes(level)
+
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1), and move the weights off the GPU too (level 2)."""
         if level not in (1, 2):

@@ -34,6 +34,7 @@ from .kv_memory import KVMemory
 from .sequence import Sequence
 
 KV_AUTO_FRACTION = {"cpu": 0.1, "cuda": 0.4}  # share of free memory a default-sized cache may take
+ROOM_RESERVE = 1 << 29  # room_bytes: CUDA-graph pools, compile workspaces, fragmentation
 
 
 def available_memory(device: torch.device) -> int:
@@ -108,6 +109,25 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         """Bytes of the KV cache (scratch page included)."""
         return self._kv_memory.nbytes
+
+    def room_bytes(self, level: int) -> int:
+        """Device bytes a generate needs beyond what stays on the device at sleep ``level``
+        (0: awake, 1: KV cache freed, 2: weights off too): the KV cache and weights ``wake``
+        brings back, plus an estimate of the working memory of the largest step (one prefill
+        of ``max_num_batched_tokens`` through a layer, logits and sampling for
+        ``max_num_seqs`` rows) and ``ROOM_RESERVE`` for graph pools and fragmentation."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        if self.device.type != "cuda":
+            return 0
+        hf = self.model.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        width = 6 * hf.hidden_size + 3 * (getattr(hf, "intermediate_size", None) or 4 * hf.hidden_size) \
+            + (hf.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
+        working = (self.config.max_num_batched_tokens * width * elem
+                   + self.config.max_num_seqs * self.vocab_size * 4 * 3 + ROOM_RESERVE)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return working + (self.kv_bytes() if level >= 1 else 0) + (weights if level == 2 else 0)
 
     def _blocks_for_budget(self, gib: float) -> int:
         n = int(gib * 2**30) // self._block_bytes()
