@@ -85,7 +85,7 @@ def test_local_log_prob_engine_async_and_state(tmp_path):
 
 
 def test_colocated_handover_order():
-    cfg = tiny_config("local", colocate=True)
+    cfg = tiny_config("local", colocate=True, offload_trainer=True)  # "auto": its own test
     with polynya.create_rl_client(cfg) as client:
         client.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
         assert client.trainer._offloaded and not client.samplers[0].backend.asleep
