@@ -9,9 +9,9 @@ behind the HTTP server too (it serves a local client). After running an action t
 reports it (``done``), so the recorded state always matches what really happened::
 
     for action in handover.to_training():          # before forward_backward, sync, save ...
-        for engine in engines[action.role]:
-            getattr(engine, action.method)(*action.args)
-        handover.done(action)
+        results = [getattr(engine, action.method)(*action.args)
+                   for engine in engines[action.role]]
+        handover.done(action, results)   # make_room's results: whether each rank offloaded
 
 Rules. Colocated, the trainer and the samplers take turns on the device: sampling offloads the
 trainer (unless it holds gradients not yet applied, cannot offload: ZeRO-0, or is told to

@@ -13,8 +13,8 @@ its module or sets its version. Two roles:
   optimizer) to host memory and back so a colocated sampler can use the device;
   ``make_room(nbytes) -> bool`` offloads only when ``nbytes`` are not free on the device
   (and says whether it did).
-- ``wake_bytes()`` (sampling engine, for the hand-over's ``"auto"`` offload): device bytes its
-  next ``wake`` and generate take, ``None`` when it cannot tell.
+- ``SamplingEngine.room_bytes(level)`` (for the hand-over's ``"auto"`` offload): device bytes
+  a wake from sleep ``level`` and a generate take, ``None`` when the backend cannot tell.
 """
 from __future__ import annotations
 
