@@ -50,6 +50,7 @@ PHASES = {  # label -> (object attribute path on the backend, method)
     "sample_launch": (None, "_sample"),
     "prepare_ahead": (None, "_prepare_ahead"),
     "launch_ahead": (None, "_launch_ahead"),
+    "launch_early": (None, "_launch_early"),
     "wait_tokens": ("_readback", "result"),
     "book": (None, "_postprocess"),
 }
@@ -131,7 +132,7 @@ def stub_decode_forward(runner) -> None:
     real = runner.run
     logits = torch.randn(1024, runner.vocab_size, device=runner.device)
 
-    def run(seqs, is_prefill, inputs=None):
+    def run(seqs, is_prefill, inputs=None, device_ids=None):
         if is_prefill:
             return real(seqs, is_prefill)
         if inputs is None:

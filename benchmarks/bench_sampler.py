@@ -18,6 +18,10 @@ compared (``--check-greedy``). The goal shape of issue 15 (64 sequences, P256)::
     python benchmarks/bench_sampler.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128 \
         --Gs 8 --compile both --kv-gb 8 --out benchmarks/results
 
+``--replot results.json`` redraws a run's PNG from its JSON. ``--early both`` times every
+case also with ``launch_before_readback`` off (each decode
+step launched once the previous step's tokens are back), ``*_late`` rows and the ratio.
+
 ``--compile-scope`` picks what the compiled arm compiles (``SamplerConfig.compile_scope``):
 one decoder layer reused by every layer (``layers``, the default), the whole model
 (``model``), or ``both``: one compiled engine per scope, arms ``compiled-layers`` and
@@ -58,7 +62,7 @@ def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_token
     after = engine.stats()
     d = {k: after[k] - before[k] for k in ("prefill_tokens", "decode_tokens", "decode_steps",
                                            "decode_time_s", "prefill_time_s", "cache_hit_tokens",
-                                           "preemptions")}
+                                           "preemptions", "early_steps", "ahead_steps")}
     assert all(len(s.token_ids) == new_tokens for o in out for s in o)
     d["wall_s"] = wall
     # A run of one new token has no decode step (prefill emits it): no rate to report.
@@ -68,6 +72,7 @@ def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_token
     return d
 
 
+EARLY = {"on": (True,), "off": (False,), "both": (False, True)}
 ATTENTION_KERNELS = ("_fca_attend_kernel", "_paged_decode_kernel", "_merge_partials_kernel",
                      "_fca_classes_kernel")
 
@@ -224,8 +229,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also time the decode attention kernels and count the device ops per "
                          "decode step (torch.profiler)")
+    ap.add_argument("--early", choices=sorted(EARLY), default="on",
+                    help="launch decode steps before the previous step's tokens are back "
+                         "(SamplingEngine.launch_before_readback); both: each case both ways")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            results = json.load(f)
+        saved = argparse.Namespace(**results["config"])
+        plot(results, saved, saved.Gs or [saved.G, 1], args.replot.replace(".json", ".png"))
+        return
     cases = args.Gs or [args.G, 1]
     os.makedirs(args.out, exist_ok=True)
 
@@ -251,15 +266,28 @@ def main() -> None:
         for name, engine in engines.items():  # arms interleaved per case
             runner = engine.backend.runner
             row = {}
-            for fca in (True, False):  # fresh prompts per arm: each must compute its own prefill
-                runner.use_fca = fca
-                r = run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=10 * G + fca),
-                             G, args.new_tokens)
-                assert r["prefill_tokens"] == args.groups * args.prompt_len, r
-                row["fca" if fca else "paged"] = r
-                print(f"G={G:3d} {name:8} fca={fca!s:5}: {r['decode_tok_per_s']:10.0f} tok/s  "
-                      f"{r['ms_per_step']:7.3f} ms/step  prefill {r['prefill_tokens']} tok "
-                      f"in {r['prefill_time_s']:.2f}s  preemptions {r['preemptions']}", flush=True)
+            for early in EARLY[args.early]:
+                engine.backend.launch_before_readback = early
+                tag = "" if early else "_late"
+                for fca in (True, False):  # fresh prompts per arm: each computes its own prefill
+                    runner.use_fca = fca
+                    r = run_case(engine, make_prompts(args.groups, args.prompt_len, vocab,
+                                                      seed=10 * G + fca + 5 * (not early)),
+                                 G, args.new_tokens)
+                    assert r["prefill_tokens"] == args.groups * args.prompt_len, r
+                    row[("fca" if fca else "paged") + tag] = r
+                    print(f"G={G:3d} {name:8} fca={fca!s:5} early={early!s:5}: "
+                          f"{r['decode_tok_per_s']:10.0f} tok/s  {r['ms_per_step']:7.3f} ms/step  "
+                          f"early steps {r['early_steps']}/{r['decode_steps']}  prefill "
+                          f"{r['prefill_tokens']} tok in {r['prefill_time_s']:.2f}s  preemptions "
+                          f"{r['preemptions']}", flush=True)
+            engine.backend.launch_before_readback = True
+            if args.early == "both":
+                for path in ("fca", "paged"):
+                    row[f"{path}_early_speedup"] = (row[f"{path}_late"]["ms_per_step"]
+                                                    / row[path]["ms_per_step"])
+                    print(f"G={G} {name} {path}: steps launched before the read-back "
+                          f"{row[f'{path}_early_speedup']:.3f}x as fast", flush=True)
             row["speedup"] = row["fca"]["decode_tok_per_s"] / row["paged"]["decode_tok_per_s"]
             print(f"G={G} {name}: FCA decode speedup {row['speedup']:.2f}x", flush=True)
             results["arms"][name][f"G{G}"] = row
@@ -308,19 +336,21 @@ def plot(results: dict, args, cases: list[int], path: str) -> None:
         print("matplotlib missing: no PNG")
         return
     labels = [f"G={g}" for g in cases]
+    first = results["arms"][next(iter(results["arms"]))][f"G{cases[0]}"]
+    paths = [p for p in ("paged", "fca", "paged_late", "fca_late") if p in first]
     bars = [(f"{arm} {path}", [results["arms"][arm][f"G{g}"][path]["ms_per_step"] for g in cases])
-            for arm in results["arms"] for path in ("paged", "fca")]
+            for arm in results["arms"] for path in paths]
     x = np.arange(len(cases))
     width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (label, values) in enumerate(bars):
         ax.bar(x - 0.4 + width * (i + 0.5), values, width, label=label.replace("paged", "paged decode")
-               .replace("fca", "FCA"))
+               .replace("fca", "FCA").replace("_late", ", launched after the read-back"))
     ax.set_xticks(x, labels)
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"{args.model} {args.dtype} (decode {args.compile}, scope {args.compile_scope})\n"
                  f"{args.groups} prompts x G, P{args.prompt_len}, {args.new_tokens} new", fontsize=9)
-    ax.legend()
+    ax.legend(fontsize=7, loc="lower center", framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

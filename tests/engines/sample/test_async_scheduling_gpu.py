@@ -52,6 +52,8 @@ def test_async_equals_sync_bf16_64_rows(graphs):
     same_counters(sync.backend, asyn.backend)
     stats = asyn.stats()
     assert stats["ahead_steps"] >= stats["decode_steps"] // 2, stats
+    # steps launched before the tokens were back, with stopped rows' extra tokens dropped
+    assert stats["early_steps"] > 0 and stats["ahead_rows_dropped"] > 0, stats
 
 
 def test_async_equals_sync_with_sequences_waiting_on_gpu():

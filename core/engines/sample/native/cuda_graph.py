@@ -22,6 +22,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .readback import PINNED_TURNS
+
 
 class GraphCaptureError(RuntimeError):
     """The model's decode step cannot be captured (it does host work per step); the caller
@@ -56,7 +58,11 @@ class DecodeGraphs:
         self.slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.tables = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.host = torch.zeros((n, 3 + width + 1), dtype=torch.int64).pin_memory()
+        # pinned staging taken in turn (``readback.PINNED_TURNS``): a step may be launched
+        # before the previous steps' inputs have left (the engine launches decode steps early)
+        self.hosts = [torch.zeros((n, 3 + width + 1), dtype=torch.int64).pin_memory()
+                      for _ in range(PINNED_TURNS)]
+        self._turn = 0
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool for every graph (replays never overlap)
         self.captures, self.capture_s = 0, 0.0
@@ -87,14 +93,17 @@ class DecodeGraphs:
         return graph, out
 
     def run(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            lens: np.ndarray, fca: bool) -> torch.Tensor:
+            lens: np.ndarray, fca: bool, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the buffers (padding rows included) and replay; returns ``[B, V]`` logits.
-        The pinned staging buffer is reused: the engine syncs on the sampled tokens every
-        step, so the previous step's copy has finished before it is overwritten."""
+        ``device_ids``: the token ids as a device tensor ``[B]`` (the previous step's sampled
+        tokens, never seen by the host), used instead of ``ids``. The pinned staging buffers
+        take turns (``readback.PINNED_TURNS``): the copy out of a buffer has finished when its
+        turn comes again."""
         batch = len(ids)
         b = self.bucket(batch)
         w = self.width
-        host = self.host[:b]
+        host = self.hosts[self._turn][:b]
+        self._turn = (self._turn + 1) % PINNED_TURNS
         host.zero_()
         h = host.numpy()
         h[:batch, 0], h[:batch, 1], h[:batch, 2] = ids, pos, slots
@@ -105,6 +114,8 @@ class DecodeGraphs:
         h[batch:, 3 + w] = 1
         dev = host.to(self.device, non_blocking=True)
         self.ids[0, :b].copy_(dev[:, 0])
+        if device_ids is not None:
+            self.ids[0, :batch].copy_(device_ids)
         self.pos[0, :b].copy_(dev[:, 1])
         self.slots[:b].copy_(dev[:, 2])
         self.tables[:b].copy_(dev[:, 3:3 + w])

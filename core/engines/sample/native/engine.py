@@ -31,6 +31,19 @@ launched ahead only when booking would admit none of them: no row finishes and t
 waiting sequence does not fit), so the results are the synchronous engine's. A step launched ahead is in flight when ``step`` returns; anything that must see the
 engine between two steps (``abort``, ``load_weights``, ``prompt_logprobs``, ``sleep``) books
 it first.
+
+Most decode steps go further (``launch_before_readback``): when no sequence waits and no row
+needs a new page, step ``n + 1`` is launched *before* step ``n``'s tokens are back, its token
+ids taken on the device from step ``n``'s sampled tokens, so the device never waits for the
+host between two steps. Rows that draw a stop token in step ``n`` are then decoded once more in
+step ``n + 1``; that token is dropped (``ahead_rows_dropped``) and the row leaves the step
+after — when step ``n + 1`` runs in the shape it would have without those rows (the same
+CUDA-graph bucket and attention path, ``ModelRunner.decode_shape``, and not FCA, whose forest
+changes with the rows: every row's numbers are then the same). Otherwise step ``n + 1`` is dropped whole and launched again for the live rows
+(``early_steps_dropped``). The extra step writes only the stopped rows' own tail pages
+(private: ``can_plan_ahead``), at the slot after their last token, which no prefix-cache key
+covers; pages, keys, counters and samples end up as the synchronous engine's. When a row needs
+a new page or sequences wait, the step is launched once the tokens are back, as above.
 """
 from __future__ import annotations
 
@@ -68,11 +81,31 @@ class _AbortOrder:
 
 @dataclass
 class _Launched:
-    """A step on the device whose tokens are not booked yet (read back by ``Readback``)."""
+    """A step on the device whose tokens are not booked yet (read back by ``Readback``).
+    ``live``: the rows whose tokens are booked, ``None`` for all of them; a step launched
+    before the previous one's tokens were back also carries the rows that stopped in that
+    step (their extra token is dropped). ``tokens``: its sampled tokens on the device."""
 
     rows: list[Sequence]
     is_prefill: bool
     inputs: DecodeInputs | None = None  # a decode step's arrays (the next step's basis)
+    tokens: torch.Tensor | None = None
+    live: np.ndarray | None = None
+    fca: bool = False  # counted in fca_steps
+
+    def booked(self, tokens: list[int], logprobs: list[float]
+               ) -> tuple[list[Sequence], list[int], list[float]]:
+        """The live rows with their tokens and log-probs (read back for every row)."""
+        if self.live is None:
+            return self.rows, tokens, logprobs
+        live = self.live.tolist()
+        return [self.rows[i] for i in live], [tokens[i] for i in live], [logprobs[i] for i in live]
+
+    def live_view(self) -> tuple[list[Sequence], DecodeInputs, np.ndarray | None]:
+        """``(rows, inputs, index)`` of the live rows (``index`` into ``rows``; None: all)."""
+        if self.live is None:
+            return self.rows, self.inputs, None
+        return [self.rows[i] for i in self.live.tolist()], self.inputs.select(self.live), self.live
 
 
 @dataclass
@@ -86,6 +119,7 @@ class _Ahead:
     inputs: DecodeInputs
     uniforms: list[float]
     new_page: list[bool]
+    index: np.ndarray  # ``keep`` as rows of the current step's launch (its device tokens)
 
 
 @dataclass
@@ -135,12 +169,16 @@ class NativeEngine:
         self._counts = {"prefill_tokens": 0, "decode_tokens": 0, "cache_hit_tokens": 0,
                         "prefill_steps": 0, "decode_steps": 0, "fca_steps": 0, "requests": 0,
                         "scored_tokens": 0, "aborted_requests": 0, "ahead_steps": 0,
+                        "early_steps": 0, "ahead_rows_dropped": 0, "early_steps_dropped": 0,
                         "peak_decode_rows": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
         self.async_scheduling = config.async_scheduling
         self._readback = Readback(self.runner.device)
         self._inflight: _Launched | None = None  # launched ahead, not booked (async scheduling)
+        # async scheduling launches a decode step before the previous one's tokens are back
+        # when nothing can change its rows but a stop token (benchmarks switch it off)
+        self.launch_before_readback = True
 
     # ---------------------------------------------------------------- requests
     def validate(self, prompts: Seq[TokenSeq], params: SamplingParams | Seq[SamplingParams]
@@ -237,6 +275,7 @@ class NativeEngine:
             with self._steps.plain(), self._lock:
                 self._admit()
                 self._inflight = None  # never booked: its rows redo that step
+                self._readback.clear()
                 self.scheduler.abort(set(rids))
                 for r in rids:
                     self._requests.pop(r, None)
@@ -326,10 +365,13 @@ class NativeEngine:
                 return
             cur = self._launch(batch)
         ahead = self._prepare_ahead(cur) if self.async_scheduling else None
-        tokens, logprobs = self._readback.result()
-        if ahead is not None:
+        early = self._launch_early(cur, ahead) if ahead is not None else None
+        rows, tokens, logprobs = cur.booked(*self._readback.result())
+        if early is not None:
+            self._inflight = self._settle_early(cur, early, ahead, tokens)
+        elif ahead is not None:
             self._inflight = self._launch_ahead(cur, ahead, tokens)
-        self._postprocess(cur.rows, tokens, logprobs)
+        self._postprocess(rows, tokens, logprobs)
         self._times["prefill_time_s" if cur.is_prefill else "decode_time_s"] += time.perf_counter() - start
 
     def _finish_inflight(self) -> None:
@@ -338,7 +380,7 @@ class NativeEngine:
         cur, self._inflight = self._inflight, None
         if cur is not None:
             start = time.perf_counter()
-            self._postprocess(cur.rows, *self._readback.result())
+            self._postprocess(*cur.booked(*self._readback.result()))
             self._times["decode_time_s"] += time.perf_counter() - start
 
     def _launch(self, batch: Batch) -> _Launched:
@@ -352,18 +394,21 @@ class NativeEngine:
         rows, parents = self._expand_forks(batch)
         if len(rows) != len(batch.seqs):
             logits = logits[torch.tensor(parents, device=logits.device)]
-        self._sample(rows, logits)
-        return _Launched(rows, batch.is_prefill, inputs)
+        return _Launched(rows, batch.is_prefill, inputs, self._sample(rows, logits))
 
     @staticmethod
     def _uniforms(rows: list[Sequence], ahead: int = 0) -> list[float]:
         """Each row's draw for its next token (``ahead=1``: for the token after it)."""
         return [0.0 if s.params.temperature == 0 else s.uniform(ahead) for s in rows]
 
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor, uniforms: list[float] | None = None) -> None:
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor,
+                uniforms: list[float] | None = None) -> torch.Tensor:
+        """Sample every row and start reading the tokens back; the tokens on the device."""
         if uniforms is None:
             uniforms = self._uniforms(rows)
-        self._readback.start(*sample(logits, self._sampling_tensors(rows, uniforms, logits)))
+        tokens, logprobs = sample(logits, self._sampling_tensors(rows, uniforms, logits))
+        self._readback.start(tokens, logprobs)
+        return tokens
 
     def _prepare_ahead(self, cur: _Launched) -> _Ahead | None:
         """While ``cur`` runs on the device: the inputs of the decode step after it for the
@@ -373,8 +418,8 @@ class NativeEngine:
         if cur.is_prefill:
             return None
         bs = self.block_manager.block_size
-        rows = cur.rows
-        inputs = cur.inputs.advanced(bs)
+        rows, cur_inputs, index = cur.live_view()
+        inputs = cur_inputs.advanced(bs)
         n = len(rows)
         prompt = np.fromiter((s.num_prompt_tokens for s in rows), dtype=np.int64, count=n)
         limit = np.fromiter((s.params.max_tokens for s in rows), dtype=np.int64, count=n)
@@ -382,15 +427,65 @@ class NativeEngine:
         keep = np.flatnonzero(~done)
         if not len(keep) or (self.scheduler.waiting and done.any()):
             return None  # with a sequence waiting, booking's freed rows and pages may admit it
-        for i in np.flatnonzero(cur.inputs.lens % bs == 0):  # key the pages cur fills (as booking
-            self.block_manager.commit(rows[i], int(cur.inputs.lens[i]))  # would) before the check
+        for i in np.flatnonzero(cur_inputs.lens % bs == 0):  # key the pages cur fills (as booking
+            self.block_manager.commit(rows[i], int(cur_inputs.lens[i]))  # would) before the check
         if len(keep) < n:
             rows, inputs = [rows[i] for i in keep], inputs.select(keep)
         new_page = inputs.slots < 0
         written = inputs.slots[~new_page] // bs  # the pages the step writes to that exist already
         if not self.scheduler.can_plan_ahead(written.tolist()):
             return None
-        return _Ahead(keep, rows, inputs, self._uniforms(rows, ahead=1), new_page.tolist())
+        return _Ahead(keep, rows, inputs, self._uniforms(rows, ahead=1), new_page.tolist(),
+                      keep if index is None else index[keep])
+
+    def _launch_early(self, cur: _Launched, ahead: _Ahead) -> _Launched | None:
+        """Launch the prepared step now, before ``cur``'s tokens are back (module docstring):
+        its ids are ``cur``'s sampled tokens, gathered on the device. ``None`` (launched once
+        the tokens are back) when a row needs a new page, a sequence waits (a stopped row's
+        room may admit it) or it is switched off."""
+        if not self.launch_before_readback or self.scheduler.waiting or any(ahead.new_page):
+            return None
+        ids = cur.tokens
+        if len(ahead.index) != len(ids) or (ahead.index != np.arange(len(ids))).any():
+            ids = ids[torch.from_numpy(ahead.index).to(ids.device, non_blocking=True)]
+        logits = self.runner.run(ahead.rows, False, ahead.inputs, ids)
+        self._count_decode(len(ahead.rows))
+        self._counts["ahead_steps"] += 1
+        self._counts["early_steps"] += 1
+        fca = self.runner.last_step_fca
+        self._counts["fca_steps"] += fca
+        return _Launched(ahead.rows, False, ahead.inputs,
+                         self._sample(ahead.rows, logits, ahead.uniforms), fca=fca)
+
+    def _settle_early(self, cur: _Launched, early: _Launched, ahead: _Ahead,
+                      tokens: list[int]) -> _Launched | None:
+        """``cur``'s tokens are back: the rows of ``early`` that drew a stop token there are
+        not live in it (their extra token is dropped), counters as if they were never in it.
+        Without them the step would have run in another shape (a smaller CUDA-graph bucket,
+        the other attention path; ``ModelRunner.decode_shape``; with FCA, another forest: a
+        shared prefix may lose its last sharer), which may round the live rows' numbers
+        differently: then it is dropped whole (read back, never booked) and the
+        step is launched again for the live rows, as if never launched early. A step with no
+        live row is no step either."""
+        rows = early.rows
+        live = [j for j, i in enumerate(ahead.keep.tolist()) if tokens[i] not in rows[j].stop_ids]
+        if len(live) == len(rows):
+            return early
+        dropped = len(rows) - len(live)
+        c = self._counts
+        c["ahead_rows_dropped"] += dropped
+        same = bool(live) and not early.fca and (  # FCA's forest changes with the rows
+            self.runner.decode_shape([rows[j] for j in live]) == self.runner.decode_shape(rows))
+        if same:
+            c["decode_tokens"] -= dropped
+            early.live = np.asarray(live, dtype=np.int64)
+            return early
+        for key, n in (("decode_steps", 1), ("decode_tokens", len(rows)), ("ahead_steps", 1),
+                       ("early_steps", 1), ("fca_steps", early.fca)):
+            c[key] -= n
+        c["early_steps_dropped"] += 1
+        self._readback.discard()  # the early step's tokens: never read
+        return self._launch_ahead(cur, ahead, tokens) if live else None
 
     def _launch_ahead(self, cur: _Launched, ahead: _Ahead, tokens: list[int]) -> _Launched | None:
         """Launch the prepared step once ``cur``'s tokens are known: rows whose token was a
@@ -415,8 +510,7 @@ class NativeEngine:
         self._count_decode(len(rows))
         self._counts["ahead_steps"] += 1
         self._counts["fca_steps"] += self.runner.last_step_fca
-        self._sample(rows, logits, uniforms)
-        return _Launched(rows, False, inputs)
+        return _Launched(rows, False, inputs, self._sample(rows, logits, uniforms))
 
     def _sampling_tensors(self, rows: list[Sequence], uniforms: list[float],
                           logits: torch.Tensor) -> SamplingTensors:
@@ -538,7 +632,11 @@ class NativeEngine:
         ``cache_hit_blocks``, ``aborted_requests`` (requests ``abort`` stopped), ``fca_steps``
         (decode steps that took FCA: pages shared and ``fca_min_shared_tokens`` reached),
         ``ahead_steps`` (decode steps async scheduling launched before the previous step was
-        booked), ``peak_decode_rows`` (the most sequences one decode step carried: concurrent
+        booked), ``early_steps`` (those of them launched before the previous step's tokens were
+        back), ``ahead_rows_dropped`` (rows such a step decoded once more after they stopped:
+        their token was dropped; not in ``decode_tokens``), ``early_steps_dropped`` (such steps
+        dropped whole and launched again: without the stopped rows they would have run in
+        another shape; not in the step counts), ``peak_decode_rows`` (the most sequences one decode step carried: concurrent
         requests decoded together show here),
         ``blocks_in_use`` of ``num_blocks``, ``preemptions``, step counts, ``weight_version``,
         and wall time spent

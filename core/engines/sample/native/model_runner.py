@@ -315,11 +315,24 @@ class ModelRunner:
         """Whether a decode step of ``seqs`` takes FCA (on, pages shared, and it pays)."""
         return self.use_fca and self.shares_pages(seqs) and self.fca_pays(seqs)
 
+    def decode_shape(self, seqs: list[Sequence]) -> tuple[int, bool]:
+        """What a decode step of ``seqs`` runs as: ``(rows the kernels see, FCA or not)``; the
+        rows are the CUDA-graph bucket (padding rows included) when a graph serves the step.
+        Two steps of one shape give each row bit-identical numbers whatever the other rows
+        hold (every kernel computes a row from that row alone, at a size fixed by the shape)."""
+        rows = len(seqs)
+        if self.graphs is not None and self.graphs.bucket(rows) is not None:
+            rows = self.graphs.bucket(rows)
+        return rows, self.use_fca_for(seqs)
+
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, inputs: DecodeInputs | None = None) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], is_prefill: bool, inputs: DecodeInputs | None = None,
+            device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward one step. Returns ``[len(seqs), V]`` next-token logits (model dtype).
         ``inputs``: a decode step's arrays when the caller built them (async scheduling
-        prepares them while the previous step runs); built from ``seqs`` otherwise."""
+        prepares them while the previous step runs); built from ``seqs`` otherwise.
+        ``device_ids``: a decode step's token ids ``[B]`` on the device (the previous step's
+        sampled tokens, launched before the host has them), instead of ``inputs.ids``."""
         if is_prefill:
             ids, pos, ctx, last = self._prefill_inputs(seqs)
             out = self.model(input_ids=self._to_device(ids, torch.int64)[None],
@@ -333,10 +346,13 @@ class ModelRunner:
         self.last_step_fca = fca
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
             try:
-                return self.graphs.run(ids, pos, slots, tables, lens, fca)
+                return self.graphs.run(ids, pos, slots, tables, lens, fca, device_ids)
             except GraphCaptureError as exc:
                 self._disable_graphs(exc)
-        return self._decode_forward(self._to_device(ids, torch.int64)[None],
+        # a fresh inference tensor like the host path's (what the compiled step was traced on)
+        ids_dev = (device_ids.clone() if device_ids is not None
+                   else self._to_device(ids, torch.int64))
+        return self._decode_forward(ids_dev[None],
                                     self._to_device(pos, torch.int64)[None],
                                     self._to_device(slots, torch.int64),
                                     self._to_device(tables, torch.int32),

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from polynya.types import SamplingParams
 
+from .readback import PINNED_TURNS
+
 
 @dataclass
 class SamplingTensors:
@@ -38,6 +40,7 @@ class SamplingTensors:
     all_greedy: bool
     any_greedy: bool
     _pinned: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # see with_uniforms
+    _turn: int = dataclasses.field(default=0, repr=False)
 
     @classmethod
     def build(cls, params: list[SamplingParams], uniforms: list[float], vocab_size: int,
@@ -63,14 +66,19 @@ class SamplingTensors:
 
     def with_uniforms(self, uniforms: list[float]) -> SamplingTensors:
         """The same row settings with new uniform draws, written in place (one small host-to-
-        device copy from a reused pinned buffer): a decode step whose rows are the previous
-        step's rows reuses everything else. The engine reads each step's tokens back before it
-        launches the next, so the previous copy out of the buffer has finished."""
+        device copy from pinned buffers taken in turn, ``readback.PINNED_TURNS``): a decode
+        step whose rows are the previous step's rows reuses everything else. A step may be
+        launched before the previous steps' copies ran; the copy out of a buffer has finished
+        when its turn comes again."""
         if self.uniform.is_cuda:
             if self._pinned is None:
-                self._pinned = torch.empty(len(uniforms), dtype=torch.float32).pin_memory()
-            self._pinned.numpy()[:] = uniforms
-            self.uniform.copy_(self._pinned, non_blocking=True)
+                self._pinned = torch.empty((PINNED_TURNS, len(uniforms)),
+                                           dtype=torch.float32).pin_memory()
+                self._turn = 0
+            buf = self._pinned[self._turn]
+            self._turn = (self._turn + 1) % PINNED_TURNS
+            buf.numpy()[:] = uniforms
+            self.uniform.copy_(buf, non_blocking=True)
         else:
             self.uniform.copy_(torch.tensor(uniforms, dtype=torch.float32))
         return self

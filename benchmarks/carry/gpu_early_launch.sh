@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU run for decode steps launched before the previous step's read-back (issue 15 goals 1, 3):
+# the async-scheduling GPU tests (bit-equal to the synchronous engine), then bench_sampler with
+# --early both at the goal-1 shape (64 rows, P256) and the goal-3 shape (G16 P4096 S512), then
+# probe_decode_gemms.py. Knobs: T_TESTS / T_G1 / T_G3 (seconds per stage, 0 skips it), TESTS
+# (the test files), PROBE=0 (skip the probe).
+# Needs nothing carried.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null 2>&1
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+if [ "${T_TESTS:-240}" != 0 ]; then
+  # shellcheck disable=SC2086
+  timeout "${T_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-\
+    tests/engines/sample/test_async_scheduling_gpu.py tests/engines/sample/test_native_engine_gpu.py} \
+    -k "not compiled_decode_equals_eager" 2>&1 | grep -E "passed|failed|^E |^FAILED" | tail -20
+fi
+cd benchmarks
+
+bench() {  # bench <seconds> <name> <bench_sampler args...>
+  local t=$1 name=$2
+  shift 2
+  [ "$t" = 0 ] && return
+  mkdir -p "$OUT/tmp"
+  timeout "$t" python3 bench_sampler.py "$@" --early both --out "$OUT/tmp" 2>&1 | grep -v Warning | tail -12
+  for ext in json png; do
+    cp "$OUT/tmp/bench_sampler.$ext" "$OUT/bench_sampler_early_$name.$ext" 2>/dev/null
+  done
+  rm -rf "$OUT/tmp"
+}
+
+bench "${T_G1:-150}" g8_p256 --groups 8 --G 8 --prompt-len 256 --new-tokens 128 --Gs 8 --kv-gb 8
+bench "${T_G3:-200}" g16_p4096 --groups 8 --G 16 --prompt-len 4096 --new-tokens 512 --Gs 16 --kv-gb 40
+[ "${PROBE:-1}" = 0 ] || python3 probe_decode_gemms.py --out "$OUT" 2>&1 | tail -2
