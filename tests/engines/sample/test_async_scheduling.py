@@ -291,3 +291,39 @@ def test_a_step_launched_early_whose_rows_all_stopped_is_dropped():
     q = SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=4, stop_token_ids=(), logprobs=True)
     assert outputs(asyn.generate(prompt, q)) == outputs(sync.generate(prompt, q))
     same_counters(sync.backend, asyn.backend)
+
+
+def test_abort_and_scoring_while_a_step_with_dropped_rows_is_in_flight(monkeypatch):
+    """A step launched early that kept its other rows after some stopped (forced same shape,
+    greedy rows: the CPU rounds by batch size) is in flight: ``abort`` books it first (its
+    live rows only) and ``prompt_logprobs`` sees the engine between steps; tokens and block
+    manager as the synchronous engine aborting one step later."""
+    sync, asyn = pair(max_num_seqs=16)
+    monkeypatch.setattr(asyn.backend.runner, "decode_shape", lambda seqs: (16, False))
+    prompts = ragged_prompts(72, [6, 11, 9])
+    probe = make_engine()
+    params = [SamplingParams(n=3, temperature=0, max_tokens=20, stop_token_ids=stop_at(probe, prompts[0], 4)),
+              SamplingParams(temperature=0, max_tokens=20, stop_token_ids=()),
+              SamplingParams(n=2, temperature=0, max_tokens=20, stop_token_ids=())]
+    eng = asyn.backend
+    toks, plist = eng.validate(prompts, params)
+    rids = [eng.add_request(t, p) for t, p in zip(toks, plist)]
+    steps = 0
+    while eng._inflight is None or eng._inflight.live is None:
+        eng.step()
+        steps += 1
+        assert steps < 40, "no early step kept rows past a stop"
+    scored = eng.prompt_logprobs(prompts[1:], top_k=2)
+    assert eng._inflight is None and eng.abort([rids[1]]) == 1
+    got = [[s.token_ids for s in o] for o in eng.wait(rids)]
+    bs = sync.backend
+    toks, plist = bs.validate(prompts, params)
+    rids = [bs.add_request(t, p) for t, p in zip(toks, plist)]
+    for _ in range(steps + 1):
+        bs.step()
+    want_scored = bs.prompt_logprobs(prompts[1:], top_k=2)
+    assert bs.abort([rids[1]]) == 1
+    want = [[s.token_ids for s in o] for o in bs.wait(rids)]
+    assert got == want and len(got[1][0]) == steps + 1
+    assert [s.top_ids.tolist() for s in scored] == [s.top_ids.tolist() for s in want_scored]
+    same_counters(bs, eng)
