@@ -18,6 +18,7 @@ compared (``--check-greedy``). The goal shape of issue 15 (64 sequences, P256)::
     python benchmarks/bench_sampler.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128 \
         --Gs 8 --compile both --kv-gb 8 --out benchmarks/results
 
+``--repeat N`` runs every cell N times in ABBA order and keeps each cell's median run.
 ``--replot results.json`` redraws a run's PNG from its JSON. ``--early both`` times every
 case also with ``launch_before_readback`` off (each decode
 step launched once the previous step's tokens are back), ``*_late`` rows and the ratio.
@@ -206,6 +207,43 @@ def arms_agree(engines: dict, vocab: int, tokens: int) -> dict:
     return next(iter(report.values())) if len(report) == 1 else report
 
 
+def time_cells(engine: SamplingEngine, name: str, G: int, args, vocab: int) -> dict:
+    """Every (early launch, FCA) cell of one case, ``args.repeat`` times in ABBA order (the
+    cell order reversed on every other repetition, so a slow first cell cannot favour one
+    arm); each cell keeps the run with its median step time and every run's ``ms_per_step``."""
+    runner = engine.backend.runner
+    cells = [(early, fca) for early in EARLY[args.early] for fca in (True, False)]
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.repeat):
+        for early, fca in (cells if rep % 2 == 0 else cells[::-1]):
+            engine.backend.launch_before_readback = early
+            runner.use_fca = fca  # fresh prompts per run: each computes its own prefill
+            seed = 10 * G + fca + 5 * (not early) + 10007 * rep  # no warm-up or profile seed
+            r = run_case(engine, make_prompts(args.groups, args.prompt_len, vocab, seed=seed),
+                         G, args.new_tokens)
+            assert r["prefill_tokens"] == args.groups * args.prompt_len, r
+            runs.setdefault(("fca" if fca else "paged") + ("" if early else "_late"), []).append(r)
+            print(f"G={G:3d} {name:8} fca={fca!s:5} early={early!s:5}: "
+                  f"{r['decode_tok_per_s']:10.0f} tok/s  {r['ms_per_step']:7.3f} ms/step  "
+                  f"early steps {r['early_steps']}/{r['decode_steps']}  prefill "
+                  f"{r['prefill_tokens']} tok in {r['prefill_time_s']:.2f}s  preemptions "
+                  f"{r['preemptions']}", flush=True)
+    engine.backend.launch_before_readback = True
+    row = {}
+    for key, rs in runs.items():
+        ordered = sorted(rs, key=lambda r: r["ms_per_step"])
+        row[key] = dict(ordered[(len(ordered) - 1) // 2],
+                        runs_ms_per_step=[r["ms_per_step"] for r in rs])
+    if args.early == "both":
+        for path in ("fca", "paged"):
+            row[f"{path}_early_speedup"] = (row[f"{path}_late"]["ms_per_step"]
+                                            / row[path]["ms_per_step"])
+            print(f"G={G} {name} {path}: steps launched before the read-back "
+                  f"{row[f'{path}_early_speedup']:.3f}x as fast (medians of {args.repeat})",
+                  flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-0.6b")
@@ -233,6 +271,8 @@ def main() -> None:
                     help="launch decode steps before the previous step's tokens are back "
                          "(SamplingEngine.launch_before_readback); both: each case both ways")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per cell, in ABBA order; each cell reports its median run")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON")
     args = ap.parse_args()
     if args.replot:
@@ -265,29 +305,7 @@ def main() -> None:
     for G in cases:
         for name, engine in engines.items():  # arms interleaved per case
             runner = engine.backend.runner
-            row = {}
-            for early in EARLY[args.early]:
-                engine.backend.launch_before_readback = early
-                tag = "" if early else "_late"
-                for fca in (True, False):  # fresh prompts per arm: each computes its own prefill
-                    runner.use_fca = fca
-                    r = run_case(engine, make_prompts(args.groups, args.prompt_len, vocab,
-                                                      seed=10 * G + fca + 5 * (not early)),
-                                 G, args.new_tokens)
-                    assert r["prefill_tokens"] == args.groups * args.prompt_len, r
-                    row[("fca" if fca else "paged") + tag] = r
-                    print(f"G={G:3d} {name:8} fca={fca!s:5} early={early!s:5}: "
-                          f"{r['decode_tok_per_s']:10.0f} tok/s  {r['ms_per_step']:7.3f} ms/step  "
-                          f"early steps {r['early_steps']}/{r['decode_steps']}  prefill "
-                          f"{r['prefill_tokens']} tok in {r['prefill_time_s']:.2f}s  preemptions "
-                          f"{r['preemptions']}", flush=True)
-            engine.backend.launch_before_readback = True
-            if args.early == "both":
-                for path in ("fca", "paged"):
-                    row[f"{path}_early_speedup"] = (row[f"{path}_late"]["ms_per_step"]
-                                                    / row[path]["ms_per_step"])
-                    print(f"G={G} {name} {path}: steps launched before the read-back "
-                          f"{row[f'{path}_early_speedup']:.3f}x as fast", flush=True)
+            row = time_cells(engine, name, G, args, vocab)
             row["speedup"] = row["fca"]["decode_tok_per_s"] / row["paged"]["decode_tok_per_s"]
             print(f"G={G} {name}: FCA decode speedup {row['speedup']:.2f}x", flush=True)
             results["arms"][name][f"G{G}"] = row

@@ -3,7 +3,7 @@
 # the async-scheduling GPU tests (bit-equal to the synchronous engine), then bench_sampler with
 # --early both at the goal-1 shape (64 rows, P256) and the goal-3 shape (G16 P4096 S512), then
 # probe_decode_gemms.py. Knobs: T_TESTS / T_G1 / T_G3 (seconds per stage, 0 skips it), TESTS
-# (the test files), PROBE=0 (skip the probe).
+# (the test files), PROBE=0 (skip the probe), REPEAT (runs per bench cell, ABBA order).
 # Needs nothing carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -24,7 +24,8 @@ bench() {  # bench <seconds> <name> <bench_sampler args...>
   shift 2
   [ "$t" = 0 ] && return
   mkdir -p "$OUT/tmp"
-  timeout "$t" python3 bench_sampler.py "$@" --early both --out "$OUT/tmp" 2>&1 | grep -v Warning | tail -12
+  timeout "$t" python3 bench_sampler.py "$@" --early both --repeat "${REPEAT:-1}" --out "$OUT/tmp" \
+    2>&1 | grep -v Warning | tail -16
   for ext in json png; do
     cp "$OUT/tmp/bench_sampler.$ext" "$OUT/bench_sampler_early_$name.$ext" 2>/dev/null
   done
