@@ -18,6 +18,7 @@ compared (``--check-greedy``). The goal shape of issue 15 (64 sequences, P256)::
     python benchmarks/bench_sampler.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128 \
         --Gs 8 --compile both --kv-gb 8 --out benchmarks/results
 
+``--fuse both`` adds each compiled arm with ``SamplerConfig.fuse_projections`` (``<arm>-fused``).
 ``--repeat N`` runs every cell N times in ABBA order and keeps each cell's median run.
 ``--replot results.json`` redraws a run's PNG from its JSON. ``--early both`` times every
 case also with ``launch_before_readback`` off (each decode
@@ -150,9 +151,10 @@ ARMS = {"on": (True,), "off": (False,), "both": (True, False)}
 SCOPES = {"layers": ("layers",), "model": ("model",), "both": ("layers", "model")}
 
 
-def arms(compile_: str, scope: str) -> dict[str, dict]:
+def arms(compile_: str, scope: str, fuse: str = "off") -> dict[str, dict]:
     """``{arm name: SamplerConfig overrides}``: ``compiled`` / ``eager``, the compiled arm as
-    ``compiled-<scope>`` per scope when ``scope`` is both."""
+    ``compiled-<scope>`` per scope when ``scope`` is both; ``fuse`` on: compiled arms with
+    ``fuse_projections``, both: each compiled arm also as ``<arm>-fused``."""
     out = {}
     for c in ARMS[compile_]:
         if not c:
@@ -162,6 +164,10 @@ def arms(compile_: str, scope: str) -> dict[str, dict]:
         else:
             out.update({f"compiled-{s}": {"compile_decode": True, "compile_scope": s}
                         for s in SCOPES[scope]})
+    for name in [n for n in out if n != "eager"]:
+        for f in ARMS[fuse]:
+            if f:
+                out[name + "-fused" if fuse == "both" else name] = dict(out[name], fuse_projections=True)
     return out
 
 
@@ -177,6 +183,7 @@ def warm_up(engine: SamplingEngine, name: str, args, cases: list[int], vocab: in
     st = engine.stats()
     out = {"warmup_s": time.perf_counter() - t0, "compiles": st["compiles"], "compile_s": st["compile_s"],
            "compile_scope": st["compile_scope"], "compile_scope_reason": st["compile_scope_reason"],
+           "fused_groups": st["fused_groups"], "fused_calls": st["fused_calls"],
            "graph_captures": st["graph_captures"], "graph_capture_s": st["graph_capture_s"],
            "compile_error": runner.compiled.error if runner.compiled is not None else None}
     print(f"{name} warm-up: {out}", flush=True)
@@ -267,6 +274,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also time the decode attention kernels and count the device ops per "
                          "decode step (torch.profiler)")
+    ap.add_argument("--fuse", choices=sorted(ARMS), default="off",
+                    help="compiled arms with SamplerConfig.fuse_projections (q/k/v and gate/up "
+                         "as one GEMM each); both: each compiled arm also as '<arm>-fused'")
     ap.add_argument("--early", choices=sorted(EARLY), default="on",
                     help="launch decode steps before the previous step's tokens are back "
                          "(SamplingEngine.launch_before_readback); both: each case both ways")
@@ -290,7 +300,7 @@ def main() -> None:
                         cuda_graphs=not args.no_graphs)
     # one engine per arm (same seed: same weights); FCA toggled on each model runner per run
     engines = {name: SamplingEngine(replace(cfg, **kw))
-               for name, kw in arms(args.compile, args.compile_scope).items()}
+               for name, kw in arms(args.compile, args.compile_scope, args.fuse).items()}
     first = next(iter(engines.values()))
     vocab = first.backend.runner.vocab_size
     results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -338,6 +348,7 @@ def compare_arms(arms_: dict, G: int) -> None:
     pairs = [(c, "eager") for c in arms_ if c.startswith("compiled") and "eager" in arms_]
     if {"compiled-layers", "compiled-model"} <= set(arms_):
         pairs.append(("compiled-layers", "compiled-model"))
+    pairs += [(a, a[:-len("-fused")]) for a in arms_ if a.endswith("-fused")]
     for fast, slow in pairs:
         for path in ("fca", "paged"):
             ratio = arms_[slow][f"G{G}"][path]["ms_per_step"] / arms_[fast][f"G{G}"][path]["ms_per_step"]

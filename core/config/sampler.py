@@ -68,6 +68,12 @@ class SamplerConfig:
             may fuse across layer boundaries (slightly faster steps) at ~N times the compile
             cost. A model whose decoder layers cannot be found compiles as ``"model"``
             (``stats()["compile_scope"]`` says which ran and ``["compile_scope_reason"]`` why).
+        fuse_projections: in the compiled decode step, run the projections that read the same
+            input (q/k/v, gate/up) as one GEMM each (``polynya.engines.sample.native.
+            fused_projections``: their weights share one buffer, parameters unchanged). Native
+            backend with ``compile_decode`` only. Off by default: written and tested on the CPU,
+            not yet measured or verified on a GPU (where it is meant to save ~0.2 ms per decode
+            step of the Qwen3-0.6B shape, ``benchmarks/probe_decode_gemms.py``).
         seed: engine seed (model init for random specs; default sampling seeds).
     """
 
@@ -87,6 +93,7 @@ class SamplerConfig:
     async_scheduling: bool = True
     compile_decode: bool | None = None
     compile_scope: str = "layers"
+    fuse_projections: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -110,7 +117,7 @@ class SamplerConfig:
         check_positive(self.max_num_batched_tokens, "SamplerConfig.max_num_batched_tokens", integer=True)
         if self.max_model_len is not None:
             check_positive(self.max_model_len, "SamplerConfig.max_model_len", integer=True)
-        for name in ("fca", "cuda_graphs", "async_scheduling"):
+        for name in ("fca", "cuda_graphs", "async_scheduling", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplerConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.compile_decode is not None and not isinstance(self.compile_decode, bool):

@@ -111,6 +111,7 @@ VALUES = {
     "sampling.async_scheduling": (False, [], {}),
     "sampling.compile_decode": (True, [], {}),
     "sampling.compile_scope": ("model", [], {}),
+    "sampling.fuse_projections": (True, [], {}),
 }
 
 

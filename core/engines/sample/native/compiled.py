@@ -187,12 +187,16 @@ class CompiledDecode:
         name: how warnings name the model.
         scope: ``"layers"`` or ``"model"`` (module docstring); ``self.scope`` is the one taken
             and ``self.scope_reason`` says why it is not the one asked for (else None).
+        fuse_projections: run linears on one input as one GEMM (the model's weights fused by
+            ``fused_projections.ProjectionGroups``); ``fused_calls`` counts the groups made.
     """
 
     def __init__(self, model: torch.nn.Module, context: Callable[..., attention.StepContext],
                  eager: Callable[..., torch.Tensor], scratch_block: int, block_size: int,
-                 name: str, scope: str = "layers") -> None:
+                 name: str, scope: str = "layers", fuse_projections: bool = False) -> None:
         self.model, self.context, self.eager = model, context, eager
+        self.fuse_projections = fuse_projections
+        self.fused_calls = 0  # linear groups made one GEMM (fused_projections.py), all graphs
         self.scratch_block, self.block_size, self.name = scratch_block, block_size, name
         self.compiles = 0
         self.compile_s = 0.0
@@ -209,10 +213,15 @@ class CompiledDecode:
                 self.layer_kinds = len(set(attention_features(model).layer_windows))
 
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        """The backend: Inductor, counted."""
+        """The backend: Inductor, counted; with ``fuse_projections`` the graph's linears on
+        one input first become one GEMM (``fused_projections.fuse_linear_calls``)."""
         from torch._inductor.compile_fx import compile_fx
 
         self.compiles += 1
+        if self.fuse_projections:
+            from .fused_projections import fuse_linear_calls
+
+            self.fused_calls += fuse_linear_calls(gm)
         return compile_fx(gm, example_inputs)
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,

@@ -30,6 +30,7 @@ from . import attention
 from .compiled import CompiledDecode
 from .cuda_graph import DecodeGraphs, GraphCaptureError
 from .decode_inputs import DecodeInputs
+from .fused_projections import ProjectionGroups
 from .kv_memory import KVMemory
 from .sequence import Sequence
 
@@ -92,10 +93,15 @@ class ModelRunner:
         self._graphs_kv_ptr = 0
         self._retired_captures = [0, 0.0]  # captures / seconds of graphs since dropped
         self.compiled = None  # the compiled decode step (compiled.py), when compile_decode is on
+        # q/k/v and gate/up weights in one buffer each (fused_projections.py), when asked for
+        self.projections: ProjectionGroups | None = None
         if config.decode_compiled(self.device.type):
+            if config.fuse_projections:
+                self.projections = ProjectionGroups.fuse(self.model)
             self.compiled = CompiledDecode(self.model, self._decode_context, self._decode_eager,
                                            self.num_blocks, self.block_size, config.model,
-                                           scope=config.compile_scope)
+                                           scope=config.compile_scope,
+                                           fuse_projections=bool(self.projections))
         shape = (self.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
                  self.head_dim)
         self._kv_memory = KVMemory(shape, self.dtype, self.device)
@@ -181,13 +187,17 @@ class ModelRunner:
     def compile_stats(self) -> dict[str, int | float | str | None]:
         """``compiles`` of the decode step by this runner, ``compile_s`` (the wall seconds of
         the calls that compiled), ``compile_scope`` (the scope compiled: ``"layers"`` /
-        ``"model"``; None with ``compile_decode`` off) and ``compile_scope_reason`` (why it is
-        not the configured one, else None)."""
+        ``"model"``; None with ``compile_decode`` off), ``compile_scope_reason`` (why it is
+        not the configured one, else None), ``fused_groups`` (weight groups sharing a buffer,
+        ``fuse_projections``) and ``fused_calls`` (linear groups the compiled graphs run as
+        one GEMM)."""
         c = self.compiled
+        groups = len(self.projections) if self.projections is not None else 0
         if c is None:
             return {"compiles": 0, "compile_s": 0.0, "compile_scope": None,
-                    "compile_scope_reason": None}
-        return {"compiles": c.compiles, "compile_s": c.compile_s, "compile_scope": c.scope,
+                    "compile_scope_reason": None, "fused_groups": groups, "fused_calls": 0}
+        return {"fused_groups": groups, "fused_calls": c.fused_calls,
+                "compiles": c.compiles, "compile_s": c.compile_s, "compile_scope": c.scope,
                 "compile_scope_reason": c.scope_reason}
 
     def _disable_graphs(self, exc: GraphCaptureError) -> None:
@@ -467,6 +477,8 @@ class ModelRunner:
         self._copy_plans = {}  # its views would keep the device weights alive
         if self.device.type == "cuda" and not self.weights_offloaded:
             self._drop_graphs()  # captured against the weights' device addresses
+            if self.projections is not None:
+                self.projections.to("cpu")  # each fused buffer whole (Module.to splits it)
             self.model.to("cpu")
             self.weights_offloaded = True
             torch.cuda.empty_cache()
@@ -474,5 +486,7 @@ class ModelRunner:
     def onload_weights(self) -> None:
         self._copy_plans = {}
         if self.weights_offloaded:
+            if self.projections is not None:
+                self.projections.to(self.device)
             self.model.to(self.device)
             self.weights_offloaded = False

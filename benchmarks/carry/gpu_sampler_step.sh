@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# GPU run for decode steps launched before the previous step's read-back (issue 15 goals 1, 3):
-# the async-scheduling GPU tests (bit-equal to the synchronous engine), then bench_sampler with
-# --early both at the goal-1 shape (64 rows, P256) and the goal-3 shape (G16 P4096 S512), then
+# GPU run for the sampler's decode step (issue 15 goals 1, 3): GPU tests (default: the async-
+# scheduling ones, bit-equal to the synchronous engine, and the native engine's), then
+# bench_sampler at the goal-1 shape (64 rows, P256) and the goal-3 shape (G16 P4096 S512), then
 # probe_decode_gemms.py. Knobs: T_TESTS / T_G1 / T_G3 (seconds per stage, 0 skips it), TESTS
-# (the test files), PROBE=0 (skip the probe), REPEAT (runs per bench cell, ABBA order).
+# (the test files), PROBE=0 (skip the probe), REPEAT (runs per bench cell, ABBA order), EARLY
+# (--early: both / on / off; default both), FUSE (--fuse: off / on / both; default off), TAG
+# (result file names: bench_sampler_<TAG>_<shape>.*, default early).
+# 2026-12-03 (early launch): T_TESTS=330 bash benchmarks/carry/gpu_sampler_step.sh
+# next (fused projections): TESTS="tests/engines/sample/test_fused_projections_gpu.py
+#   tests/engines/sample/test_async_scheduling_gpu.py" EARLY=on FUSE=both REPEAT=3 PROBE=0 TAG=fused \
+#   bash benchmarks/carry/gpu_sampler_step.sh
 # Needs nothing carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -24,10 +30,11 @@ bench() {  # bench <seconds> <name> <bench_sampler args...>
   shift 2
   [ "$t" = 0 ] && return
   mkdir -p "$OUT/tmp"
-  timeout "$t" python3 bench_sampler.py "$@" --early both --repeat "${REPEAT:-1}" --out "$OUT/tmp" \
+  timeout "$t" python3 bench_sampler.py "$@" --early "${EARLY:-both}" --fuse "${FUSE:-off}" \
+    --repeat "${REPEAT:-1}" --out "$OUT/tmp" \
     2>&1 | grep -v Warning | tail -16
   for ext in json png; do
-    cp "$OUT/tmp/bench_sampler.$ext" "$OUT/bench_sampler_early_$name.$ext" 2>/dev/null
+    cp "$OUT/tmp/bench_sampler.$ext" "$OUT/bench_sampler_${TAG:-early}_$name.$ext" 2>/dev/null
   done
   rm -rf "$OUT/tmp"
 }
