@@ -64,7 +64,10 @@ def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_token
     after = engine.stats()
     d = {k: after[k] - before[k] for k in ("prefill_tokens", "decode_tokens", "decode_steps",
                                            "decode_time_s", "prefill_time_s", "cache_hit_tokens",
-                                           "preemptions", "early_steps", "ahead_steps")}
+                                           "preemptions", "early_steps", "ahead_steps",
+                                           # first-use costs inside a timed run (should be 0)
+                                           "graph_captures", "graph_capture_s", "compiles",
+                                           "compile_s")}
     assert all(len(s.token_ids) == new_tokens for o in out for s in o)
     d["wall_s"] = wall
     # A run of one new token has no decode step (prefill emits it): no rate to report.
@@ -234,7 +237,8 @@ def time_cells(engine: SamplingEngine, name: str, G: int, args, vocab: int) -> d
                   f"{r['decode_tok_per_s']:10.0f} tok/s  {r['ms_per_step']:7.3f} ms/step  "
                   f"early steps {r['early_steps']}/{r['decode_steps']}  prefill "
                   f"{r['prefill_tokens']} tok in {r['prefill_time_s']:.2f}s  preemptions "
-                  f"{r['preemptions']}", flush=True)
+                  f"{r['preemptions']}  captures {r['graph_captures']} compiles "
+                  f"{r['compiles']}", flush=True)
     engine.backend.launch_before_readback = True
     row = {}
     for key, rs in runs.items():

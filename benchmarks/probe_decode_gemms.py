@@ -43,7 +43,7 @@ def step(layers, x, fused: bool, lin=F.linear):
             g, u = gu.chunk(2, dim=-1)
             x = lin(F.silu(g) * u, lw["down"])
         else:
-            q, k, v = lin(x, lw["q"]), lin(x, lw["k"]), lin(x, lw["v"])
+            q, _k, _v = lin(x, lw["q"]), lin(x, lw["k"]), lin(x, lw["v"])  # k, v: their GEMMs
             h = lin(q, lw["o"])
             x = lin(F.silu(lin(h, lw["gate"])) * lin(h, lw["up"]), lw["down"])
     return x
@@ -87,12 +87,12 @@ def main() -> None:
         head = torch.randn(VOCAB, HIDDEN, device=dev, dtype=dtype) * 0.02
         for m in args.rows:
             x = torch.randn(m, HIDDEN, device=dev, dtype=dtype)
-            ms = time_graph(lambda: step(layers, x, fused))
-            ms_head = time_graph(lambda: F.linear(x, head))
+            ms = time_graph(lambda ls=layers, x=x, f=fused: step(ls, x, f))
+            ms_head = time_graph(lambda x=x, w=head: F.linear(x, w))
             rows.append({"fused": fused, "rows": m, "layers_ms": ms, "head_ms": ms_head,
                          "weight_GB": wbytes / 1e9, "hbm_fraction": wbytes / ms / 1e6 / 4400})
             print(json.dumps(rows[-1]), flush=True)
-        del layers
+        layers = None  # free this arm's weights before the next
     for m in args.rows:
         a = next(r for r in rows if r["rows"] == m and not r["fused"])
         b = next(r for r in rows if r["rows"] == m and r["fused"])

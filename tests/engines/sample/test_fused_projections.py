@@ -102,8 +102,8 @@ def test_fusing_leaves_every_parameter_as_it_was(family, groups):
 
 
 def engines(family: str = "qwen3", scope: str = "layers"):
-    kw = dict(dtype="float32", device="cpu", num_blocks=64, max_num_seqs=8,
-              fca_min_shared_tokens=0, compile_decode=True, compile_scope=scope)
+    kw = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "max_num_seqs": 8,
+          "fca_min_shared_tokens": 0, "compile_decode": True, "compile_scope": scope}
     return (SamplingEngine(SamplerConfig(f"tiny:{family}", **kw)),
             SamplingEngine(SamplerConfig(f"tiny:{family}", fuse_projections=True, **kw)))
 

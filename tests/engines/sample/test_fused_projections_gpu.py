@@ -22,8 +22,8 @@ MODEL = "random:qwen3-0.6b"
 
 
 def pair(dtype: str):
-    kw = dict(dtype=dtype, device="cuda", kv_cache_memory_gb=2, max_num_seqs=32,
-              fca_min_shared_tokens=0, compile_decode=True)
+    kw = {"dtype": dtype, "device": "cuda", "kv_cache_memory_gb": 2, "max_num_seqs": 32,
+          "fca_min_shared_tokens": 0, "compile_decode": True}
     return (SamplingEngine(SamplerConfig(MODEL, **kw)),
             SamplingEngine(SamplerConfig(MODEL, fuse_projections=True, **kw)))
 
