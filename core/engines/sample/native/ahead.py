@@ -139,9 +139,9 @@ class LaunchAhead:
         Without them the step would have run in another shape (a smaller CUDA-graph bucket,
         the other attention path; ``ModelRunner.decode_shape``; with FCA, another forest: a
         shared prefix may lose its last sharer), which may round the live rows' numbers
-        differently: then it is dropped whole (read back, never booked) and the
-        step is launched again for the live rows, as if never launched early. A step with no
-        live row is no step either."""
+        differently: then it is dropped whole (its read-back discarded, never booked) and
+        the step is launched again for the live rows, as if never launched early. A step with
+        no live row is no step either."""
         rows = early.rows
         live = [j for j, i in enumerate(ahead.keep.tolist()) if tokens[i] not in rows[j].stop_ids]
         if len(live) == len(rows):
