@@ -289,6 +289,8 @@ def main() -> None:
                     help="runs per cell, in ABBA order; each cell reports its median run")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.replot:
         with open(args.replot) as f:
             results = json.load(f)

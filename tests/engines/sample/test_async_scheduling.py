@@ -244,7 +244,7 @@ def test_rows_that_stop_leave_the_step_launched_before_their_token_was_back(mode
     prefix-cache keys equal the synchronous engine's."""
     sync, asyn = pair(max_num_seqs=16)
     if mode == "same_shape":
-        monkeypatch.setattr(asyn.backend.runner, "decode_shape", lambda seqs: (16, False))
+        monkeypatch.setattr(asyn.backend.runner, "decode_rows", lambda rows: 16)
     asyn.backend.launch_before_readback = mode != "off"
     prompts = ragged_prompts(72, [6, 11, 9])
     probe = make_engine()
@@ -299,7 +299,7 @@ def test_abort_and_scoring_while_a_step_with_dropped_rows_is_in_flight(monkeypat
     live rows only) and ``prompt_logprobs`` sees the engine between steps; tokens and block
     manager as the synchronous engine aborting one step later."""
     sync, asyn = pair(max_num_seqs=16)
-    monkeypatch.setattr(asyn.backend.runner, "decode_shape", lambda seqs: (16, False))
+    monkeypatch.setattr(asyn.backend.runner, "decode_rows", lambda rows: 16)
     prompts = ragged_prompts(72, [6, 11, 9])
     probe = make_engine()
     params = [SamplingParams(n=3, temperature=0, max_tokens=20, stop_token_ids=stop_at(probe, prompts[0], 4)),

@@ -49,6 +49,15 @@ def test_fused_linear_equals_the_separate_linears(adjacent, bias, monkeypatch):
     assert calls == ([torch.Size([12, 8])] if adjacent else [torch.Size([6, 8])] + [torch.Size([3, 8])] * 2)
 
 
+def test_fused_linear_refuses_no_weights_or_mismatched_biases():
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="one or more weights"):
+        fp.fused_linear(x, [], [])
+    with pytest.raises(ValueError, match="2 weights, 1 biases"):
+        fp.fused_linear(x, [w, w.clone()], [torch.randn(3)])
+    assert fp.adjacent_rows([]) is None
+
+
 def test_the_graph_pass_fuses_linears_on_one_input():
     def f(x, y, wq, wk, wv, wo, bq, bk):
         q, k, v = F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)

@@ -19,9 +19,9 @@ back, its token ids taken on the device from step ``n``'s sampled tokens, so the
 waits for the host between two steps. Rows that draw a stop token in step ``n`` are then
 decoded once more in step ``n + 1`` (``_settle_early``): that token is dropped
 (``ahead_rows_dropped``) and the row leaves the step after — when step ``n + 1`` runs in the
-shape it would have without those rows (the same CUDA-graph bucket and attention path,
-``ModelRunner.decode_shape``, and not FCA, whose forest changes with the rows: every row's
-numbers are then the same). Otherwise step ``n + 1`` is dropped whole and launched again for
+shape it would have without those rows (a paged step of the same CUDA-graph bucket,
+``ModelRunner.decode_rows``; not FCA, whose forest changes with the rows: every row's numbers
+are then the same). Otherwise step ``n + 1`` is dropped whole and launched again for
 the live rows (``early_steps_dropped``). The extra step writes only the stopped rows' own tail
 pages (private: ``can_plan_ahead``), at the slot after their last token, which no prefix-cache
 key covers; pages, keys, counters and samples end up as the synchronous engine's. When a row
@@ -137,9 +137,9 @@ class LaunchAhead:
         """``cur``'s tokens are back: the rows of ``early`` that drew a stop token there are
         not live in it (their extra token is dropped), counters as if they were never in it.
         Without them the step would have run in another shape (a smaller CUDA-graph bucket,
-        the other attention path; ``ModelRunner.decode_shape``; with FCA, another forest: a
-        shared prefix may lose its last sharer), which may round the live rows' numbers
-        differently: then it is dropped whole (its read-back discarded, never booked) and
+        ``ModelRunner.decode_rows``; with FCA, another forest: a shared prefix may lose its
+        last sharer), which may round the live rows' numbers differently: then it is dropped
+        whole (its read-back discarded, never booked) and
         the step is launched again for the live rows, as if never launched early. A step with
         no live row is no step either."""
         rows = early.rows
@@ -149,8 +149,9 @@ class LaunchAhead:
         dropped = len(rows) - len(live)
         c = self._counts
         c["ahead_rows_dropped"] += dropped
-        same = bool(live) and not early.fca and (  # FCA's forest changes with the rows
-            self.runner.decode_shape([rows[j] for j in live]) == self.runner.decode_shape(rows))
+        # a paged step stays paged without rows (they only lower the reads FCA would save)
+        same = bool(live) and not early.fca and (
+            self.runner.decode_rows(len(live)) == self.runner.decode_rows(len(rows)))
         if same:
             c["decode_tokens"] -= dropped
             early.live = np.asarray(live, dtype=np.int64)

@@ -32,7 +32,9 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """``tensors`` (2-D, or 1-D biases) as one tensor over their rows when they lie back to
-    back, contiguous, in one storage (a view, nothing copied); else None."""
+    back, contiguous, in one storage (a view, nothing copied); else None (also for none)."""
+    if not tensors:
+        return None
     first = tensors[0]
     if not all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device
                and t.dim() == first.dim() and t.shape[1:] == first.shape[1:] for t in tensors):
@@ -44,17 +46,18 @@ def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         end += t.numel() * t.element_size()
     rows = sum(t.shape[0] for t in tensors)
-    row = first.stride(0) if first.dim() == 2 else 1
-    shape = (rows, *first.shape[1:])
-    strides = (row, 1) if first.dim() == 2 else (1,)
-    return first.as_strided(shape, strides)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 @torch.library.custom_op("polynya::fused_linear", mutates_args=())
 def fused_linear(x: torch.Tensor, weights: list[torch.Tensor],
                  biases: list[torch.Tensor]) -> torch.Tensor:
     """``cat([F.linear(x, w, b) for ...], -1)`` (``biases``: one per weight, or empty), as one
-    GEMM when the weights (and biases) are adjacent."""
+    GEMM when the weights (and biases) are adjacent. ``ValueError`` for no weights or a bias
+    list of another length."""
+    if not weights or (biases and len(biases) != len(weights)):
+        raise ValueError(f"fused_linear needs one or more weights and one bias per weight or "
+                         f"none; got {len(weights)} weights, {len(biases)} biases")
     w = adjacent_rows(weights)
     b = adjacent_rows(biases) if biases else None
     if w is not None and (not biases or b is not None):
@@ -69,7 +72,7 @@ def _(x, weights, biases):
 
 
 class ProjectionGroups:
-    """The fused groups of a model: ``(flat weight, flat bias or None, members)`` each."""
+    """The fused groups of a model: ``(members, flat weight, flat bias or None)`` each."""
 
     def __init__(self) -> None:
         self.groups: list[tuple[list[torch.nn.Linear], torch.Tensor, torch.Tensor | None]] = []

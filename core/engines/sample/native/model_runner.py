@@ -325,15 +325,13 @@ class ModelRunner:
         """Whether a decode step of ``seqs`` takes FCA (on, pages shared, and it pays)."""
         return self.use_fca and self.shares_pages(seqs) and self.fca_pays(seqs)
 
-    def decode_shape(self, seqs: list[Sequence]) -> tuple[int, bool]:
-        """What a decode step of ``seqs`` runs as: ``(rows the kernels see, FCA or not)``; the
-        rows are the CUDA-graph bucket (padding rows included) when a graph serves the step.
-        Two steps of one shape give each row bit-identical numbers whatever the other rows
-        hold (every kernel computes a row from that row alone, at a size fixed by the shape)."""
-        rows = len(seqs)
-        if self.graphs is not None and self.graphs.bucket(rows) is not None:
-            rows = self.graphs.bucket(rows)
-        return rows, self.use_fca_for(seqs)
+    def decode_rows(self, rows: int) -> int:
+        """The rows a decode step of ``rows`` sequences runs as: its CUDA-graph bucket (padding
+        rows included) when a graph serves it, else ``rows``. Two paged steps of one such size
+        give each row bit-identical numbers whatever the other rows hold (every kernel computes
+        a row from that row alone, at a size fixed by the step's)."""
+        bucket = self.graphs.bucket(rows) if self.graphs is not None else None
+        return rows if bucket is None else bucket
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, inputs: DecodeInputs | None = None,
