@@ -18,7 +18,9 @@ compared (``--check-greedy``). The goal shape of issue 15 (64 sequences, P256)::
     python benchmarks/bench_sampler.py --groups 8 --G 8 --prompt-len 256 --new-tokens 128 \
         --Gs 8 --compile both --kv-gb 8 --out benchmarks/results
 
-``--fuse both`` adds each compiled arm with ``SamplerConfig.fuse_projections`` (``<arm>-fused``).
+Compiled arms fuse their projections (``SamplerConfig.fuse_projections``, the engine's default
+with a compiled step); ``--fuse off`` runs them with separate GEMMs, ``--fuse both`` runs each
+compiled arm both ways (``<arm>`` unfused, ``<arm>-fused``).
 ``--repeat N`` runs every cell N times in ABBA order and keeps each cell's median run.
 ``--replot results.json`` redraws a run's PNG from its JSON. ``--early both`` times every
 case also with ``launch_before_readback`` off (each decode
@@ -168,9 +170,9 @@ def arms(compile_: str, scope: str, fuse: str = "off") -> dict[str, dict]:
             out.update({f"compiled-{s}": {"compile_decode": True, "compile_scope": s}
                         for s in SCOPES[scope]})
     for name in [n for n in out if n != "eager"]:
+        base = out[name]
         for f in ARMS[fuse]:
-            if f:
-                out[name + "-fused" if fuse == "both" else name] = dict(out[name], fuse_projections=True)
+            out[name + "-fused" if fuse == "both" and f else name] = dict(base, fuse_projections=f)
     return out
 
 
@@ -278,9 +280,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also time the decode attention kernels and count the device ops per "
                          "decode step (torch.profiler)")
-    ap.add_argument("--fuse", choices=sorted(ARMS), default="off",
+    ap.add_argument("--fuse", choices=sorted(ARMS), default="on",
                     help="compiled arms with SamplerConfig.fuse_projections (q/k/v and gate/up "
-                         "as one GEMM each); both: each compiled arm also as '<arm>-fused'")
+                         "as one GEMM each; on by default, as in the engine); off: separate "
+                         "GEMMs; both: each compiled arm both ways ('<arm>', '<arm>-fused')")
     ap.add_argument("--early", choices=sorted(EARLY), default="on",
                     help="launch decode steps before the previous step's tokens are back "
                          "(SamplingEngine.launch_before_readback); both: each case both ways")

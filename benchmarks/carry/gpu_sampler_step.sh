@@ -4,7 +4,7 @@
 # bench_sampler at the goal-1 shape (64 rows, P256) and the goal-3 shape (G16 P4096 S512), then
 # probe_decode_gemms.py. Knobs: T_TESTS / T_G1 / T_G3 (seconds per stage, 0 skips it), TESTS
 # (the test files), PROBE=0 (skip the probe), REPEAT (runs per bench cell, ABBA order), EARLY
-# (--early: both / on / off; default both), FUSE (--fuse: off / on / both; default off), TAG
+# (--early: both / on / off; default both), FUSE (--fuse: off / on / both; default on), TAG
 # (result file names: bench_sampler_<TAG>_<shape>.*, default early).
 # 2026-12-03 (early launch): T_TESTS=330 bash benchmarks/carry/gpu_sampler_step.sh
 # next (fused projections): TESTS="tests/engines/sample/test_fused_projections_gpu.py
@@ -30,7 +30,7 @@ bench() {  # bench <seconds> <name> <bench_sampler args...>
   shift 2
   [ "$t" = 0 ] && return
   mkdir -p "$OUT/tmp"
-  timeout "$t" python3 bench_sampler.py "$@" --early "${EARLY:-both}" --fuse "${FUSE:-off}" \
+  timeout "$t" python3 bench_sampler.py "$@" --early "${EARLY:-both}" --fuse "${FUSE:-on}" \
     --repeat "${REPEAT:-1}" --out "$OUT/tmp" \
     2>&1 | grep -v Warning | tail -16
   for ext in json png; do

@@ -113,7 +113,7 @@ def test_fusing_leaves_every_parameter_as_it_was(family, groups):
 def engines(family: str = "qwen3", scope: str = "layers"):
     kw = {"dtype": "float32", "device": "cpu", "num_blocks": 64, "max_num_seqs": 8,
           "fca_min_shared_tokens": 0, "compile_decode": True, "compile_scope": scope}
-    return (SamplingEngine(SamplerConfig(f"tiny:{family}", **kw)),
+    return (SamplingEngine(SamplerConfig(f"tiny:{family}", fuse_projections=False, **kw)),
             SamplingEngine(SamplerConfig(f"tiny:{family}", fuse_projections=True, **kw)))
 
 
@@ -167,8 +167,25 @@ def test_weight_loads_reach_the_fused_buffers():
 
 
 def test_fuse_projections_is_validated():
-    with pytest.raises(ValueError, match="fuse_projections must be a bool"):
+    with pytest.raises(ValueError, match="fuse_projections must be a bool or None"):
         SamplerConfig("tiny:qwen3", fuse_projections="yes")
     eager = SamplingEngine(SamplerConfig("tiny:qwen3", device="cpu", dtype="float32",
                                          fuse_projections=True, compile_decode=False))
     assert eager.stats()["fused_groups"] == 0  # nothing fused without the compiled step
+
+
+def test_fuse_projections_defaults_to_the_compiled_step():
+    default = SamplerConfig("tiny:qwen3")
+    assert default.fuse_projections is None
+    assert default.projections_fused("cuda") and not default.projections_fused("cpu")
+    assert SamplerConfig("tiny:qwen3", compile_decode=True).projections_fused("cpu")
+    assert not SamplerConfig("tiny:qwen3", compile_decode=True,
+                             fuse_projections=False).projections_fused("cuda")
+    assert not SamplerConfig("tiny:qwen3", compile_decode=False,
+                             fuse_projections=True).projections_fused("cuda")
+    kw = {"device": "cpu", "dtype": "float32", "kv_cache_memory_gb": 0.05}
+    compiled = SamplingEngine(SamplerConfig("tiny:qwen3", compile_decode=True, **kw))
+    assert compiled.stats()["fused_groups"] > 0 and compiled.backend.runner.projections.intact()
+    kept = SamplingEngine(SamplerConfig("tiny:qwen3", compile_decode=True, fuse_projections=False,
+                                        **kw))
+    assert kept.stats()["fused_groups"] == 0 and kept.backend.runner.projections is None

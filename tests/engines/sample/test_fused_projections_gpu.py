@@ -24,7 +24,7 @@ MODEL = "random:qwen3-0.6b"
 def pair(dtype: str):
     kw = {"dtype": dtype, "device": "cuda", "kv_cache_memory_gb": 2, "max_num_seqs": 32,
           "fca_min_shared_tokens": 0, "compile_decode": True}
-    return (SamplingEngine(SamplerConfig(MODEL, **kw)),
+    return (SamplingEngine(SamplerConfig(MODEL, fuse_projections=False, **kw)),
             SamplingEngine(SamplerConfig(MODEL, fuse_projections=True, **kw)))
 
 

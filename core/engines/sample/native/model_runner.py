@@ -96,7 +96,7 @@ class ModelRunner:
         # q/k/v and gate/up weights in one buffer each (fused_projections.py), when asked for
         self.projections: ProjectionGroups | None = None
         if config.decode_compiled(self.device.type):
-            if config.fuse_projections:
+            if config.projections_fused(self.device.type):
                 self.projections = ProjectionGroups.fuse(self.model)
             self.compiled = CompiledDecode(self.model, self._decode_context, self._decode_eager,
                                            self.num_blocks, self.block_size, config.model,
