@@ -81,7 +81,7 @@ def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_token
 
 EARLY = {"on": (True,), "off": (False,), "both": (False, True)}
 ATTENTION_KERNELS = ("_fca_attend_kernel", "_paged_decode_kernel", "_merge_partials_kernel",
-                     "_fca_classes_kernel")
+                     "_fca_classes_kernel", "_plan_")
 
 
 def attention_ms_per_step(engine: SamplingEngine, prompts: list[list[int]], G: int, steps: int = 16) -> float:

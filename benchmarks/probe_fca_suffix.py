@@ -7,7 +7,11 @@ behind. This probe times one decode call (CUDA-graph replay, ``do_bench`` median
 at the sampler's shape (8 prompts of 4096 tokens x G16, Hq16/Hkv8/D128 = Qwen3-0.6B, page 16)
 for several suffix lengths S and a few plan / launch configurations, against the paged kernel
 on the same cache, and reports ms, % of HBM on unique bytes and the step-weighted mean over S
-(the mean a 512-token generation sees)::
+(the mean a 512-token generation sees). It also times the forest plan itself (CUDA-graph replay),
+built as the sampler builds it, from tables ``--table-width`` columns wide (the sampler's graphs
+pass ``max_model_len / page`` columns: 2560 for Qwen3-0.6B), with the default backend (Triton
+class pass + torch ops) and ``backend="triton"`` (four Triton launches), after checking the two
+plans are equal::
 
     python benchmarks/probe_fca_suffix.py --out $OUT            # H200, ~1-2 min
 """
@@ -23,8 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_fca import graph_ms, unique_bytes  # noqa: E402
 from common import H200_HBM_BYTES_PER_S, environment, save  # noqa: E402
-
 from polynya.kernels.fca import DecodeConfig, fca_decode, paged_decode, plan_forest  # noqa: E402
+from polynya.kernels.fca.plan import WORK_FIELDS  # noqa: E402
 from polynya.kernels.fca.testing import build_forest, random_kv  # noqa: E402
 
 CONFIGS = {  # name -> (plan kwargs, kernel config)
@@ -44,6 +48,24 @@ CONFIGS = {  # name -> (plan kwargs, kernel config)
 }
 
 
+def plan_times(bt: torch.Tensor, sl: torch.Tensor, page: int, width: int) -> dict:
+    """Graph-replay ms of ``plan_forest`` on ``bt`` zero-padded to ``width`` columns, per
+    backend; refuses to time plans that differ."""
+    if width > bt.shape[1]:
+        bt = torch.cat([bt, bt.new_zeros(bt.shape[0], width - bt.shape[1])], 1)
+    plans = {b: plan_forest(bt, sl, page, backend=b) for b in ("auto", "triton")}
+    n = int(plans["auto"].n_shared.item())
+    for name in WORK_FIELDS:
+        cut = slice(0, n) if name.startswith("sh_") else slice(None)
+        if not torch.equal(getattr(plans["auto"], name)[cut], getattr(plans["triton"], name)[cut]):
+            raise SystemExit(f"plan_forest(backend='triton') differs from the default in {name}")
+    out = {"table_width": bt.shape[1]}
+    for b in plans:
+        out[f"plan_{b}_ms"] = round(graph_ms(
+            lambda b=b: plan_forest(bt, sl, page, validate=False, backend=b)), 4)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=8)
@@ -55,6 +77,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--configs", default="all", help="comma-separated names or 'all'")
+    ap.add_argument("--table-width", type=int, default=2560,
+                    help="block-table columns the plan is timed on (0: the forest's own width)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON")
     args = ap.parse_args()
@@ -81,18 +105,19 @@ def main() -> None:
             if err > 0.05:
                 raise SystemExit(f"S={s} {name}: FCA differs from paged by {err}")
             row[name] = round(graph_ms(lambda p=plan, c=cfg: fca_decode(q, k, v, p, config=c)), 4)
+        row.update(plan_times(bt, sl, args.page, args.table_width))
         row["best"] = min(names, key=row.get)
         row["default_hbm_pct"] = round(100 * ub / (row["default"] * 1e-3) / H200_HBM_BYTES_PER_S, 1)
         row["best_hbm_pct"] = round(100 * ub / (row[row["best"]] * 1e-3) / H200_HBM_BYTES_PER_S, 1)
         rows.append(row)
         print(row, flush=True)
-        del k, v
         torch.cuda.empty_cache()
     mean = {name: round(sum(r[name] for r in rows) / len(rows), 4) for name in ["paged_ms", *names]}
     print("mean over S:", mean)
-    print("| S | paged | " + " | ".join(names) + " |")
+    print("| S | paged | " + " | ".join(names) + " | plan auto | plan triton |")
     for r in rows:
-        print(f"| {r['S']} | {r['paged_ms']} | " + " | ".join(str(r[n]) for n in names) + " |")
+        print(f"| {r['S']} | {r['paged_ms']} | " + " | ".join(str(r[n]) for n in names)
+              + f" | {r['plan_auto_ms']} | {r['plan_triton_ms']} |")
     result = {"env": environment(), "args": vars(args), "rows": rows, "mean_over_S": mean}
     save(result, args.out, "probe_fca_suffix")
     plot(result, os.path.join(args.out, "probe_fca_suffix.png"))

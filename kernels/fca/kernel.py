@@ -1,6 +1,7 @@
 """Triton kernels for FCA decode and the plain paged decode baseline (@triton.jit only).
 
-Launchers, checks and heuristics live in ``op.py``. Conventions shared by all kernels:
+Launchers, checks and heuristics live in ``op.py``; the forest planner's kernels in
+``plan_kernel.py``. Conventions shared by all kernels:
 caches are ``[num_blocks, PAGE, Hkv, D]`` with a unit last stride; a token ``t`` of a request
 lives at ``cache[bt[row, t // PAGE], t % PAGE]``; scores are kept in log2 units (``qk_scale``
 already holds ``log2(e)``); a partial result is ``(o / l, m + log2 l)`` in fp32, and the merge
@@ -11,44 +12,6 @@ position) restricts request ``b`` to its last ``window`` positions.
 """
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _fca_classes_kernel(bt_ptr, sl_ptr, cnt_ptr, rep_ptr, rank_ptr, B, MB,
-                        PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Planner, one program per (request b, column tile): for each column j of the tile,
-    the class of b = requests whose rows equal b's on full blocks in columns 0..j."""
-    b = tl.program_id(0)
-    jt = tl.program_id(1)
-    offs_j = jt * BLOCK_J + tl.arange(0, BLOCK_J)
-    jm = offs_j < MB
-    sl_b = tl.load(sl_ptr + b)
-    j_end = tl.minimum((jt + 1) * BLOCK_J, MB)
-    cnt = tl.zeros([BLOCK_J], tl.int32)
-    rank = tl.zeros([BLOCK_J], tl.int32)
-    rep = tl.full([BLOCK_J], B, tl.int32)
-    for b0 in range(0, B, BLOCK_B):
-        bb = b0 + tl.arange(0, BLOCK_B)
-        bm = bb < B
-        sl_bb = tl.load(sl_ptr + bb, mask=bm, other=0)
-        first_miss = tl.full([BLOCK_B], 2147483647, tl.int32)
-        for j0 in range(0, j_end, BLOCK_J):
-            cj = j0 + tl.arange(0, BLOCK_J)
-            cm = cj < j_end
-            row_b = tl.load(bt_ptr + b * MB + cj, mask=cm, other=-1)
-            tile = tl.load(bt_ptr + bb[:, None] * MB + cj[None, :],
-                           mask=bm[:, None] & cm[None, :], other=-1)
-            ok = (tile == row_b[None, :]) & ((cj[None, :] + 1) * PAGE <= sl_bb[:, None])
-            ok = ok & ((cj[None, :] + 1) * PAGE <= sl_b)
-            miss = (~ok) & cm[None, :]
-            first_miss = tl.minimum(first_miss, tl.min(tl.where(miss, cj[None, :], 2147483647), 1))
-        alive = (first_miss[:, None] > offs_j[None, :]) & bm[:, None]
-        cnt += tl.sum(alive.to(tl.int32), 0)
-        rank += tl.sum((alive & (bb[:, None] < b)).to(tl.int32), 0)
-        rep = tl.minimum(rep, tl.min(tl.where(alive, bb[:, None], B), 0))
-    tl.store(cnt_ptr + b * MB + offs_j, cnt, mask=jm)
-    tl.store(rank_ptr + b * MB + offs_j, rank, mask=jm)
-    tl.store(rep_ptr + b * MB + offs_j, rep, mask=jm)
 
 
 @triton.jit

@@ -27,6 +27,7 @@ How the forest is found (no host synchronisation, static shapes, CUDA-graph capt
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +152,7 @@ def _classes_torch(bt: torch.Tensor, full: torch.Tensor):
 
 def classes_triton(bt: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
     """Planner pass on the GPU: (cnt, rep, rank) per cell, each ``[B, max_blocks]`` int32."""
-    from .kernel import _fca_classes_kernel
+    from .plan_kernel import _fca_classes_kernel
 
     B, MB = bt.shape
     cnt = torch.empty_like(bt)
@@ -194,6 +195,7 @@ def plan_forest(
     chunk_tokens: int = 2048,
     max_group: int = 16,
     validate: bool | None = None,
+    backend: str = "auto",
 ) -> ForestPlan:
     """Discover the forest of shared prefixes and build FCA's work lists, on the tables' device.
 
@@ -207,6 +209,11 @@ def plan_forest(
         chunk_tokens: split-K granularity of shared nodes (items never cross a multiple).
         max_group: members per shared tile (larger groups get several tiles).
         validate: value checks with one host sync (None: unless capturing a CUDA graph).
+        backend: ``"auto"`` — on CUDA the Triton class pass, then ~50 torch ops for the work
+            lists; elsewhere torch only. ``"triton"`` — the whole plan in four Triton launches
+            (``plan_kernel.py``; CUDA, or the CPU under ``TRITON_INTERPRET=1``): the same work
+            lists, field for field, for a fraction of the launches (not yet the default: it has
+            not run on a GPU). ``"torch"`` — torch only, also on CUDA.
 
     Returns:
         A :class:`ForestPlan`, valid for every layer of this step.
@@ -214,6 +221,11 @@ def plan_forest(
     check_tables(block_tables, seq_lens, block_size, validate)
     if max_levels < 1 or max_group < 1 or chunk_tokens < 1 or min_shared_tokens < 0:
         raise ValueError("max_levels, max_group, chunk_tokens must be >= 1")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "triton" and not block_tables.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("plan_forest(backend='triton') needs CUDA tensors (or TRITON_INTERPRET=1 "
+                         "on the CPU); use backend='auto' or 'torch'")
     dev = block_tables.device
     bt = block_tables.to(torch.int32).contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
@@ -223,11 +235,17 @@ def plan_forest(
     cap = B * min(MB, max_slots)
     i32 = torch.int32
 
+    if backend == "triton":
+        return _plan_triton(bt, sl, block_size, C, max_group, min_shared_tokens, max_levels,
+                            cap, max_slots)
     j = torch.arange(MB, device=dev, dtype=i32)[None, :]
     ncols = (sl + block_size - 1) // block_size
     valid = j < ncols[:, None]
     full = (j + 1) * block_size <= sl[:, None]
-    cnt, rep, rank = _classes(bt, sl, full, block_size)
+    if backend == "torch":
+        cnt, rep, rank = _classes_torch(bt, full)
+    else:
+        cnt, rep, rank = _classes(bt, sl, full, block_size)
     b_idx = torch.arange(B, device=dev, dtype=i32)[:, None].expand(B, MB)
     rep = torch.where(cnt > 0, rep, b_idx)
 
@@ -274,11 +292,53 @@ def plan_forest(
     pv_len = (sl - block_size * shared.sum(dim=1, dtype=i32)).to(i32)
 
     id_range = torch.stack([torch.where(valid, bt, 0).amin(), torch.where(valid, bt, 0).amax()])
+    return _assemble(bt, sl, block_size, G, max_slots, cap, n_sh_slots, n_shared, sh_fields,
+                     sh_mem, pv_bt, pv_len, id_range)
+
+
+def _assemble(bt, sl, block_size, G, max_slots, cap, n_sh_slots, n_shared, sh_fields, sh_mem,
+              pv_bt, pv_len, id_range) -> ForestPlan:
+    """The plan from its work lists (``sh_fields [5, cap + 1]``: row, c0, c1, slot, members)."""
     return ForestPlan(
         block_tables=bt, seq_lens=sl, block_size=block_size, max_group=G,
         max_shared_slots=max_slots, cap=cap, n_sh_slots=n_sh_slots,
         n_shared=n_shared, sh_row=sh_fields[0], sh_c0=sh_fields[1], sh_c1=sh_fields[2],
         sh_slot=sh_fields[3], sh_nmem=sh_fields[4], sh_mem=sh_mem,
-        pv_bt=pv_bt, pv_len=pv_len, counters=torch.zeros(2, device=dev, dtype=i32),
+        pv_bt=pv_bt, pv_len=pv_len, counters=torch.zeros(2, device=bt.device, dtype=torch.int32),
         block_id_range=id_range,
     )
+
+
+_PLAN_BLOCK_J = 128
+
+
+def _plan_triton(bt: torch.Tensor, sl: torch.Tensor, block_size: int, C: int, G: int,
+                 min_tokens: int, max_levels: int, cap: int, max_slots: int) -> ForestPlan:
+    """``plan_forest`` in four Triton launches (``plan_kernel.py``); the same work lists as the
+    torch ops (entries past ``n_shared`` and the dump slot ``cap`` are scratch either way)."""
+    from .plan_kernel import _plan_items_kernel, _plan_offsets_kernel, _plan_rows_kernel
+
+    B, MB = bt.shape
+    dev, i32 = bt.device, torch.int32
+    cnt, rep, rank = classes_triton(bt, sl, block_size)
+    scratch = torch.empty(5, B, MB, device=dev, dtype=i32)  # run_end, flags, slot, tpre, end
+    run_end, flags, slot, tpre, end = scratch.unbind(0)
+    n_sh_slots = torch.empty(B, device=dev, dtype=i32)
+    pv_bt = torch.empty(B, MB, device=dev, dtype=i32)
+    pv_len = torch.empty(B, device=dev, dtype=i32)
+    row_tiles, row_off = torch.empty(2, B, device=dev, dtype=i32).unbind(0)  # items led, first item
+    row_ids = torch.empty(B, 2, device=dev, dtype=i32)  # smallest / largest block id read
+    _plan_rows_kernel[(B,)](cnt, rank, bt, sl, run_end, flags, slot, tpre, end, n_sh_slots,
+                            pv_bt, pv_len, row_tiles, row_ids, MB, C, G, min_tokens, max_levels,
+                            PAGE=block_size, BLOCK_J=_PLAN_BLOCK_J, num_warps=4)
+    n_shared = torch.empty(1, device=dev, dtype=i32)
+    id_range = torch.empty(2, device=dev, dtype=i32)
+    _plan_offsets_kernel[(1,)](row_tiles, row_ids, row_off, n_shared, id_range, B,
+                               BLOCK_B=128, num_warps=4)
+    sh_mem = torch.full((cap + 1, G), -1, device=dev, dtype=i32)
+    sh_fields = torch.zeros(5, cap + 1, device=dev, dtype=i32)
+    _plan_items_kernel[(B, -(-MB // _PLAN_BLOCK_J))](
+        cnt, rank, rep, flags, slot, tpre, end, row_off, sh_mem, sh_fields, MB, G, cap,
+        BLOCK_J=_PLAN_BLOCK_J, num_warps=4)
+    return _assemble(bt, sl, block_size, G, max_slots, cap, n_sh_slots, n_shared, sh_fields,
+                     sh_mem, pv_bt, pv_len, id_range)
