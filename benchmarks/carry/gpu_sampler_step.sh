@@ -7,9 +7,10 @@
 # (--early: both / on / off; default both), FUSE (--fuse: off / on / both; default on), TAG
 # (result file names: bench_sampler_<TAG>_<shape>.*, default early).
 # 2026-12-03 (early launch): T_TESTS=330 bash benchmarks/carry/gpu_sampler_step.sh
-# next (fused projections): TESTS="tests/engines/sample/test_fused_projections_gpu.py
-#   tests/engines/sample/test_async_scheduling_gpu.py" EARLY=on FUSE=both REPEAT=3 PROBE=0 TAG=fused \
-#   bash benchmarks/carry/gpu_sampler_step.sh
+# 2026-12-03, later (fused projections; the tests ran in a call of their own, the stage below
+#   was cut by T_TESTS): TESTS="tests/engines/sample/test_fused_projections_gpu.py
+#   tests/engines/sample/test_async_scheduling_gpu.py" T_TESTS=230 T_G1=110 T_G3=220 EARLY=on \
+#   FUSE=both REPEAT=1 PROBE=0 TAG=fused bash benchmarks/carry/gpu_sampler_step.sh
 # Needs nothing carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

@@ -80,6 +80,11 @@ class Ahead:
     new_page: list[bool]
     index: np.ndarray  # ``keep`` as rows of the current step's launch (its device tokens)
 
+    def live(self, tokens: list[int]) -> list[int]:
+        """Indices into ``rows`` of the rows whose token in the current step (``tokens``, one
+        per booked row of it) is not a stop token: the rows the next step keeps."""
+        return [j for j, i in enumerate(self.keep.tolist()) if tokens[i] not in self.rows[j].stop_ids]
+
 
 class LaunchAhead:
     """The launch-ahead steps of ``NativeEngine`` (mixed in: they use its scheduler, block
@@ -143,7 +148,7 @@ class LaunchAhead:
         the step is launched again for the live rows, as if never launched early. A step with
         no live row is no step either."""
         rows = early.rows
-        live = [j for j, i in enumerate(ahead.keep.tolist()) if tokens[i] not in rows[j].stop_ids]
+        live = ahead.live(tokens)
         if len(live) == len(rows):
             return early
         dropped = len(rows) - len(live)
@@ -169,7 +174,7 @@ class LaunchAhead:
         order, pages and arrays the scheduler would give after ``cur`` is booked. ``None``
         (the scheduler decides after booking) when the free pages do not cover every row."""
         rows, inputs, keep, uniforms = ahead.rows, ahead.inputs, ahead.keep, ahead.uniforms
-        live = [j for j, i in enumerate(keep) if tokens[i] not in rows[j].stop_ids]
+        live = ahead.live(tokens)
         if not live or (len(live) < len(rows) and self.scheduler.waiting):
             return None  # no rows left, or stopped rows' room may admit a waiting sequence
         at_boundary = [k for k, j in enumerate(live) if ahead.new_page[j]]
