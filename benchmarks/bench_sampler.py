@@ -21,6 +21,10 @@ compared (``--check-greedy``). The goal shape of issue 15 (64 sequences, P256)::
 Compiled arms fuse their projections (``SamplerConfig.fuse_projections``, the engine's default
 with a compiled step); ``--fuse off`` runs them with separate GEMMs, ``--fuse both`` runs each
 compiled arm both ways (``<arm>`` unfused, ``<arm>-fused``).
+``--fca-profiles 2048x1,1024x2`` runs every arm once per FCA profile, ``<chunk tokens>x<shared
+programs per SM>`` (``SamplerConfig.fca_chunk_tokens`` / ``fca_shared_progs_per_sm``; default
+the engine's, ``2048x1``), as one more engine each, arms named ``<arm>-fca<profile>`` when
+there are several (the paged cells of all of them run the same kernel: a drift control).
 ``--repeat N`` runs every cell N times in ABBA order and keeps each cell's median run.
 ``--replot results.json`` redraws a run's PNG from its JSON. ``--early both`` times every
 case also with ``launch_before_readback`` off (each decode
@@ -156,10 +160,24 @@ ARMS = {"on": (True,), "off": (False,), "both": (True, False)}
 SCOPES = {"layers": ("layers",), "model": ("model",), "both": ("layers", "model")}
 
 
-def arms(compile_: str, scope: str, fuse: str = "off") -> dict[str, dict]:
+def parse_profiles(spec: str) -> list[tuple[int, int]]:
+    """``"2048x1,1024x2"`` -> ``[(2048, 1), (1024, 2)]`` (chunk tokens, shared programs / SM)."""
+    out = []
+    for item in spec.split(","):
+        chunk, _, progs = item.strip().partition("x")
+        if not (chunk.isdigit() and progs.isdigit() and int(chunk) > 0 and int(progs) > 0):
+            raise SystemExit(f"--fca-profiles: {item!r} is not <chunk tokens>x<programs per SM>, "
+                             "e.g. 2048x1")
+        out.append((int(chunk), int(progs)))
+    return out
+
+
+def arms(compile_: str, scope: str, fuse: str = "off",
+         profiles: list[tuple[int, int]] | None = None) -> dict[str, dict]:
     """``{arm name: SamplerConfig overrides}``: ``compiled`` / ``eager``, the compiled arm as
     ``compiled-<scope>`` per scope when ``scope`` is both; ``fuse`` on: compiled arms with
-    ``fuse_projections``, both: each compiled arm also as ``<arm>-fused``."""
+    ``fuse_projections``, both: each compiled arm also as ``<arm>-fused``; with several FCA
+    ``profiles``, every arm once per profile as ``<arm>-fca<chunk>x<progs>``."""
     out = {}
     for c in ARMS[compile_]:
         if not c:
@@ -173,7 +191,13 @@ def arms(compile_: str, scope: str, fuse: str = "off") -> dict[str, dict]:
         base = out[name]
         for f in ARMS[fuse]:
             out[name + "-fused" if fuse == "both" and f else name] = dict(base, fuse_projections=f)
-    return out
+    profiles = profiles or [(2048, 1)]
+    if len(profiles) == 1:
+        chunk, progs = profiles[0]
+        return {n: dict(kw, fca_chunk_tokens=chunk, fca_shared_progs_per_sm=progs)
+                for n, kw in out.items()}
+    return {f"{n}-fca{chunk}x{progs}": dict(kw, fca_chunk_tokens=chunk, fca_shared_progs_per_sm=progs)
+            for n, kw in out.items() for chunk, progs in profiles}
 
 
 def warm_up(engine: SamplingEngine, name: str, args, cases: list[int], vocab: int) -> dict:
@@ -287,6 +311,10 @@ def main() -> None:
     ap.add_argument("--early", choices=sorted(EARLY), default="on",
                     help="launch decode steps before the previous step's tokens are back "
                          "(SamplingEngine.launch_before_readback); both: each case both ways")
+    ap.add_argument("--fca-profiles", default="2048x1",
+                    help="FCA profiles <chunk tokens>x<shared programs per SM>, comma-separated "
+                         "(SamplerConfig.fca_chunk_tokens / fca_shared_progs_per_sm); several: "
+                         "every arm once per profile")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per cell, in ABBA order; each cell reports its median run")
@@ -309,7 +337,8 @@ def main() -> None:
                         cuda_graphs=not args.no_graphs)
     # one engine per arm (same seed: same weights); FCA toggled on each model runner per run
     engines = {name: SamplingEngine(replace(cfg, **kw))
-               for name, kw in arms(args.compile, args.compile_scope, args.fuse).items()}
+               for name, kw in arms(args.compile, args.compile_scope, args.fuse,
+                                    parse_profiles(args.fca_profiles)).items()}
     first = next(iter(engines.values()))
     vocab = first.backend.runner.vocab_size
     results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -358,6 +387,10 @@ def compare_arms(arms_: dict, G: int) -> None:
     if {"compiled-layers", "compiled-model"} <= set(arms_):
         pairs.append(("compiled-layers", "compiled-model"))
     pairs += [(a, a[:-len("-fused")]) for a in arms_ if a.endswith("-fused")]
+    first = next(iter(arms_))  # FCA profiles: every other profile against the first arm's
+    if "-fca" in first:
+        stem = first.rsplit("-fca", 1)[0]
+        pairs += [(a, first) for a in arms_ if a != first and a.rsplit("-fca", 1)[0] == stem]
     for fast, slow in pairs:
         for path in ("fca", "paged"):
             ratio = arms_[slow][f"G{G}"][path]["ms_per_step"] / arms_[fast][f"G{G}"][path]["ms_per_step"]

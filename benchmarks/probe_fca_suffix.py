@@ -9,9 +9,9 @@ for several suffix lengths S and a few plan / launch configurations, against the
 on the same cache, and reports ms, % of HBM on unique bytes and the step-weighted mean over S
 (the mean a 512-token generation sees). It also times the forest plan itself (CUDA-graph replay),
 built as the sampler builds it, from tables ``--table-width`` columns wide (the sampler's graphs
-pass ``max_model_len / page`` columns: 2560 for Qwen3-0.6B), with the default backend (Triton
-class pass + torch ops) and ``backend="triton"`` (four Triton launches), after checking the two
-plans are equal::
+pass ``max_model_len / page`` columns: 2560 for Qwen3-0.6B), with ``backend="torch"`` (~50
+torch ops, the oracle) and ``backend="triton"`` (four Triton launches, the default on CUDA),
+after checking the two plans are equal::
 
     python benchmarks/probe_fca_suffix.py --out $OUT            # H200, ~1-2 min
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_fca import graph_ms, unique_bytes  # noqa: E402
 from common import H200_HBM_BYTES_PER_S, environment, save  # noqa: E402
 from polynya.kernels.fca import DecodeConfig, fca_decode, paged_decode, plan_forest  # noqa: E402
-from polynya.kernels.fca.plan import WORK_FIELDS  # noqa: E402
+from polynya.kernels.fca.plan import WORK_FIELDS, classes_triton  # noqa: E402
 from polynya.kernels.fca.testing import build_forest, random_kv  # noqa: E402
 
 CONFIGS = {  # name -> (plan kwargs, kernel config)
@@ -53,16 +53,17 @@ def plan_times(bt: torch.Tensor, sl: torch.Tensor, page: int, width: int) -> dic
     backend; refuses to time plans that differ."""
     if width > bt.shape[1]:
         bt = torch.cat([bt, bt.new_zeros(bt.shape[0], width - bt.shape[1])], 1)
-    plans = {b: plan_forest(bt, sl, page, backend=b) for b in ("auto", "triton")}
-    n = int(plans["auto"].n_shared.item())
+    plans = {b: plan_forest(bt, sl, page, backend=b) for b in ("torch", "triton")}
+    n = int(plans["torch"].n_shared.item())
     for name in WORK_FIELDS:
         cut = slice(0, n) if name.startswith("sh_") else slice(None)
-        if not torch.equal(getattr(plans["auto"], name)[cut], getattr(plans["triton"], name)[cut]):
-            raise SystemExit(f"plan_forest(backend='triton') differs from the default in {name}")
+        if not torch.equal(getattr(plans["torch"], name)[cut], getattr(plans["triton"], name)[cut]):
+            raise SystemExit(f"plan_forest(backend='triton') differs from the torch planner in {name}")
     out = {"table_width": bt.shape[1]}
     for b in plans:
         out[f"plan_{b}_ms"] = round(graph_ms(
             lambda b=b: plan_forest(bt, sl, page, validate=False, backend=b)), 4)
+    out["plan_classes_ms"] = round(graph_ms(lambda: classes_triton(bt, sl, page)), 4)
     return out
 
 
@@ -114,10 +115,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     mean = {name: round(sum(r[name] for r in rows) / len(rows), 4) for name in ["paged_ms", *names]}
     print("mean over S:", mean)
-    print("| S | paged | " + " | ".join(names) + " | plan auto | plan triton |")
+    print("| S | paged | " + " | ".join(names) + " | plan torch | plan triton | of it: class pass |")
     for r in rows:
         print(f"| {r['S']} | {r['paged_ms']} | " + " | ".join(str(r[n]) for n in names)
-              + f" | {r['plan_auto_ms']} | {r['plan_triton_ms']} |")
+              + f" | {r['plan_torch_ms']} | {r['plan_triton_ms']} | {r['plan_classes_ms']} |")
     result = {"env": environment(), "args": vars(args), "rows": rows, "mean_over_S": mean}
     save(result, args.out, "probe_fca_suffix")
     plot(result, os.path.join(args.out, "probe_fca_suffix.png"))

@@ -5,12 +5,14 @@
 # probe_decode_gemms.py. Knobs: T_TESTS / T_G1 / T_G3 (seconds per stage, 0 skips it), TESTS
 # (the test files), PROBE=0 (skip the probe), REPEAT (runs per bench cell, ABBA order), EARLY
 # (--early: both / on / off; default both), FUSE (--fuse: off / on / both; default on), TAG
-# (result file names: bench_sampler_<TAG>_<shape>.*, default early).
+# (result file names: bench_sampler_<TAG>_<shape>.*, default early), BENCH_ARGS (more
+# bench_sampler arguments, e.g. --fca-profiles 2048x1,1024x2).
 # 2026-12-03 (early launch): T_TESTS=330 bash benchmarks/carry/gpu_sampler_step.sh
 # 2026-12-03, later (fused projections; the tests ran in a call of their own, the stage below
 #   was cut by T_TESTS): TESTS="tests/engines/sample/test_fused_projections_gpu.py
 #   tests/engines/sample/test_async_scheduling_gpu.py" T_TESTS=230 T_G1=110 T_G3=220 EARLY=on \
 #   FUSE=both REPEAT=1 PROBE=0 TAG=fused bash benchmarks/carry/gpu_sampler_step.sh
+# 12-03, later still (the Triton planner, then FCA profiles): see BENCHMARKS.md, "Forest plan".
 # Needs nothing carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -31,7 +33,8 @@ bench() {  # bench <seconds> <name> <bench_sampler args...>
   shift 2
   [ "$t" = 0 ] && return
   mkdir -p "$OUT/tmp"
-  timeout "$t" python3 bench_sampler.py "$@" --early "${EARLY:-both}" --fuse "${FUSE:-on}" \
+  # shellcheck disable=SC2086
+  timeout "$t" python3 bench_sampler.py "$@" ${BENCH_ARGS:-} --early "${EARLY:-both}" --fuse "${FUSE:-on}" \
     --repeat "${REPEAT:-1}" --out "$OUT/tmp" \
     2>&1 | grep -v Warning | tail -16
   for ext in json png; do

@@ -44,6 +44,14 @@ class SamplerConfig:
             layer); below it the plain paged kernel is faster (FCA's plan, second pass and
             merge cost more than the saved reads — calibrated on an H200 with the Qwen3-0.6B
             shape: 0.9x at 14k saved tokens, 1.7x at 491k). 0 = whenever pages are shared.
+        fca_chunk_tokens: FCA's split-K granularity: a shared prefix is read in items of at
+            most this many tokens (``plan_forest(chunk_tokens=)``), each item a unit of work of
+            the shared pass. Smaller = more units (a long prefix spread over more SMs) and more
+            partials to merge.
+        fca_shared_progs_per_sm: persistent programs per SM of FCA's shared pass, which runs
+            on a side stream beside the private rows' paged kernel (``DecodeConfig.
+            shared_progs_per_sm``). The defaults (2048, 1) are the kernel's; ``benchmarks/
+            probe_fca_suffix.py`` and ``bench_sampler.py --fca-profiles`` measure others.
         cuda_graphs: replay decode steps as CUDA graphs (CUDA only; captured per batch bucket).
         async_scheduling: prepare each decode step on the host while the device runs the one
             before it, and launch it as soon as that step's tokens are back — before they are
@@ -90,6 +98,8 @@ class SamplerConfig:
     max_model_len: int | None = None
     fca: bool = True
     fca_min_shared_tokens: int = 32768
+    fca_chunk_tokens: int = 2048
+    fca_shared_progs_per_sm: int = 1
     cuda_graphs: bool = True
     async_scheduling: bool = True
     compile_decode: bool | None = None
@@ -115,6 +125,9 @@ class SamplerConfig:
                 or self.fca_min_shared_tokens < 0:
             raise ValueError("SamplerConfig.fca_min_shared_tokens must be an int >= 0, got "
                              f"{self.fca_min_shared_tokens!r}")
+        check_positive(self.fca_chunk_tokens, "SamplerConfig.fca_chunk_tokens", integer=True)
+        check_positive(self.fca_shared_progs_per_sm, "SamplerConfig.fca_shared_progs_per_sm",
+                       integer=True)
         check_positive(self.max_num_batched_tokens, "SamplerConfig.max_num_batched_tokens", integer=True)
         if self.max_model_len is not None:
             check_positive(self.max_model_len, "SamplerConfig.max_model_len", integer=True)

@@ -158,17 +158,11 @@ def classes_triton(bt: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
     cnt = torch.empty_like(bt)
     rep = torch.empty_like(bt)
     rank = torch.empty_like(bt)
-    block_j = 32
+    block_j = 128
     _fca_classes_kernel[(B, -(-MB // block_j))](
         bt, seq_lens, cnt, rep, rank, B, MB, PAGE=block_size, BLOCK_B=64, BLOCK_J=block_j,
-        num_warps=4)
+        BLOCK_C=64, num_warps=4)
     return cnt, rep, rank
-
-
-def _classes(bt: torch.Tensor, seq_lens: torch.Tensor, full: torch.Tensor, block_size: int):
-    if bt.is_cuda:
-        return classes_triton(bt, seq_lens, block_size)
-    return _classes_torch(bt, full)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -209,11 +203,10 @@ def plan_forest(
         chunk_tokens: split-K granularity of shared nodes (items never cross a multiple).
         max_group: members per shared tile (larger groups get several tiles).
         validate: value checks with one host sync (None: unless capturing a CUDA graph).
-        backend: ``"auto"`` — on CUDA the Triton class pass, then ~50 torch ops for the work
-            lists; elsewhere torch only. ``"triton"`` — the whole plan in four Triton launches
-            (``plan_kernel.py``; CUDA, or the CPU under ``TRITON_INTERPRET=1``): the same work
-            lists, field for field, for a fraction of the launches (not yet the default: it has
-            not run on a GPU). ``"torch"`` — torch only, also on CUDA.
+        backend: ``"auto"`` — ``"triton"`` on CUDA, ``"torch"`` elsewhere. ``"triton"`` — the
+            whole plan in four Triton launches (``plan_kernel.py``; CUDA, or the CPU under
+            ``TRITON_INTERPRET=1``). ``"torch"`` — ~50 torch ops (the oracle the Triton planner
+            is tested against, field by field; also on CUDA).
 
     Returns:
         A :class:`ForestPlan`, valid for every layer of this step.
@@ -235,17 +228,14 @@ def plan_forest(
     cap = B * min(MB, max_slots)
     i32 = torch.int32
 
-    if backend == "triton":
+    if backend == "triton" or (backend == "auto" and bt.is_cuda):
         return _plan_triton(bt, sl, block_size, C, max_group, min_shared_tokens, max_levels,
                             cap, max_slots)
     j = torch.arange(MB, device=dev, dtype=i32)[None, :]
     ncols = (sl + block_size - 1) // block_size
     valid = j < ncols[:, None]
     full = (j + 1) * block_size <= sl[:, None]
-    if backend == "torch":
-        cnt, rep, rank = _classes_torch(bt, full)
-    else:
-        cnt, rep, rank = _classes(bt, sl, full, block_size)
+    cnt, rep, rank = _classes_torch(bt, full)
     b_idx = torch.arange(B, device=dev, dtype=i32)[:, None].expand(B, MB)
     rep = torch.where(cnt > 0, rep, b_idx)
 

@@ -22,33 +22,36 @@ import triton.language as tl
 
 @triton.jit
 def _fca_classes_kernel(bt_ptr, sl_ptr, cnt_ptr, rep_ptr, rank_ptr, B, MB,
-                        PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr):
+                        PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
     """Planner, one program per (request b, column tile): for each column j of the tile,
-    the class of b = requests whose rows equal b's on full blocks in columns 0..j."""
+    the class of b = requests c whose rows equal b's on full blocks in columns 0..j, i.e.
+    whose first *miss* against b (a differing id, or a block of either row not full) lies
+    past j. Only b's full columns up to the tile's end are compared (a tile past them is in
+    no class: cnt 0), so the work grows with the requests' lengths, not the tables' width."""
     b = tl.program_id(0)
     jt = tl.program_id(1)
     offs_j = jt * BLOCK_J + tl.arange(0, BLOCK_J)
     jm = offs_j < MB
-    sl_b = tl.load(sl_ptr + b)
-    j_end = tl.minimum((jt + 1) * BLOCK_J, MB)
+    full_b = tl.minimum(tl.load(sl_ptr + b) // PAGE, MB)
+    j_end = tl.minimum((jt + 1) * BLOCK_J, full_b)
+    n_b = tl.where(jt * BLOCK_J < full_b, B, 0)
     cnt = tl.zeros([BLOCK_J], tl.int32)
     rank = tl.zeros([BLOCK_J], tl.int32)
     rep = tl.full([BLOCK_J], B, tl.int32)
-    for b0 in range(0, B, BLOCK_B):
+    for b0 in range(0, n_b, BLOCK_B):
         bb = b0 + tl.arange(0, BLOCK_B)
         bm = bb < B
-        sl_bb = tl.load(sl_ptr + bb, mask=bm, other=0)
-        first_miss = tl.full([BLOCK_B], 2147483647, tl.int32)
-        for j0 in range(0, j_end, BLOCK_J):
-            cj = j0 + tl.arange(0, BLOCK_J)
+        full_bb = tl.load(sl_ptr + bb, mask=bm, other=0) // PAGE
+        first_miss = tl.minimum(full_bb, full_b)
+        for j0 in range(0, j_end, BLOCK_C):
+            cj = j0 + tl.arange(0, BLOCK_C)
             cm = cj < j_end
             row_b = tl.load(bt_ptr + b * MB + cj, mask=cm, other=-1)
             tile = tl.load(bt_ptr + bb[:, None] * MB + cj[None, :],
                            mask=bm[:, None] & cm[None, :], other=-1)
-            ok = (tile == row_b[None, :]) & ((cj[None, :] + 1) * PAGE <= sl_bb[:, None])
-            ok = ok & ((cj[None, :] + 1) * PAGE <= sl_b)
-            miss = (~ok) & cm[None, :]
-            first_miss = tl.minimum(first_miss, tl.min(tl.where(miss, cj[None, :], 2147483647), 1))
+            diff = (tile != row_b[None, :]) & cm[None, :]
+            first_miss = tl.minimum(first_miss, tl.min(tl.where(diff, cj[None, :], 2147483647), 1))
         alive = (first_miss[:, None] > offs_j[None, :]) & bm[:, None]
         cnt += tl.sum(alive.to(tl.int32), 0)
         rank += tl.sum((alive & (bb[:, None] < b)).to(tl.int32), 0)

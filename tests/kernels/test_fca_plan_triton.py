@@ -121,7 +121,8 @@ def test_planner_kernels_compile_for_hopper():
     ints = {"rows": ["MB", "C", "G", "min_tokens", "max_levels"], "offsets": ["B"],
             "items": ["MB", "G", "cap"], "classes": ["B", "MB"]}
     consts = {"rows": {"PAGE": 16, "BLOCK_J": 128}, "offsets": {"BLOCK_B": 128},
-              "items": {"BLOCK_J": 128}, "classes": {"PAGE": 16, "BLOCK_B": 64, "BLOCK_J": 32}}
+              "items": {"BLOCK_J": 128}, "classes": {"PAGE": 16, "BLOCK_B": 64, "BLOCK_J": 128,
+                                                                  "BLOCK_C": 64}}
     kernels = {"rows": pk._plan_rows_kernel, "offsets": pk._plan_offsets_kernel,
                "items": pk._plan_items_kernel, "classes": pk._fca_classes_kernel}
     for name, fn in kernels.items():
@@ -158,9 +159,10 @@ def test_triton_planner_matches_torch_on_gpu(levels, width):
     if width is not None:
         bt = torch.cat([bt, torch.zeros(bt.shape[0], width - bt.shape[1], dtype=torch.int32)], 1)
     bt, sl = bt.cuda(), sl.cuda()
-    want = plan_forest(bt, sl, bs)  # auto: Triton class pass + torch ops
+    want = plan_forest(bt, sl, bs, backend="torch")
     got = plan_forest(bt, sl, bs, backend="triton")
     assert assert_same_plan(want, got) > 0
+    assert_same_plan(want, plan_forest(bt, sl, bs))  # "auto" is the Triton planner on CUDA
     assert_same_plan(plan_forest(bt.cpu(), sl.cpu(), bs), got)
     if bt.shape[0] <= 200:
         check_invariants(got, bt, sl, bs)

@@ -107,6 +107,8 @@ VALUES = {
     "sampling.max_num_batched_tokens": (4096, [], {}),
     "sampling.max_model_len": (256, [], {}),
     "sampling.fca_min_shared_tokens": (0, [], {}),
+    "sampling.fca_chunk_tokens": (1024, [], {}),
+    "sampling.fca_shared_progs_per_sm": (2, [], {}),
     "sampling.cuda_graphs": (False, [], {}),
     "sampling.async_scheduling": (False, [], {}),
     "sampling.compile_decode": (True, [], {}),

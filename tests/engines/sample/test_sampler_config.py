@@ -20,7 +20,8 @@ def test_defaults_validate():
     ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("max_model_len", 0), ("fca", "yes"),
     ("cuda_graphs", 1), ("seed", 1.5), ("seed", True), ("fca_min_shared_tokens", -1),
     ("fca_min_shared_tokens", 2.0), ("fca_min_shared_tokens", True), ("async_scheduling", 1),
-    ("async_scheduling", None),
+    ("async_scheduling", None), ("fca_chunk_tokens", 0), ("fca_chunk_tokens", 512.0),
+    ("fca_shared_progs_per_sm", 0), ("fca_shared_progs_per_sm", True),
     ("compile_decode", 1), ("compile_decode", "auto"), ("compile_scope", "layer"),
     ("compile_scope", None),
 ])

@@ -35,6 +35,7 @@ sequence of the same prefill writes (two identical prompts in one batch share th
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from polynya.eager_attention import causal_mask, eager_attention
-from polynya.kernels.fca import ForestPlan, fca_decode, paged_decode
+from polynya.kernels.fca import DecodeConfig, ForestPlan, fca_decode, paged_decode
 from polynya.kernels.zorro.varlen import unsupported_reason as varlen_unsupported_reason
 from polynya.model_features import SOFTCAP, WINDOWS, AttentionFeatures
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -69,6 +70,8 @@ class StepContext:
             when nothing of it is cached (its new keys are then its whole context).
         block_tables: decode: ``[B, max_blocks]`` int32. seq_lens: decode: ``[B]`` int32 KV length.
         plan: decode with FCA: the ``ForestPlan`` of this step (shared by every layer).
+        fca_shared_progs_per_sm: FCA's shared-pass programs per SM
+            (``SamplerConfig.fca_shared_progs_per_sm``).
         features: the model's attention features (per-layer windows); None = all full.
         cache: the compiled decode (``compiled.py``): the whole cache
             ``[layers, 2, num_blocks, block_size, Hkv, D]`` (``kv_caches`` is then empty);
@@ -86,6 +89,7 @@ class StepContext:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     plan: Any = None
+    fca_shared_progs_per_sm: int = 1
     features: AttentionFeatures | None = None
     cache: torch.Tensor | None = None
     varlen: PrefillVarlen | None = None
@@ -193,7 +197,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out = _prefill(q, k, v, k_cache, v_cache, ctx, scaling, window, softcap)
     else:
         out = _decode(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.plan, scaling,
-                      window, softcap)
+                      window, softcap, ctx.fca_shared_progs_per_sm)
     return out.unsqueeze(0), None
 
 
@@ -284,7 +288,7 @@ def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, plan: ForestPlan | None,
             scale: float | None, window: int | None = None,
-            softcap: float | None = None) -> torch.Tensor:
+            softcap: float | None = None, shared_progs_per_sm: int = 1) -> torch.Tensor:
     """One query per sequence over its pages (its last ``window`` positions in a windowed
     layer, which takes the paged path); ``[B, Hq, D]``."""
     # block tables come from the block manager (valid by construction): skip the host-syncing
@@ -292,9 +296,15 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q = q.contiguous()
     if plan is not None and window is None:
         return fca_decode(q, k_cache, v_cache, plan, scale=scale, validate=False,
-                          softcap=softcap)
+                          softcap=softcap, config=_fca_config(shared_progs_per_sm))
     return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                         validate=False, softcap=softcap, window=window)
+
+
+@functools.lru_cache(maxsize=8)
+def _fca_config(shared_progs_per_sm: int) -> DecodeConfig:
+    """The kernel's defaults with the sampler's shared-pass programs per SM."""
+    return DecodeConfig(shared_progs_per_sm=shared_progs_per_sm)
 
 
 # ---------------------------------------------------------------- the compiled decode's ops
@@ -323,7 +333,7 @@ def fca_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: t
                      layer: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, work: list[torch.Tensor], counters: torch.Tensor,
                      max_shared_slots: int, scale: float | None,
-                     softcap: float | None) -> torch.Tensor:
+                     softcap: float | None, shared_progs_per_sm: int) -> torch.Tensor:
     """``paged_decode_layer`` through FCA with the step's plan (``ForestPlan.work_tensors``
     and its ``counters``, which the kernels use and reset)."""
     k_cache, v_cache = cache[int(layer)]  # [2, ...]: this layer's keys, values
@@ -331,7 +341,7 @@ def fca_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: t
     plan = ForestPlan.from_tensors(block_tables, seq_lens, cache.shape[3], max_shared_slots,
                                    work, counters)
     return _decode(q, k_cache, v_cache, block_tables, seq_lens, plan, scale, None,
-                   softcap).contiguous()
+                   softcap, shared_progs_per_sm).contiguous()
 
 
 @paged_decode_layer.register_fake
@@ -341,7 +351,7 @@ def _(q, k, v, cache, layer, slots, block_tables, seq_lens, scale, window, softc
 
 @fca_decode_layer.register_fake
 def _(q, k, v, cache, layer, slots, block_tables, seq_lens, work, counters, max_shared_slots,
-      scale, softcap):
+      scale, softcap, shared_progs_per_sm):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -354,7 +364,8 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepConte
     if plan is not None and window is None:
         return fca_decode_layer(q, k, v, ctx.cache, layer, ctx.slot_mapping, plan.block_tables,
                                 plan.seq_lens, list(plan.work_tensors()), plan.counters,
-                                plan.max_shared_slots, scale, softcap)
+                                plan.max_shared_slots, scale, softcap,
+                                ctx.fca_shared_progs_per_sm)
     return paged_decode_layer(q, k, v, ctx.cache, layer, ctx.slot_mapping, ctx.block_tables,
                               ctx.seq_lens, scale, window, softcap)
 

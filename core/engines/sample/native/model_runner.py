@@ -311,9 +311,11 @@ class ModelRunner:
         """A decode step's context; plans FCA (once per step, every layer reuses it). With
         ``whole_cache`` (the compiled step) layers get the cache as one tensor."""
         caches = [] if whole_cache and self.kv is not None else self._caches()
-        plan = plan_forest(tables, lens, self.block_size, validate=False) if fca else None
+        plan = plan_forest(tables, lens, self.block_size, validate=False,
+                           chunk_tokens=self.config.fca_chunk_tokens) if fca else None
         return attention.StepContext(caches, slots, is_prefill=False,
                                      block_tables=tables, seq_lens=lens, plan=plan,
+                                     fca_shared_progs_per_sm=self.config.fca_shared_progs_per_sm,
                                      features=self.features, cache=self.kv if whole_cache else None)
 
     def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
