@@ -25,7 +25,8 @@ log-prob engine with ``fused_kernels=True`` (compare with a run without it), ``-
 ``--offload`` sets ``client.offload_trainer`` (default ``auto``, the client's default: the trainer
 stays on the device when the sampler's room is free there; ``true``: always offloaded; ``false``,
 also ``--keep-trainer``: never); each arm reports how many hand-overs moved the trainer
-(``trainer_offloads``). ``--arms`` picks the arms, in
+(``trainer_offloads``); ``--set KEY=VALUE`` adds a Hydra override to every arm (e.g. an FCA
+profile: ``client.sampling.fca_chunk_tokens=1024``). ``--arms`` picks the arms, in
 order (default ``zorro,naive``); ``+compiled`` compiles one arm's layers, so
 ``--arms zorro,naive,zorro+compiled,naive+compiled`` measures the compiled layers' gain in one
 process (each ZoRRo+FCA arm is compared with the naive+paged arm of its compile mode, each
@@ -93,7 +94,8 @@ def compose_recipe(args, on: bool, compiled: bool, out: str):
                  "client.train.loss_config.kl_coef=0.001", "client.train.gradient_checkpointing=true",
                  f"client.train.fused_kernels={args.fused}", f"client.logprob.fused_kernels={args.fused}",
                  f"client.train.compile_layers={compiled}", f"client.logprob.compile_layers={compiled}",
-                 f"client.offload_trainer={'false' if args.keep_trainer else args.offload}"]
+                 f"client.offload_trainer={'false' if args.keep_trainer else args.offload}",
+                 *args.set]
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         return compose("config", overrides=overrides)
 
@@ -229,6 +231,9 @@ def main() -> None:
                     help="client.offload_trainer (auto: offloaded only when the sampler lacks room)")
     ap.add_argument("--keep-trainer", action="store_true", help="same as --offload false")
     ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more Hydra override for every arm, e.g. "
+                         "client.sampling.fca_chunk_tokens=1024 (repeatable)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     register()

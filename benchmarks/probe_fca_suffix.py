@@ -125,14 +125,19 @@ def main() -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    """ms per decode call against S: the paged kernel, the default FCA config and the others."""
+    """Left: ms per decode call against S (the paged kernel, the default FCA config and the
+    others). Right, when the run timed them: the forest plan's ms per step per backend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows, a = result["rows"], result["args"]
     names = [k for k in result["mean_over_S"] if k != "paged_ms"]
     xs = [r["S"] for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 5))
+    plans = [k for k in ("plan_auto_ms", "plan_torch_ms", "plan_triton_ms", "plan_classes_ms")
+             if k in rows[0]]
+    fig, axes = plt.subplots(1, 2 if plans else 1, figsize=(13 if plans else 9, 5), squeeze=False,
+                             gridspec_kw={"width_ratios": [2, 1]} if plans else None)
+    ax = axes[0][0]
     ax.plot(xs, [r["paged_ms"] for r in rows], "k--", marker="s", label="paged (no sharing)")
     for name in names:
         style = {"lw": 2.5, "color": "C0"} if name == "default" else {"lw": 1, "alpha": 0.8}
@@ -141,11 +146,23 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("ms per decode call (one layer, CUDA-graph replay, median)")
     ax.set_yscale("log")
     ax.set_title(f"FCA decode vs suffix length: {a['groups']} prompts x G{a['G']}, P{a['prompt_len']}, "
-                 f"Hq{a['hq']}/Hkv{a['hkv']}/D{a['d']}, page {a['page']}, bf16, H200")
+                 f"Hq{a['hq']}/Hkv{a['hkv']}/D{a['d']}, page {a['page']}, bf16, H200", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
+    if plans:
+        labels = {"plan_auto_ms": "plan, backend auto", "plan_torch_ms": "plan, torch ops",
+                  "plan_triton_ms": "plan, Triton (4 launches)",
+                  "plan_classes_ms": "of it: Triton class pass"}
+        bx = axes[0][1]
+        for k in plans:
+            bx.plot(xs, [r[k] for r in rows], marker="o", label=labels[k])
+        bx.set_yscale("log")
+        bx.set_xlabel("private suffix tokens per row S")
+        bx.set_ylabel("ms per decode step (once per step, CUDA-graph replay)")
+        bx.set_title(f"forest plan, {a['groups'] * a['G']} rows x {rows[0]['table_width']} "
+                     "table columns", fontsize=9)
+        bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,8 @@
 # shape, with the forest plan's time per backend (probe_fca_suffix.py, T_PROBE), GPU tests
 # (T_TESTS; TESTS, default: weight sync / hand-over), and a recipe, default the long-context QA
 # task with ZoRRo+FCA vs the packed naive arm (T_RECIPE, STEPS, TASK, ARMS). PROBE_ARGS: extra
-# probe arguments (e.g. --suffixes 16,256,512).
+# probe arguments (e.g. --suffixes 16,256,512); RECIPE_ARGS: extra bench_recipe arguments (e.g.
+# --set client.sampling.fca_chunk_tokens=1024).
 # Carry .whl (../shared/gpu/carry-wheels.sh). Next (the Triton planner, compiled layers):
 #   TESTS="tests/kernels/test_fca_plan_triton.py tests/kernels/test_fca_plan.py" T_TESTS=120 \
 #   ARMS=zorro+compiled,naive+compiled bash benchmarks/carry/gpu_suffix_longqa.sh   (ran 12-03)
@@ -19,6 +20,6 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 [ "${T_TESTS:-100}" -gt 0 ] && timeout ${T_TESTS:-100} python3 -m pytest -q -m gpu -p no:cacheprovider \
   ${TESTS:-tests/sync/test_sync_gpu.py tests/client/test_handover_gpu.py} 2>&1 | grep -E "passed|failed|^E |^FAILED" | tail -8
 [ "${T_RECIPE:-300}" -gt 0 ] && timeout ${T_RECIPE:-300} python3 benchmarks/bench_recipe.py --task ${TASK:-longqa} \
-  --steps ${STEPS:-4} --arms ${ARMS:-zorro,naive} --budget-s $(( ${T_RECIPE:-300} - 15 )) --out $OUT/recipe 2>&1 \
+  --steps ${STEPS:-4} --arms ${ARMS:-zorro,naive} --budget-s $(( ${T_RECIPE:-300} - 15 )) --out $OUT/recipe ${RECIPE_ARGS:-} 2>&1 \
   | grep -v Warning | grep -E "^\||speedup|skipping|Error|rror:" | tail -14
 ls $OUT $OUT/recipe 2>/dev/null
