@@ -22,8 +22,8 @@ Compiled arms fuse their projections (``SamplerConfig.fuse_projections``, the en
 with a compiled step); ``--fuse off`` runs them with separate GEMMs, ``--fuse both`` runs each
 compiled arm both ways (``<arm>`` unfused, ``<arm>-fused``).
 ``--fca-profiles 2048x1,1024x2`` runs every arm once per FCA profile, ``<chunk tokens>x<shared
-programs per SM>`` (``SamplerConfig.fca_chunk_tokens`` / ``fca_shared_progs_per_sm``; default
-the engine's, ``2048x1``), as one more engine each, arms named ``<arm>-fca<profile>`` when
+programs per SM>`` (``SamplerConfig.fca_chunk_tokens`` / ``fca_shared_progs_per_sm``; default:
+the engine's), as one more engine each, arms named ``<arm>-fca<profile>`` when
 there are several (the paged cells of all of them run the same kernel: a drift control).
 ``--repeat N`` runs every cell N times in ABBA order and keeps each cell's median run.
 ``--replot results.json`` redraws a run's PNG from its JSON. ``--early both`` times every
@@ -191,7 +191,8 @@ def arms(compile_: str, scope: str, fuse: str = "off",
         base = out[name]
         for f in ARMS[fuse]:
             out[name + "-fused" if fuse == "both" and f else name] = dict(base, fuse_projections=f)
-    profiles = profiles or [(2048, 1)]
+    if not profiles:
+        return out
     if len(profiles) == 1:
         chunk, progs = profiles[0]
         return {n: dict(kw, fca_chunk_tokens=chunk, fca_shared_progs_per_sm=progs)
@@ -311,7 +312,7 @@ def main() -> None:
     ap.add_argument("--early", choices=sorted(EARLY), default="on",
                     help="launch decode steps before the previous step's tokens are back "
                          "(SamplingEngine.launch_before_readback); both: each case both ways")
-    ap.add_argument("--fca-profiles", default="2048x1",
+    ap.add_argument("--fca-profiles", default=None,
                     help="FCA profiles <chunk tokens>x<shared programs per SM>, comma-separated "
                          "(SamplerConfig.fca_chunk_tokens / fca_shared_progs_per_sm); several: "
                          "every arm once per profile")
@@ -338,7 +339,8 @@ def main() -> None:
     # one engine per arm (same seed: same weights); FCA toggled on each model runner per run
     engines = {name: SamplingEngine(replace(cfg, **kw))
                for name, kw in arms(args.compile, args.compile_scope, args.fuse,
-                                    parse_profiles(args.fca_profiles)).items()}
+                                    parse_profiles(args.fca_profiles) if args.fca_profiles
+                                    else None).items()}
     first = next(iter(engines.values()))
     vocab = first.backend.runner.vocab_size
     results = {"config": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -3,7 +3,7 @@
 Every test checks the plan's invariants (each valid cell of each request covered exactly once,
 shared items only over blocks their members really share, slots 0..n-1 per request) and runs
 the plan through a plain-torch executor against the fp32 reference, so a wrong plan cannot
-pass. GPU tests compare the Triton planner pass with the torch one and run at real sizes.
+pass. GPU tests compare the planner on CUDA (the Triton launches) with the torch one at real sizes.
 """
 from __future__ import annotations
 

@@ -3,10 +3,10 @@ split-K items) and ``fca_shared_progs_per_sm`` (the shared pass's launch) change
 is cut and scheduled, never the numbers beyond rounding.
 
 Random Qwen3-0.6B shape, fp32, CUDA graphs: an engine that cuts shared prefixes into one-page
-items and runs three shared programs per SM against the default engine — every teacher-forced
+items and runs three shared programs per SM against one with the kernel's defaults (2048, 1) — every teacher-forced
 step's logits, eager and compiled (FCA path, and paged as a control), within 1e-4; greedy
 tokens equal over forks behind a 160-token system prompt (ten one-page items per group against
-one), every decode step of it through FCA; its plans hold more shared items than the default's.
+one), every decode step of it through FCA; its plans hold more shared items than the other's.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def greedy(e: SamplingEngine) -> list[list[int]]:
 
 
 def test_fca_profile_changes_the_work_not_the_numbers():
-    base, cut = engine(), engine(fca_chunk_tokens=16, fca_shared_progs_per_sm=3)
+    base = engine(fca_chunk_tokens=2048, fca_shared_progs_per_sm=1)
+    cut = engine(fca_chunk_tokens=16, fca_shared_progs_per_sm=3)
     want, got = greedy(base), greedy(cut)
     assert got == want
     stats = cut.stats()

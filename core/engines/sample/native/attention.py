@@ -71,7 +71,7 @@ class StepContext:
         block_tables: decode: ``[B, max_blocks]`` int32. seq_lens: decode: ``[B]`` int32 KV length.
         plan: decode with FCA: the ``ForestPlan`` of this step (shared by every layer).
         fca_shared_progs_per_sm: FCA's shared-pass programs per SM
-            (``SamplerConfig.fca_shared_progs_per_sm``).
+            (``SamplerConfig.fca_shared_progs_per_sm``); None: the kernel's default.
         features: the model's attention features (per-layer windows); None = all full.
         cache: the compiled decode (``compiled.py``): the whole cache
             ``[layers, 2, num_blocks, block_size, Hkv, D]`` (``kv_caches`` is then empty);
@@ -89,7 +89,7 @@ class StepContext:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     plan: Any = None
-    fca_shared_progs_per_sm: int = 1
+    fca_shared_progs_per_sm: int | None = None
     features: AttentionFeatures | None = None
     cache: torch.Tensor | None = None
     varlen: PrefillVarlen | None = None
@@ -288,7 +288,8 @@ def _prefill_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, plan: ForestPlan | None,
             scale: float | None, window: int | None = None,
-            softcap: float | None = None, shared_progs_per_sm: int = 1) -> torch.Tensor:
+            softcap: float | None = None,
+            shared_progs_per_sm: int | None = None) -> torch.Tensor:
     """One query per sequence over its pages (its last ``window`` positions in a windowed
     layer, which takes the paged path); ``[B, Hq, D]``."""
     # block tables come from the block manager (valid by construction): skip the host-syncing
@@ -302,8 +303,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=8)
-def _fca_config(shared_progs_per_sm: int) -> DecodeConfig:
-    """The kernel's defaults with the sampler's shared-pass programs per SM."""
+def _fca_config(shared_progs_per_sm: int | None) -> DecodeConfig:
+    """The kernel's defaults with the sampler's shared-pass programs per SM (None: theirs)."""
     return DecodeConfig(shared_progs_per_sm=shared_progs_per_sm)
 
 
@@ -333,7 +334,7 @@ def fca_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: t
                      layer: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, work: list[torch.Tensor], counters: torch.Tensor,
                      max_shared_slots: int, scale: float | None,
-                     softcap: float | None, shared_progs_per_sm: int) -> torch.Tensor:
+                     softcap: float | None, shared_progs_per_sm: int | None) -> torch.Tensor:
     """``paged_decode_layer`` through FCA with the step's plan (``ForestPlan.work_tensors``
     and its ``counters``, which the kernels use and reset)."""
     k_cache, v_cache = cache[int(layer)]  # [2, ...]: this layer's keys, values
