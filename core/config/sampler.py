@@ -44,13 +44,13 @@ class SamplerConfig:
             layer); below it the plain paged kernel is faster (FCA's plan, second pass and
             merge cost more than the saved reads — calibrated on an H200 with the Qwen3-0.6B
             shape: 0.9x at 14k saved tokens, 1.7x at 491k). 0 = whenever pages are shared.
-        fca_chunk_tokens: FCA's split-K granularity: a shared prefix is read in items of at
-            most this many tokens (``plan_forest(chunk_tokens=)``), each item a unit of work of
-            the shared pass. Smaller = more units (a long prefix spread over more SMs) and more
-            partials to merge.
-        fca_shared_progs_per_sm: persistent programs per SM of FCA's shared pass, which runs
-            on a side stream beside the private rows' paged kernel (``DecodeConfig.
-            shared_progs_per_sm``). The defaults (1024, 2; the kernel's own are 2048, 1) suit
+        fca_chunk_tokens: (native backend) FCA's split-K granularity: a shared prefix is read
+            in items of at most this many tokens (``plan_forest(chunk_tokens=)``), each item a
+            unit of work of the shared pass. Smaller = more units (a long prefix spread over
+            more SMs) and more partials to merge.
+        fca_shared_progs_per_sm: (native backend) persistent programs per SM of FCA's shared
+            pass, which runs on a side stream beside the private rows' paged kernel
+            (``DecodeConfig.shared_progs_per_sm``). The defaults (1024, 2; the kernel's own are 2048, 1) suit
             a generation's decode steps, whose private suffixes are short next to the prompt:
             on an H200 (Qwen3-0.6B shape) FCA's call at 8 prompts x G8, P6400, S16-128 takes
             0.107 ms against 0.154 ms with the kernel's defaults, the long-context QA recipe's
