@@ -48,15 +48,15 @@ class SamplerConfig:
             in items of at most this many tokens (``plan_forest(chunk_tokens=)``), each item a
             unit of work of the shared pass. Smaller = more units (a long prefix spread over
             more SMs) and more partials to merge.
-        fca_shared_progs_per_sm: (native backend) persistent programs per SM of FCA's shared
-            pass, which runs on a side stream beside the private rows' paged kernel
-            (``DecodeConfig.shared_progs_per_sm``). The defaults (1024, 2; the kernel's own are 2048, 1) suit
-            a generation's decode steps, whose private suffixes are short next to the prompt:
-            on an H200 (Qwen3-0.6B shape) FCA's call at 8 prompts x G8, P6400, S16-128 takes
+        fca_shared_progs_per_sm: (native backend) persistent programs per SM of FCA's shared pass,
+            which runs on a side stream beside the private rows' paged kernel
+            (``DecodeConfig.shared_progs_per_sm``). The defaults (1024, 2; the kernel's own are
+            2048, 1) suit a generation's decode steps, whose private suffixes are short next to the
+            prompt: on an H200 (Qwen3-0.6B shape) FCA's call at 8 prompts x G8, P6400, S16-128 takes
             0.107 ms against 0.154 ms with the kernel's defaults, the long-context QA recipe's
             decode step 5.07 against 6.3 ms; at 8 x G16, P4096 over 512 new tokens the sampler's
-            step is the same (4.72 against 4.73-4.78 ms). ``benchmarks/probe_fca_suffix.py``
-            and ``bench_sampler.py --fca-profiles`` measure others.
+            step is the same (4.72 against 4.73-4.78 ms). ``benchmarks/probe_fca_suffix.py`` and
+            ``bench_sampler.py --fca-profiles`` measure others.
         cuda_graphs: replay decode steps as CUDA graphs (CUDA only; captured per batch bucket).
         async_scheduling: prepare each decode step on the host while the device runs the one
             before it, and launch it as soon as that step's tokens are back — before they are
