@@ -411,14 +411,15 @@ def plot(results: dict, args, cases: list[int], path: str) -> None:
     labels = [f"G={g}" for g in cases]
     first = results["arms"][next(iter(results["arms"]))][f"G{cases[0]}"]
     paths = [p for p in ("paged", "fca", "paged_late", "fca_late") if p in first]
-    bars = [(f"{arm} {path}", [results["arms"][arm][f"G{g}"][path]["ms_per_step"] for g in cases])
+    names = {"paged": "paged decode", "fca": "FCA", "paged_late": "paged decode, launched after "
+             "the read-back", "fca_late": "FCA, launched after the read-back"}
+    bars = [(f"{arm} {names[path]}", [results["arms"][arm][f"G{g}"][path]["ms_per_step"] for g in cases])
             for arm in results["arms"] for path in paths]
     x = np.arange(len(cases))
     width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (label, values) in enumerate(bars):
-        ax.bar(x - 0.4 + width * (i + 0.5), values, width, label=label.replace("paged", "paged decode")
-               .replace("fca", "FCA").replace("_late", ", launched after the read-back"))
+        ax.bar(x - 0.4 + width * (i + 0.5), values, width, label=label)
     ax.set_xticks(x, labels)
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"{args.model} {args.dtype} (decode {args.compile}, scope {args.compile_scope})\n"
