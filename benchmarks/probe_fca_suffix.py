@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_fca import graph_ms, unique_bytes  # noqa: E402
 from common import H200_HBM_BYTES_PER_S, environment, save  # noqa: E402
 from polynya.kernels.fca import DecodeConfig, fca_decode, paged_decode, plan_forest  # noqa: E402
-from polynya.kernels.fca.plan import WORK_FIELDS, classes_triton  # noqa: E402
-from polynya.kernels.fca.testing import build_forest, random_kv  # noqa: E402
+from polynya.kernels.fca.plan import classes_triton  # noqa: E402
+from polynya.kernels.fca.testing import build_forest, plan_difference, random_kv  # noqa: E402
 
 CONFIGS = {  # name -> (plan kwargs, kernel config)
     "default": ({}, DecodeConfig()),
@@ -54,11 +54,9 @@ def plan_times(bt: torch.Tensor, sl: torch.Tensor, page: int, width: int) -> dic
     if width > bt.shape[1]:
         bt = torch.cat([bt, bt.new_zeros(bt.shape[0], width - bt.shape[1])], 1)
     plans = {b: plan_forest(bt, sl, page, backend=b) for b in ("torch", "triton")}
-    n = int(plans["torch"].n_shared.item())
-    for name in WORK_FIELDS:
-        cut = slice(0, n) if name.startswith("sh_") else slice(None)
-        if not torch.equal(getattr(plans["torch"], name)[cut], getattr(plans["triton"], name)[cut]):
-            raise SystemExit(f"plan_forest(backend='triton') differs from the torch planner in {name}")
+    diff = plan_difference(plans["torch"], plans["triton"])
+    if diff is not None:
+        raise SystemExit(f"plan_forest(backend='triton') differs from the torch planner in {diff}")
     out = {"table_width": bt.shape[1]}
     for b in plans:
         out[f"plan_{b}_ms"] = round(graph_ms(

@@ -1,6 +1,7 @@
 """Synthetic paged KV layouts with shared prefixes, laid out the way a prefix cache does it.
 
-Used by the FCA tests and ``benchmarks/bench_fca.py``. A forest is given level by level as
+Used by the FCA tests and ``benchmarks/bench_fca.py``; ``plan_difference`` compares two plans'
+work lists (the Triton planner against the torch one). A forest is given level by level as
 ``(fanout, tokens)``: ``[(8, 4096), (16, 512)]`` is 8 prompts of 4096 tokens with 16 samples of
 512 tokens each; ``[(1, 2048), (64, 512), (8, 512)]`` a system prompt shared by 64 prompts
 with 8 samples each. ``tokens`` may be ``(lo, hi)`` for ragged lengths (drawn per node). Full
@@ -79,3 +80,18 @@ def random_kv(num_blocks: int, block_size: int, hkv: int, d: int, dtype: torch.d
     k = torch.randn(num_blocks, block_size, hkv, d, device=device, generator=generator)
     v = torch.randn(num_blocks, block_size, hkv, d, device=device, generator=generator)
     return k.to(dtype), v.to(dtype)
+
+
+def plan_difference(want, got) -> str | None:
+    """The first work-list field (``ForestPlan.work_tensors`` order) in which plan ``got``
+    differs from ``want``, with both values, or None when they are equal. Shared-item entries
+    past ``want.n_shared`` (and the dump slot) are scratch and not compared."""
+    from .plan import WORK_FIELDS
+
+    n = int(want.n_shared.item())
+    for name in WORK_FIELDS:
+        cut = slice(0, n) if name.startswith("sh_") else slice(None)
+        a, b = getattr(want, name).cpu()[cut], getattr(got, name).cpu()[cut]
+        if not torch.equal(a, b):
+            return f"{name}: {a.tolist()} != {b.tolist()}"
+    return None

@@ -14,7 +14,7 @@ import torch
 from polynya.kernels.fca import ForestPlan, plan_forest
 from polynya.kernels.fca.plan import _classes_torch
 from polynya.kernels.fca.reference import paged_decode_reference
-from polynya.kernels.fca.testing import build_forest
+from polynya.kernels.fca.testing import build_forest, plan_difference
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -224,10 +224,24 @@ def test_plan_gpu_matches_cpu(levels):
     bt, sl, _ = build_forest(levels, bs, seed=12)
     plan_gpu = plan_forest(bt.cuda(), sl.cuda(), bs)
     plan_cpu = plan_forest(bt, sl, bs)
-    n = int(plan_cpu.n_shared.item())  # entries past n (and the dump slot) are scratch
-    for name in ("n_sh_slots", "n_shared", "sh_row", "sh_c0", "sh_c1", "sh_slot", "sh_nmem",
-                 "sh_mem", "pv_bt", "pv_len"):
-        cut = slice(0, n) if name.startswith("sh_") else slice(None)
-        assert torch.equal(getattr(plan_gpu, name).cpu()[cut], getattr(plan_cpu, name)[cut]), name
+    diff = plan_difference(plan_cpu, plan_gpu)  # past n_shared: scratch, not compared
+    assert diff is None, diff
     if bt.shape[0] <= 200:
         check_invariants(plan_gpu, bt, sl, bs)
+
+
+def test_plan_difference_names_the_first_differing_field():
+    bt, sl, _ = build_forest([(2, 24), (3, (5, 11))], 4, seed=3)
+    plan = plan_forest(bt, sl, 4, min_shared_tokens=4)
+    assert plan_difference(plan, plan_forest(bt, sl, 4, min_shared_tokens=4)) is None
+    other = plan_forest(bt, sl, 4, min_shared_tokens=4)
+    other.pv_len = other.pv_len + 1
+    assert plan_difference(plan, other).startswith("pv_len: ")
+    other = plan_forest(bt, sl, 4, min_shared_tokens=4)
+    n = int(other.n_shared.item())
+    assert n > 0
+    other.sh_c0 = other.sh_c0.clone()
+    other.sh_c0[n:] += 7  # scratch past n_shared: not compared
+    assert plan_difference(plan, other) is None
+    other.sh_c0[n - 1] += 1
+    assert plan_difference(plan, other).startswith("sh_c0: ")
