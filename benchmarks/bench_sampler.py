@@ -25,6 +25,8 @@ compiled arm both ways (``<arm>`` unfused, ``<arm>-fused``).
 programs per SM>`` (``SamplerConfig.fca_chunk_tokens`` / ``fca_shared_progs_per_sm``; default:
 the engine's), as one more engine each, arms named ``<arm>-fca<profile>`` when
 there are several (the paged cells of all of them run the same kernel: a drift control).
+``--fca-min-shared-tokens 0`` takes FCA on every step that shares pages (the engine's
+threshold otherwise sends small-sharing steps to the paged kernel, so both cells would time it).
 ``--repeat N`` runs every cell N times in ABBA order and keeps each cell's median run.
 ``--replot results.json`` redraws a run's PNG from its JSON. ``--early both`` times every
 case also with ``launch_before_readback`` off (each decode
@@ -71,6 +73,7 @@ def run_case(engine: SamplingEngine, prompts: list[list[int]], G: int, new_token
     d = {k: after[k] - before[k] for k in ("prefill_tokens", "decode_tokens", "decode_steps",
                                            "decode_time_s", "prefill_time_s", "cache_hit_tokens",
                                            "preemptions", "early_steps", "ahead_steps",
+                                           "fca_steps",  # the path each cell really timed
                                            # first-use costs inside a timed run (should be 0)
                                            "graph_captures", "graph_capture_s", "compiles",
                                            "compile_s")}
@@ -215,7 +218,9 @@ def warm_up(engine: SamplingEngine, name: str, args, cases: list[int], vocab: in
            "compile_scope": st["compile_scope"], "compile_scope_reason": st["compile_scope_reason"],
            "fused_groups": st["fused_groups"], "fused_calls": st["fused_calls"],
            "graph_captures": st["graph_captures"], "graph_capture_s": st["graph_capture_s"],
-           "compile_error": runner.compiled.error if runner.compiled is not None else None}
+           "compile_error": runner.compiled.error if runner.compiled is not None else None,
+           "max_model_len": engine.backend.max_model_len,  # block tables' width x the page
+           "fca_min_shared_tokens": engine.config.fca_min_shared_tokens}
     print(f"{name} warm-up: {out}", flush=True)
     return out
 
@@ -316,6 +321,15 @@ def main() -> None:
                     help="FCA profiles <chunk tokens>x<shared programs per SM>, comma-separated "
                          "(SamplerConfig.fca_chunk_tokens / fca_shared_progs_per_sm); several: "
                          "every arm once per profile")
+    ap.add_argument("--fca-min-shared-tokens", type=int, default=None, metavar="TOKENS",
+                    help="SamplerConfig.fca_min_shared_tokens for every arm (default: the "
+                         "engine's); 0 = FCA on every step that shares pages, to time it below "
+                         "the threshold")
+    ap.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                    help="SamplerConfig.max_model_len (default: prompt + new tokens + a page, "
+                         "the narrowest block tables; 0: the engine's default, the model's "
+                         "positions as a recipe's sampler has them — FCA's plan walks tables "
+                         "that wide every step)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per cell, in ABBA order; each cell reports its median run")
@@ -334,8 +348,11 @@ def main() -> None:
 
     cfg = SamplerConfig(args.model, dtype=args.dtype, block_size=args.block_size, fca=True,
                         kv_cache_memory_gb=args.kv_gb, max_num_seqs=max(args.groups * max(cases), 8),
-                        max_model_len=args.prompt_len + args.new_tokens + args.block_size,
+                        max_model_len=(args.prompt_len + args.new_tokens + args.block_size
+                                       if args.max_model_len is None else args.max_model_len or None),
                         cuda_graphs=not args.no_graphs)
+    if args.fca_min_shared_tokens is not None:
+        cfg = replace(cfg, fca_min_shared_tokens=args.fca_min_shared_tokens)
     # one engine per arm (same seed: same weights); FCA toggled on each model runner per run
     engines = {name: SamplingEngine(replace(cfg, **kw))
                for name, kw in arms(args.compile, args.compile_scope, args.fuse,

@@ -50,14 +50,17 @@ CONFIGS = {  # name -> (plan kwargs, kernel config)
 
 def plan_times(bt: torch.Tensor, sl: torch.Tensor, page: int, width: int) -> dict:
     """Graph-replay ms of ``plan_forest`` on ``bt`` zero-padded to ``width`` columns, per
-    backend; refuses to time plans that differ."""
+    backend, and of the Triton plan on ``bt`` as it is (``plan_triton_own_ms``: the forest's
+    own width; what the padding costs is the difference); refuses to time plans that differ."""
+    own_width = bt.shape[1]
+    own = round(graph_ms(lambda: plan_forest(bt, sl, page, validate=False, backend="triton")), 4)
     if width > bt.shape[1]:
         bt = torch.cat([bt, bt.new_zeros(bt.shape[0], width - bt.shape[1])], 1)
     plans = {b: plan_forest(bt, sl, page, backend=b) for b in ("torch", "triton")}
     diff = plan_difference(plans["torch"], plans["triton"])
     if diff is not None:
         raise SystemExit(f"plan_forest(backend='triton') differs from the torch planner in {diff}")
-    out = {"table_width": bt.shape[1]}
+    out = {"table_width": bt.shape[1], "own_width": own_width, "plan_triton_own_ms": own}
     for b in plans:
         out[f"plan_{b}_ms"] = round(graph_ms(
             lambda b=b: plan_forest(bt, sl, page, validate=False, backend=b)), 4)
@@ -113,10 +116,12 @@ def main() -> None:
         torch.cuda.empty_cache()
     mean = {name: round(sum(r[name] for r in rows) / len(rows), 4) for name in ["paged_ms", *names]}
     print("mean over S:", mean)
-    print("| S | paged | " + " | ".join(names) + " | plan torch | plan triton | of it: class pass |")
+    print("| S | paged | " + " | ".join(names) + " | plan torch | plan triton | of it: class pass "
+          "| plan triton, own width |")
     for r in rows:
         print(f"| {r['S']} | {r['paged_ms']} | " + " | ".join(str(r[n]) for n in names)
-              + f" | {r['plan_torch_ms']} | {r['plan_triton_ms']} | {r['plan_classes_ms']} |")
+              + f" | {r['plan_torch_ms']} | {r['plan_triton_ms']} | {r['plan_classes_ms']} "
+              f"| {r['plan_triton_own_ms']} ({r['own_width']} cols) |")
     result = {"env": environment(), "args": vars(args), "rows": rows, "mean_over_S": mean}
     save(result, args.out, "probe_fca_suffix")
     plot(result, os.path.join(args.out, "probe_fca_suffix.png"))

@@ -14,12 +14,7 @@
 #   FUSE=both REPEAT=1 PROBE=0 TAG=fused bash benchmarks/carry/gpu_sampler_step.sh
 # 12-03, later still (the Triton planner, then FCA profiles): see BENCHMARKS.md, "Forest plan".
 # Needs nothing carried.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null 2>&1
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+. "$(dirname "$0")/gpu_setup.sh"
 if [ "${T_TESTS:-240}" != 0 ]; then
   # shellcheck disable=SC2086
   timeout "${T_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-\
