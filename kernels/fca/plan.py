@@ -328,7 +328,7 @@ def _plan_triton(bt: torch.Tensor, sl: torch.Tensor, block_size: int, C: int, G:
     sh_mem = torch.full((cap + 1, G), -1, device=dev, dtype=i32)
     sh_fields = torch.zeros(5, cap + 1, device=dev, dtype=i32)
     _plan_items_kernel[(B, -(-MB // _PLAN_BLOCK_J))](
-        cnt, rank, rep, flags, slot, tpre, end, row_off, sh_mem, sh_fields, MB, G, cap,
-        BLOCK_J=_PLAN_BLOCK_J, num_warps=4)
+        cnt, rank, rep, flags, slot, tpre, end, row_off, sh_mem, sh_fields, sl, MB, G, cap,
+        PAGE=block_size, BLOCK_J=_PLAN_BLOCK_J, num_warps=4)
     return _assemble(bt, sl, block_size, G, max_slots, cap, n_sh_slots, n_shared, sh_fields,
                      sh_mem, pv_bt, pv_len, id_range)

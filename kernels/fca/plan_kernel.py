@@ -5,7 +5,7 @@ tables, with no host synchronisation (they run inside the sampler's CUDA graphs)
 
 1. ``_fca_classes_kernel`` — per cell (request b, column j): the size, smallest member and
    b's rank of b's class (requests whose rows equal b's on full blocks in columns ``0..j``);
-2. ``_plan_rows_kernel`` — one program per request, three passes over its row: node ends
+2. ``_plan_rows_kernel`` — one program per request, three passes over its columns (not the table's width): node ends
    (right to left), the shared / start / slot / private-row bookkeeping (left to right), item
    ends (right to left); it also writes the request's private virtual row;
 3. ``_plan_offsets_kernel`` — one program: each request's first item number (an exclusive
@@ -88,17 +88,24 @@ def _plan_rows_kernel(cnt_ptr, rank_ptr, bt_ptr, sl_ptr, run_end_ptr, flags_ptr,
                       PAGE: tl.constexpr, BLOCK_J: tl.constexpr):
     """Request b's row of the plan, in three passes over column tiles (see the module doc).
 
+    The passes walk only the tiles that hold b's ``ncols`` columns, not the table's ``MB``:
+    past them every class size is 0 (the class pass writes it), so nothing is shared, started
+    or private there and the carries are final (the sampler's tables are ``max_model_len /
+    page`` wide whatever the step's lengths). Only the private row's tail is zeroed to ``MB``.
+
     Scratch it writes for ``_plan_items_kernel``: ``flags`` (1 = shared, 2 = item start),
     ``slot``, ``tpre`` (items led by this row's cells before column j) and ``end`` (item end
-    column), each ``[B, MB]`` int32; outputs ``n_sh_slots``, ``pv_bt``, ``pv_len``, and per row
-    the items it leads (``row_tiles``) and the min / max block id it reads (``row_ids``)."""
+    column), each ``[B, MB]`` int32, in b's walked tiles only (the items kernel reads no
+    column past ``ncols``); outputs ``n_sh_slots``, ``pv_bt``, ``pv_len``, and per row the
+    items it leads (``row_tiles``) and the min / max block id it reads (``row_ids``)."""
     b = tl.program_id(0)
     row = b.to(tl.int64) * MB
     sl = tl.load(sl_ptr + b)
     ncols = (sl + PAGE - 1) // PAGE
     offs = tl.arange(0, BLOCK_J)
-    n_tiles = tl.cdiv(MB, BLOCK_J)
-    # pass 1, right to left: run_end = next column whose class size changes (else MB)
+    n_tiles = tl.cdiv(tl.minimum(ncols, MB), BLOCK_J)  # the tiles holding b's columns
+    # pass 1, right to left: run_end = next column whose class size changes (else MB); a
+    # change at the first column past the walked tiles is seen from the last one (j + 1)
     carry = MB
     for t in range(n_tiles):
         j = (n_tiles - 1 - t) * BLOCK_J + (BLOCK_J - 1 - offs)
@@ -156,23 +163,27 @@ def _plan_rows_kernel(cnt_ptr, rank_ptr, bt_ptr, sl_ptr, run_end_ptr, flags_ptr,
         c_tiles += tl.sum(ntile, 0)
         c_priv += tl.sum(pv, 0)
         c_shared += tl.sum(shared.to(tl.int32), 0)
+    if n_tiles * BLOCK_J < MB:  # unwalked columns are padding: their id counts as 0
+        id_lo = tl.minimum(id_lo, 0)
+        id_hi = tl.maximum(id_hi, 0)
     tl.store(n_sh_slots_ptr + b, c_slot)
     tl.store(pv_len_ptr + b, sl - PAGE * c_shared)
     tl.store(row_tiles_ptr + b, c_tiles)
     tl.store(row_ids_ptr + 2 * b, id_lo)
     tl.store(row_ids_ptr + 2 * b + 1, id_hi)
     tl.debug_barrier()
-    # pass 3, right to left: item end = next start or unshared column (capped at ncols);
-    # the private row's unused tail is zeroed
+    # pass 3, right to left: item end = next start or unshared column (capped at ncols: a
+    # column past them reads as unshared, flag 0)
     carry = MB
     for t in range(n_tiles):
-        base = (n_tiles - 1 - t) * BLOCK_J
-        j = base + (BLOCK_J - 1 - offs)
+        j = (n_tiles - 1 - t) * BLOCK_J + (BLOCK_J - 1 - offs)
         jn = j + 1
-        f = tl.load(flags_ptr + row + jn, mask=jn < MB, other=0)
+        f = tl.load(flags_ptr + row + jn, mask=jn < ncols, other=0)
         nxt, carry = _next_after(((f & 2) != 0) | ((f & 1) == 0), jn, carry, MB)
         tl.store(end_ptr + row + j, tl.minimum(nxt, ncols), mask=j < MB)
-        jz = base + offs
+    # the private row's unused tail, to the table's width, is zeroed (stores only)
+    for t in range(c_priv // BLOCK_J, tl.cdiv(MB, BLOCK_J)):
+        jz = t * BLOCK_J + offs
         tl.store(pv_bt_ptr + row + jz, tl.zeros([BLOCK_J], tl.int32), mask=(jz < MB) & (jz >= c_priv))
 
 
@@ -201,16 +212,17 @@ def _plan_offsets_kernel(row_tiles_ptr, row_ids_ptr, row_off_ptr, n_shared_ptr, 
 
 @triton.jit
 def _plan_items_kernel(cnt_ptr, rank_ptr, rep_ptr, flags_ptr, slot_ptr, tpre_ptr, end_ptr,
-                       row_off_ptr, sh_mem_ptr, sh_fields_ptr, MB, G, cap,
-                       BLOCK_J: tl.constexpr):
+                       row_off_ptr, sh_mem_ptr, sh_fields_ptr, sl_ptr, MB, G, cap,
+                       PAGE: tl.constexpr, BLOCK_J: tl.constexpr):
     """Program (request b, column tile): a start cell (b, j) belongs to item
     ``row_off[rep] + tpre[rep, j] + rank // G`` (numbered at its class's smallest member) and
     writes b into its member slot ``rank % G``; the tile's first member (``rank % G == 0``)
-    writes the item's fields (row, c0, c1, slot, members) into ``sh_fields [5, cap + 1]``."""
+    writes the item's fields (row, c0, c1, slot, members) into ``sh_fields [5, cap + 1]``.
+    Columns past b's ``ncols`` hold no start and are not read (the rows kernel left them)."""
     b = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
     row = b.to(tl.int64) * MB
-    inb = j < MB
+    inb = (j < MB) & (j < (tl.load(sl_ptr + b) + PAGE - 1) // PAGE)
     start = inb & ((tl.load(flags_ptr + row + j, mask=inb, other=0) & 2) != 0)
     cnt = tl.load(cnt_ptr + row + j, mask=start, other=0)
     rank = tl.load(rank_ptr + row + j, mask=start, other=0)

@@ -3,7 +3,8 @@ the torch planner, field by field, on random forests.
 
 CPU: the kernels under ``TRITON_INTERPRET=1`` (in a child process) on handcrafted and random
 forests — ragged, multi-level, shuffled ids, tables padded far past the longest request (as the
-sampler's CUDA graphs pass them), int64 tables, every cost-model knob — each plan also checked
+sampler's CUDA graphs pass them; also with every scratch buffer handed over full of junk), int64
+tables, every cost-model knob — each plan also checked
 for its invariants and run through the plain-torch executor against the fp32 reference, and
 through ``fca_decode``'s Triton kernels; the kernels compiled for sm_90 (no GPU needed: the
 interpreter does not check types the compiler does); the backend's input errors.
@@ -89,7 +90,32 @@ def _interp_cases():
             out = fca_decode(q, k, v, got, backend="triton", config=cfg)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     assert shared_total > 50, shared_total  # the cases do share
+    _poisoned_scratch()
     print("INTERP OK", len(cases()))
+
+
+def _poisoned_scratch():
+    """The plan does not depend on what its buffers held: every ``torch.empty`` the Triton
+    planner makes comes filled with junk (flag bits and small counts that look like real
+    item numbers and slots), as a CUDA graph's pool
+    hands back a longer step's scratch; no pass may read a cell it did not write this call."""
+    real_empty = torch.empty
+    g = torch.Generator().manual_seed(99)
+
+    def junk(*size, **kw):
+        t = real_empty(*size, **kw)
+        if t.dtype in (torch.int32, torch.int64):
+            t.copy_(torch.randint(0, 4, t.shape, generator=g).to(t.dtype))
+        return t
+
+    for bt, sl, bs, kw in [c for i, c in enumerate(cases()) if i % 4 == 1][:4]:
+        want = plan_forest(bt, sl, bs, backend="torch", **kw)
+        torch.empty = junk
+        try:
+            got = plan_forest(bt, sl, bs, backend="triton", **kw)
+        finally:
+            torch.empty = real_empty
+        assert_same_plan(want, got)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter is on")
@@ -111,12 +137,12 @@ def test_planner_kernels_compile_for_hopper():
             "offsets": ["row_tiles_ptr", "row_ids_ptr", "row_off_ptr", "n_shared_ptr",
                         "id_range_ptr"],
             "items": ["cnt_ptr", "rank_ptr", "rep_ptr", "flags_ptr", "slot_ptr", "tpre_ptr",
-                      "end_ptr", "row_off_ptr", "sh_mem_ptr", "sh_fields_ptr"],
+                      "end_ptr", "row_off_ptr", "sh_mem_ptr", "sh_fields_ptr", "sl_ptr"],
             "classes": ["bt_ptr", "sl_ptr", "cnt_ptr", "rep_ptr", "rank_ptr"]}
     ints = {"rows": ["MB", "C", "G", "min_tokens", "max_levels"], "offsets": ["B"],
             "items": ["MB", "G", "cap"], "classes": ["B", "MB"]}
     consts = {"rows": {"PAGE": 16, "BLOCK_J": 128}, "offsets": {"BLOCK_B": 128},
-              "items": {"BLOCK_J": 128}, "classes": {"PAGE": 16, "BLOCK_B": 64, "BLOCK_J": 128,
+              "items": {"PAGE": 16, "BLOCK_J": 128}, "classes": {"PAGE": 16, "BLOCK_B": 64, "BLOCK_J": 128,
                                                                   "BLOCK_C": 64}}
     kernels = {"rows": pk._plan_rows_kernel, "offsets": pk._plan_offsets_kernel,
                "items": pk._plan_items_kernel, "classes": pk._fca_classes_kernel}
@@ -178,6 +204,17 @@ def test_triton_planner_matches_torch_on_gpu(levels, width):
     graph.replay()
     torch.cuda.synchronize()
     assert_same_plan(plan_forest(bt2.cuda(), sl2.cuda(), bs, backend="torch"), captured)
+    # then a step of the same rows with a quarter of the lengths: the replay reuses the longer
+    # step's scratch, which the passes (bounded by each row's own columns) must not read
+    quarter = [(f, tuple(max(1, x // 4) for x in t) if isinstance(t, tuple) else max(1, t // 4))
+               for f, t in levels]
+    bt3, sl3, _ = build_forest(quarter, bs, seed=14)
+    assert bt3.shape[0] == bt.shape[0] and int(sl3.max()) < int(sl2.max())
+    static_bt.zero_()[:, :bt3.shape[1]].copy_(bt3.cuda())
+    static_sl.copy_(sl3.cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_plan(plan_forest(static_bt, static_sl, bs, backend="torch"), captured)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["interp"]:
