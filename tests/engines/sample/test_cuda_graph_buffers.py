@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from polynya.engines.sample.native import cuda_graph
 from polynya.engines.sample.native.cuda_graph import DecodeGraphs, buckets
@@ -54,6 +55,36 @@ def test_buffers_hold_the_batch_and_padding_rows(monkeypatch):
     assert cuda_graph.DecodeGraphs.bucket(g, 17) is None
 
 
+def test_a_step_stages_only_its_columns_and_narrower_steps_clear_the_rest(monkeypatch):
+    """Only the columns the step's rows use travel to the device; after a wide step, a narrow
+    one leaves every row zero past its columns, as a full-width fill would (the planner and
+    the paged kernels never read past a row's length, but the buffer stays exact anyway)."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    seen = []
+
+    def forward(ids, pos, slots, tables, lens, fca):
+        seen.append(tables.clone())
+        return torch.zeros(ids.shape[1], 3)
+
+    g = _CPUGraphs(forward, max_batch=8, width=64, block_size=4, scratch_block=9,
+                   device=torch.device("cpu"))
+    wide = np.arange(1, 4 * 40 + 1, dtype=np.int32).reshape(4, 40)
+    g.run(np.arange(4), np.full(4, 150), np.arange(4) + 100, wide, np.full(4, 151), fca=False)
+    assert g.staged_bytes == 4 * (4 + 40) * 8  # not 4 x (4 + 64) x 8
+    assert seen[-1][:, :40].tolist() == wide.tolist() and not seen[-1][:, 40:].any()
+    narrow = np.array([[5, 6], [7, 0]], dtype=np.int32)
+    g.run(np.arange(2), np.array([6, 2]), np.array([22, 29]), narrow, np.array([7, 3]), fca=False)
+    assert g.staged_bytes == 2 * (4 + 2) * 8
+    assert seen[-1].tolist() == [[5, 6] + [0] * 62, [7] + [0] * 63]
+    assert not g.tables[:, 2:].any()  # every row, the wide step's other rows included
+    g.run(np.arange(3), np.full(3, 10), np.arange(3) + 40, wide[:3, :12], np.full(3, 11), fca=False)
+    assert seen[-1][:3, :12].tolist() == wide[:3, :12].tolist()
+    assert seen[-1][3].tolist() == [9] + [0] * 63 and not seen[-1][:, 12:].any()
+    with pytest.raises(ValueError, match="65 columns for graphs 64 wide"):
+        g.run(np.arange(1), np.zeros(1), np.zeros(1), np.zeros((1, 65), np.int32), np.ones(1),
+              fca=False)
+
+
 class _UncapturableGraphs(_CPUGraphs):
     """A model whose decode step does host work (e.g. a MoE layer): capture fails."""
 
@@ -64,7 +95,6 @@ class _UncapturableGraphs(_CPUGraphs):
 def test_uncapturable_model_decodes_eagerly_with_the_same_tokens(monkeypatch):
     """A capture failure falls back to the eager decode step (same tokens) and says why (the
     real failure, qwen3-moe's grouped_mm on the H200, is in test_model_families_gpu.py)."""
-    import pytest
     from polynya import SamplingParams
     from polynya.config import SamplerConfig
     from polynya.engines import SamplingEngine

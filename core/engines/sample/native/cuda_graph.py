@@ -9,7 +9,9 @@ fixed-capacity outputs), so a replay re-plans from the current block tables.
 Graphs are keyed by ``(bucket, fca)``: a step whose sequences share no page runs the plain
 paged graph. A batch of ``B`` sequences runs in the smallest bucket ``>= B``; the padding rows decode a
 dummy token into a scratch page that the block manager never hands out. Block tables are
-padded to the widest table the cache allows, so one graph serves every sequence length.
+padded to the widest table the cache allows, so one graph serves every sequence length; a
+step sends the device only the columns its rows use (the rest of the buffer is kept zero), not
+the whole width (2560 columns for a model of 40,960 positions and 16-token pages).
 All graphs share one memory pool: their replays never overlap and each output is read before
 the next replay, so the intermediates of one bucket may reuse another's. The graphs outlive a
 sleep/wake of the KV cache when it comes back at the same address (``kv_memory.py``).
@@ -59,10 +61,13 @@ class DecodeGraphs:
         self.tables = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         # pinned staging taken in turn (``readback.PINNED_TURNS``): a step may be launched
-        # before the previous steps' inputs have left (the engine launches decode steps early)
-        self.hosts = [torch.zeros((n, 3 + width + 1), dtype=torch.int64).pin_memory()
+        # before the previous steps' inputs have left (the engine launches decode steps early).
+        # A step stages [b, 4 + used columns]: id, position, slot, length, then its tables.
+        self.hosts = [torch.zeros(n * (4 + width), dtype=torch.int64).pin_memory()
                       for _ in range(PINNED_TURNS)]
         self._turn = 0
+        self._zero_from = 0  # every row of ``self.tables`` is zero from this column on
+        self.staged_bytes = 0  # host -> device bytes of the last step's inputs
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool for every graph (replays never overlap)
         self.captures, self.capture_s = 0, 0.0
@@ -101,27 +106,43 @@ class DecodeGraphs:
         turn comes again."""
         batch = len(ids)
         b = self.bucket(batch)
-        w = self.width
-        host = self.hosts[self._turn][:b]
-        self._turn = (self._turn + 1) % PINNED_TURNS
-        host.zero_()
-        h = host.numpy()
-        h[:batch, 0], h[:batch, 1], h[:batch, 2] = ids, pos, slots
-        h[batch:, 2] = self.scratch * self.block_size
-        h[:batch, 3:3 + tables.shape[1]] = tables
-        h[batch:, 3] = self.scratch
-        h[:batch, 3 + w] = lens
-        h[batch:, 3 + w] = 1
-        dev = host.to(self.device, non_blocking=True)
-        self.ids[0, :b].copy_(dev[:, 0])
-        if device_ids is not None:
-            self.ids[0, :batch].copy_(device_ids)
-        self.pos[0, :b].copy_(dev[:, 1])
-        self.slots[:b].copy_(dev[:, 2])
-        self.tables[:b].copy_(dev[:, 3:3 + w])
-        self.lens[:b].copy_(dev[:, 3 + w])
+        self._stage(b, ids, pos, slots, tables, lens, device_ids)
         if (b, fca) not in self.graphs:
             self.graphs[(b, fca)] = self._capture(b, fca)
         graph, out = self.graphs[(b, fca)]
         graph.replay()
         return out[:batch]
+
+    def _stage(self, b: int, ids, pos, slots, tables: np.ndarray, lens, device_ids) -> None:
+        """The step's inputs into the static buffers of bucket ``b``: one pinned ``[b, 4 +
+        used columns]`` int64 block (id, position, slot, length, table row) to the device."""
+        batch = len(ids)
+        used = tables.shape[1]
+        if not 1 <= used <= self.width:
+            raise ValueError(f"block tables of {used} columns for graphs {self.width} wide")
+        host = self.hosts[self._turn][:b * (4 + used)].view(b, 4 + used)
+        self._turn = (self._turn + 1) % PINNED_TURNS
+        host.zero_()
+        h = host.numpy()
+        h[:batch, 0], h[:batch, 1], h[:batch, 2], h[:batch, 3] = ids, pos, slots, lens
+        h[batch:, 2] = self.scratch * self.block_size
+        h[batch:, 3] = 1
+        h[:batch, 4:] = tables
+        h[batch:, 4] = self.scratch
+        dev = host.to(self.device, non_blocking=True)
+        self.staged_bytes = host.numel() * host.element_size()
+        self._fill(b, batch, dev[:, 0], dev[:, 1], dev[:, 2], dev[:, 3], dev[:, 4:], device_ids)
+        if used < self._zero_from:  # a narrower step: clear what wider ones left (all rows)
+            self.tables[:, used:self._zero_from].zero_()
+        self._zero_from = used
+
+    def _fill(self, b: int, batch: int, ids, pos, slots, lens, tables, device_ids) -> None:
+        """Copy the staged columns (device views, ``b`` rows) into the static buffers; the
+        tables into their first ``tables.shape[1]`` columns."""
+        self.ids[0, :b].copy_(ids)
+        if device_ids is not None:
+            self.ids[0, :batch].copy_(device_ids)
+        self.pos[0, :b].copy_(pos)
+        self.slots[:b].copy_(slots)
+        self.lens[:b].copy_(lens)
+        self.tables[:b, :tables.shape[1]].copy_(tables)
