@@ -5,7 +5,7 @@
 # tables, used columns vs the whole width in one engine, ABBA). Needs nothing carried.
 #   bash benchmarks/carry/gpu_table_columns.sh    (2026-12-03)
 . "$(dirname "$0")/gpu_setup.sh"
-timeout "${T_TESTS:-130}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+timeout "${T_TESTS:-260}" python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/engines/sample/test_native_engine_gpu.py -k "not compiled_decode_equals_eager" 2>&1 \
   | grep -E "passed|failed|^E |^FAILED" | tail -8
 cd benchmarks
