@@ -163,12 +163,22 @@ class TokenStats:
     layout: str | None = None
 
 
+MIN_TEMPERATURE = 1e-5  # the smallest positive sampling temperature (vLLM's greedy threshold)
+
+
 @dataclass
 class SamplingParams:
     """How to sample a completion (vLLM-compatible names).
 
     ``temperature=0`` means greedy. ``top_k=-1`` and ``top_p=1`` disable those filters;
-    ``min_p=0`` disables min-p. ``stop_token_ids=None`` means the model's EOS.
+    ``min_p=0`` disables min-p. ``temperature`` is 0 or at least ``MIN_TEMPERATURE`` (below
+    it ``logits / temperature`` overflows float32).
+
+    Stopping: ``stop_at_eos=None`` (the default) stops at the model's EOS ids when
+    ``stop_token_ids`` is None and at exactly ``stop_token_ids`` when a list is given (``[]``:
+    never before ``max_tokens``). ``stop_at_eos=True`` stops at the EOS ids *and* at
+    ``stop_token_ids`` (vLLM's rule, what vLLM-style requests mean); ``False`` only at
+    ``stop_token_ids`` (vLLM's ``ignore_eos``). ``stops_at_eos`` is the rule in effect.
     """
 
     n: int = 1
@@ -180,14 +190,23 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     seed: int | None = None
     logprobs: bool = False
+    stop_at_eos: bool | None = None
 
     def __post_init__(self) -> None:
+        # numpy / 0-d tensor ints are accepted and stored as Python ints (the engines' checks,
+        # seeds and codecs expect those)
         n, top_k, max_tokens = (_int(getattr(self, k), f"SamplingParams.{k}")
                                 for k in ("n", "top_k", "max_tokens"))
+        self.n, self.top_k, self.max_tokens = n, top_k, max_tokens
         if n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {n!r}")
-        if _real(self.temperature, "SamplingParams.temperature") < 0:
+        temperature = _real(self.temperature, "SamplingParams.temperature")
+        if temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r} is below {MIN_TEMPERATURE} "
+                             "(logits / temperature would overflow): pass 0 for greedy decoding, "
+                             "as vLLM treats temperatures this small")
         if not 0.0 < _real(self.top_p, "SamplingParams.top_p") <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if top_k < 1 and top_k != -1:
@@ -204,9 +223,20 @@ class SamplingParams:
             if any(t < 0 for t in self.stop_token_ids):
                 raise ValueError("SamplingParams.stop_token_ids must be >= 0")
         if self.seed is not None:
-            _int(self.seed, "SamplingParams.seed")
+            self.seed = _int(self.seed, "SamplingParams.seed")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"SamplingParams.logprobs must be a bool, got {self.logprobs!r}")
+        if self.stop_at_eos is not None and not isinstance(self.stop_at_eos, bool):
+            raise ValueError(f"SamplingParams.stop_at_eos must be None, True or False, got {self.stop_at_eos!r}")
+
+    @property
+    def stops_at_eos(self) -> bool:
+        """Whether generation stops at the model's EOS ids (besides ``stop_token_ids``)."""
+        return self.stop_token_ids is None if self.stop_at_eos is None else self.stop_at_eos
+
+    def stop_ids(self, eos_ids) -> frozenset[int]:
+        """The token ids that end a completion, given the model's EOS ids."""
+        return frozenset(self.stop_token_ids or ()) | (frozenset(eos_ids) if self.stops_at_eos else frozenset())
 
 
 def _int(v, what: str) -> int:

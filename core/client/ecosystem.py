@@ -35,10 +35,10 @@ _PARAM_KEYS = (
 
 
 def _params(d: dict, want_logprobs: bool) -> SamplingParams:
+    """vLLM sampling params -> ``SamplingParams``: stop ids *add to* the model's EOS, which
+    ``ignore_eos`` turns off (vLLM's rule)."""
     kw = {k: d[k] for k in _PARAM_KEYS if d.get(k) is not None}
-    if d.get("ignore_eos"):
-        kw["stop_token_ids"] = kw.get("stop_token_ids", [])
-    return SamplingParams(**kw, logprobs=want_logprobs)
+    return SamplingParams(**kw, logprobs=want_logprobs, stop_at_eos=not d.get("ignore_eos"))
 
 
 def _prompt_lists(prompt) -> list[list[int]]:

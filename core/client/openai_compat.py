@@ -66,9 +66,8 @@ def sampling_params(body: dict[str, Any], keys: set[str]) -> SamplingParams:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1: off), got {top_k!r}")
         kw["top_k"] = -1 if top_k == 0 else top_k
-    if body.get("ignore_eos"):
-        kw["stop_token_ids"] = []
-    return SamplingParams(**kw, logprobs=True)
+    # vLLM's rule: stop_token_ids add to the model's EOS, which ignore_eos turns off
+    return SamplingParams(**kw, logprobs=True, stop_at_eos=not body.get("ignore_eos"))
 
 
 def prompt_logprobs_k(body: dict, params: SamplingParams) -> int | None:

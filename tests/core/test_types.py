@@ -46,3 +46,40 @@ def test_select_keeps_order_and_trims():
 def test_sampling_params_validate(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(temperature=1e-6), "pass 0 for greedy"),
+    (dict(temperature=1e-39), "below 1e-05"),
+    (dict(stop_at_eos=1), "stop_at_eos must be None, True or False"),
+])
+def test_sampling_params_name_the_problem(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_sampling_params_store_python_ints():
+    """numpy / 0-d tensor ints are kept as Python ints (the engines check ``isinstance(.., int)``
+    and seed generators with them)."""
+    import numpy as np
+
+    p = SamplingParams(n=np.int64(2), top_k=torch.tensor(5), max_tokens=np.int32(4), seed=np.int64(7),
+                       temperature=1e-5)
+    assert (p.n, p.top_k, p.max_tokens, p.seed) == (2, 5, 4, 7)
+    assert all(type(v) is int for v in (p.n, p.top_k, p.max_tokens, p.seed))
+
+
+@pytest.mark.parametrize("stop_token_ids, stop_at_eos, expected", [
+    (None, None, {0, 1}),       # the default: the model's EOS
+    ((), None, set()),          # an explicit list replaces EOS: [] never stops early
+    ((7,), None, {7}),
+    ((7,), True, {0, 1, 7}),    # vLLM's rule: stop ids add to EOS
+    (None, True, {0, 1}),
+    ((7,), False, {7}),         # vLLM's ignore_eos
+    (None, False, set()),
+])
+def test_stop_rule(stop_token_ids, stop_at_eos, expected):
+    p = SamplingParams(stop_token_ids=stop_token_ids, stop_at_eos=stop_at_eos)
+    assert p.stop_ids({0, 1}) == frozenset(expected)
+    assert p.stops_at_eos == bool({0, 1} & expected)

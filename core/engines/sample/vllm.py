@@ -110,10 +110,9 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMParams
         from vllm.sampling_params import RequestOutputKind
 
-        stop = p.stop_token_ids
         return VLLMParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                           min_p=p.min_p, max_tokens=p.max_tokens, seed=p.seed, logprobs=0,
-                          stop_token_ids=list(stop or ()), ignore_eos=stop is not None,
+                          stop_token_ids=list(p.stop_token_ids or ()), ignore_eos=not p.stops_at_eos,
                           output_kind=RequestOutputKind.CUMULATIVE)
 
     def _step(self) -> bool:

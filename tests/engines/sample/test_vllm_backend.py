@@ -272,3 +272,15 @@ def test_weights_load_after_the_running_requests_finish(engine, tmp_path):
     llm.reset_ok = False
     with pytest.raises(RuntimeError, match="prefix cache"):
         engine.load_weights(weights)
+
+
+@pytest.mark.parametrize("stop_token_ids, stop_at_eos, ids, ignore_eos", [
+    (None, None, [], False),     # the model's EOS: vLLM's default
+    ((), None, [], True),        # a list replaces EOS
+    ((7, 9), None, [7, 9], True),
+    ((7,), True, [7], False),    # EOS and 7 (vLLM's own rule)
+    ((7,), False, [7], True),
+])
+def test_stop_rule_maps_to_vllm(engine, stop_token_ids, stop_at_eos, ids, ignore_eos):
+    vp = engine.backend._params(SamplingParams(stop_token_ids=stop_token_ids, stop_at_eos=stop_at_eos))
+    assert (vp.stop_token_ids, vp.ignore_eos) == (ids, ignore_eos)

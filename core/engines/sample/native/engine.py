@@ -142,7 +142,7 @@ class NativeEngine(LaunchAhead):
     def _new_request(self, prompt: list[int], params: SamplingParams) -> tuple[int, Sequence, _Request]:
         rid = self._next_request  # caller holds _intake_lock
         self._next_request += 1
-        stop = self.default_stop_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
+        stop = params.stop_ids(self.default_stop_ids)
         seq = Sequence(token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
                        stop_ids=stop, generator=self._generator(params, 0), request_id=rid,
                        pending_forks=params.n - 1)

@@ -1,0 +1,53 @@
+"""Stop rules end to end: ``SamplingParams.stop_at_eos`` on the native engine, and the
+vLLM-style routes (``/v1/completions``, ``/inference/v1/generate``), where stop ids add to the
+model's EOS unless ``ignore_eos`` (tiny random qwen3, fp32, CPU, greedy)."""
+from __future__ import annotations
+
+import pytest
+from polynya import SamplingParams
+from polynya.client.ecosystem import _params
+from polynya.client.openai_compat import _COMPLETION_KEYS, sampling_params
+
+from .test_native_engine import make_engine, ragged_prompts
+
+
+@pytest.fixture(scope="module")
+def run():
+    """``run(params)`` -> the greedy completion of one prompt, with the engine's EOS set to
+    the 4th token the free run emits (so EOS is hit at a known place)."""
+    engine = make_engine()
+    prompt = ragged_prompts(11, [6])[0]
+    free = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=()))[0][0]
+    eos, other = free.token_ids[3], free.token_ids[7]
+    assert eos not in free.token_ids[:3] and other not in free.token_ids[:7]
+    engine.backend.default_stop_ids = frozenset({eos})
+
+    def run(params: SamplingParams):
+        out = engine.generate([prompt], params)[0][0]
+        return out.token_ids, out.finish_reason
+    run.free, run.eos, run.other = free.token_ids, eos, other
+    return run
+
+
+def test_engine_stop_rules(run):
+    greedy = dict(temperature=0, max_tokens=12)
+    at_eos, at_other = (run.free[:4], "stop"), (run.free[:8], "stop")
+    assert run(SamplingParams(**greedy)) == at_eos
+    assert run(SamplingParams(**greedy, stop_token_ids=[run.other])) == at_other  # replaces EOS
+    assert run(SamplingParams(**greedy, stop_token_ids=[run.other], stop_at_eos=True)) == at_eos
+    assert run(SamplingParams(**greedy, stop_at_eos=False)) == (run.free, "length")
+    assert run(SamplingParams(**greedy, stop_token_ids=[run.other], stop_at_eos=False)) == at_other
+
+
+@pytest.mark.parametrize("translate", [
+    lambda body: _params(body, want_logprobs=False),
+    lambda body: sampling_params(body, _COMPLETION_KEYS),
+], ids=["inference_generate", "openai_completions"])
+def test_vllm_requests_add_stop_ids_to_eos(run, translate):
+    """A vLLM request's ``stop_token_ids`` add to EOS (verl's tool loop sends its parser's ids
+    with every turn: a turn that ends in EOS must still end there)."""
+    base = {"temperature": 0, "max_tokens": 12}
+    assert run(translate({**base, "stop_token_ids": [run.other]})) == (run.free[:4], "stop")
+    assert run(translate({**base, "stop_token_ids": [run.other], "ignore_eos": True})) == (run.free[:8], "stop")
+    assert run(translate({**base, "ignore_eos": True})) == (run.free, "length")
+    assert run(translate(base)) == (run.free[:4], "stop")
