@@ -34,7 +34,7 @@ from polynya.adapters.skyrl import (
 
 SHAPES = [(4096, 512, 8), (256, 512, 8)]
 ALGO = {"policy_loss_type": "regular", "eps_clip_low": 0.2, "eps_clip_high": 0.2,
-        "use_kl_loss": True, "kl_loss_coef": 0.001, "kl_estimator_type": "k3"}
+        "use_kl_loss": True, "kl_loss_coef": 0.001, "kl_estimator_type": "k3", "temperature": 1.0}
 PAD = 0
 
 

@@ -1,7 +1,7 @@
 """SkyRL's policy / reference worker calls on polynya's engines.
 
     worker = PolicyWorker(train_config_from_skyrl(cfg.trainer, "Qwen/Qwen3-0.6B", dtype="bfloat16"))
-    metrics = worker.forward_backward(training_input_batch)   # SkyRL's mini-batch (one DP shard)
+    metrics = worker.forward_backward(training_input_batch)   # SkyRL's whole mini-batch
     grad_norm = worker.optim_step()
     old_logprobs = worker.forward(training_input_batch)       # [B, R] right-aligned, as SkyRL's
 
@@ -10,7 +10,10 @@
 ``action_log_probs``, ``base_action_log_probs`` when the KL loss is on), runs polynya's
 DeepSpeed ``TrainingEngine`` on it (ZoRRo: each prompt once) and returns SkyRL's metric names.
 The training engine owns micro-batching (by tokens) and normalisation over the whole batch, so
-SkyRL's ``micro_train_batch_size_per_gpu`` does not apply.
+SkyRL's ``micro_train_batch_size_per_gpu`` does not apply. Data parallelism is the engine's too:
+with several ranks every rank must pass the same whole mini-batch (the engine shards it by prompt
+groups); SkyRL's per-rank DP shards are refused at the first call (``ValueError``: the batch
+differs between data-parallel ranks), so gather them first. Only one rank has been run.
 """
 from __future__ import annotations
 

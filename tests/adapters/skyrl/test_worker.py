@@ -12,11 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 from polynya.adapters.skyrl import PolicyWorker, RefWorker, train_config_from_skyrl
-from polynya.config.logprob import LogProbConfig
 from polynya.checksum import checksum_named_tensors
+from polynya.config.logprob import LogProbConfig
 from polynya.models import load_model
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+from skyrl.train.config.config import TrainerConfig
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
+
+from .test_config import skyrl_lrs
 
 PAD = 1
 TEMPERATURE = 0.8
@@ -135,6 +138,29 @@ def test_ref_worker_matches_plain_torch(ref_model):
     with torch.no_grad():
         want = reference_logprobs(ref_model, data) * data["response_mask"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheduler, warmup, total, steps", [
+    ("constant", 4, None, 4 + 3),  # the audit's case: SkyRL runs at lr from step 0
+    ("cosine", 0, 5, 5),
+])
+def test_policy_worker_applies_skyrl_lr_schedule(ref_model, scheduler, warmup, total, steps):
+    """The rate the engine applies at each optimizer step is the one SkyRL's scheduler gives."""
+    trainer = TrainerConfig()
+    for k, v in ALGO.items():
+        setattr(trainer.algorithm, k, v)
+    oc = trainer.policy.optimizer_config
+    oc.lr, oc.scheduler, oc.num_warmup_steps = 1e-3, scheduler, warmup
+    worker = PolicyWorker(train_config_from_skyrl(trainer, "tiny:qwen3", num_training_steps=total,
+                                                  dtype="float32", zero_stage=0, seed=0))
+    data = with_logprobs(skyrl_batch(8), ref_model, 9)
+    applied = []
+    for _ in range(steps):
+        worker.forward_backward(data)
+        out = worker.engine.step()  # what optim_step runs; it also reports the rate it used
+        assert out["skipped"] == 0.0
+        applied.append(out["lr"])
+    assert applied == skyrl_lrs(trainer, total or 10, steps)
 
 
 def test_refusals(ref_model):
