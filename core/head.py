@@ -102,13 +102,15 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tenso
     vocab = getattr(head, "out_features", None) or head.weight.shape[0]
     elem = hidden.element_size() if hidden.is_cuda else 4  # CUDA keeps only the GEMM's logits
     chunk = chunk_size or max(16, LOGITS_CHUNK_BYTES // (elem * vocab))
-    if hidden.shape[0] == 0:
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    if hidden.shape[0] == 0 and not grad:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, (empty if entropy else None)
-    if _plain_linear(head) and not softcap:
+    if _plain_linear(head) and not softcap:  # no rows: zero gradients, no kernel launched
         return LinearTokenStats.apply(hidden, head.weight, head.bias, target, float(temperature),
                                       entropy, chunk)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    if hidden.shape[0] == 0:  # still a graph: a micro-batch with no tokens has a (zero) backward
+        return _module_chunk(head, hidden, target, temperature, softcap, entropy)
     lps, ents = [], []
     for s, e in _chunks(hidden.shape[0], chunk):
         args = (head, hidden[s:e], target[s:e], temperature, softcap, entropy)

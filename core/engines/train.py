@@ -93,6 +93,7 @@ class TrainingEngine:
         self.rank, self.world_size = dsu.init_deepspeed(self.device)
         self.dtype = resolve_dtype(config.dtype)
         self._pending = 0  # forward_backward calls since the last step
+        self._torn: str | None = None  # why a forward_backward stopped after gradients were added
         self._offloaded = False
         self._ready = None  # (span layout, its .seen, PendingChecksum) launched after the update
         self._digest_stream = None
@@ -173,25 +174,28 @@ class TrainingEngine:
             ``micro_batches`` (per rank), ``time_s``.
         """
         self._check_onloaded()
+        self._check_whole()
         t0 = time.perf_counter()
         normalizer, plan = self._plan(batch)
         spec, cfg = self.loss_spec, self.config
         want_entropy = cfg.log_entropy or spec.entropy_coef != 0
         sums = torch.zeros(len(_METRICS), dtype=torch.float64, device=self.device)
         self.module.train()
-        for rows, real in plan:
-            mb = batch.select(rows)
-            with dsu.engine_forward(self.engine):
-                stats = self._logprobs(mb, entropy=want_entropy, grad=True)
-            dev = lambda t: None if t is None else t.to(self.device)
-            out = policy_loss(spec, stats.logprobs, dev(mb.advantages), stats.mask, normalizer,
-                              old_logprobs=dev(mb.old_logprobs), ref_logprobs=dev(mb.ref_logprobs),
-                              entropy=stats.entropy)
-            self.engine.backward(out.loss * (self.world_size if real else 0.0), scale_wrt_gas=False)
-            if real:
-                vals = {"loss": out.loss.detach(), **out.metrics}
-                sums += torch.stack([vals.get(k, torch.zeros((), device=self.device)).double()
-                                     for k in _METRICS])
+        with self._whole_or_torn(len(plan)) as started:
+            for rows, real in plan:
+                mb = batch.select(rows)
+                with dsu.engine_forward(self.engine):
+                    stats = self._logprobs(mb, entropy=want_entropy, grad=True)
+                dev = lambda t: None if t is None else t.to(self.device)
+                out = policy_loss(spec, stats.logprobs, dev(mb.advantages), stats.mask, normalizer,
+                                  old_logprobs=dev(mb.old_logprobs), ref_logprobs=dev(mb.ref_logprobs),
+                                  entropy=stats.entropy)
+                started.append(rows)
+                self.engine.backward(out.loss * (self.world_size if real else 0.0), scale_wrt_gas=False)
+                if real:
+                    vals = {"loss": out.loss.detach(), **out.metrics}
+                    sums += torch.stack([vals.get(k, torch.zeros((), device=self.device)).double()
+                                         for k in _METRICS])
         all_reduce_sum(sums)
         self._pending += 1
         metrics = {k: float(v) for k, v in zip(_METRICS, sums.tolist())}
@@ -215,6 +219,7 @@ class TrainingEngine:
         update was skipped) and ``skipped_steps`` (how many were, since the engine started).
         """
         self._check_onloaded()
+        self._check_whole()
         if self._pending == 0:
             raise RuntimeError("step() needs a forward_backward() first (no gradient accumulated)")
         lr = float(self.engine.optimizer.param_groups[0]["lr"])
@@ -269,6 +274,8 @@ class TrainingEngine:
             ``[(rows, stats)]`` per real micro-batch, stats detached.
         """
         self._check_onloaded()
+        if backward:
+            self._check_whole()
         if backward and loss_fn is None:
             raise ValueError("forward_backward_local(backward=True) needs a loss_fn")
         if not isinstance(batch, RolloutBatch):
@@ -281,20 +288,22 @@ class TrainingEngine:
         plan += [(smallest, False)] * (count - len(plan))
         self.module.train(backward)
         out = []
-        for rows, real in plan:
-            mb = batch.select(rows)
-            ctx = dsu.engine_forward(self.engine) if backward else contextlib.nullcontext()
-            with ctx:
-                stats = self._logprobs(mb, entropy=entropy, grad=backward, temperature=temperature)
-            with torch.set_grad_enabled(backward):
-                loss = loss_fn(rows, stats) if real and loss_fn is not None else None
-            if backward:
-                if loss is None:  # a weight-0 repeat: same collectives, no contribution
-                    loss = stats.logprobs.sum() * 0.0
-                self.engine.backward(loss, scale_wrt_gas=False)
-            if real:
-                out.append((rows, TokenStats(stats.logprobs.detach(), None if stats.entropy is None
-                                             else stats.entropy.detach(), stats.mask)))
+        with self._whole_or_torn(len(plan)) as started:
+            for rows, real in plan:
+                mb = batch.select(rows)
+                ctx = dsu.engine_forward(self.engine) if backward else contextlib.nullcontext()
+                with ctx:
+                    stats = self._logprobs(mb, entropy=entropy, grad=backward, temperature=temperature)
+                with torch.set_grad_enabled(backward):
+                    loss = loss_fn(rows, stats) if real and loss_fn is not None else None
+                if backward:
+                    if loss is None:  # a weight-0 repeat: same collectives, no contribution
+                        loss = stats.logprobs.sum() * 0.0
+                    started.append(rows)
+                    self.engine.backward(loss, scale_wrt_gas=False)
+                if real:
+                    out.append((rows, TokenStats(stats.logprobs.detach(), None if stats.entropy is None
+                                                 else stats.entropy.detach(), stats.mask)))
         if backward:
             self._pending += 1
         return out
@@ -304,6 +313,7 @@ class TrainingEngine:
         leaves them zero, so this only checks. Gradients of an unfinished accumulation cannot be
         dropped (ZeRO keeps them in its partitions): ``RuntimeError`` then, rather than silently
         adding them to the next step."""
+        self._check_whole()
         if self._pending:
             raise RuntimeError(f"gradients of {self._pending} forward_backward call(s) are pending and "
                                "cannot be dropped: call step() first")
@@ -374,10 +384,14 @@ class TrainingEngine:
         engine unchanged.
         """
         self._check_onloaded()
+        self._check_whole()
+        if self._pending:  # DeepSpeed keeps accumulated gradients across a checkpoint load
+            raise RuntimeError(f"load() with the gradients of {self._pending} forward_backward call(s) "
+                               "pending: the next step() would add them to the loaded state. Call step() "
+                               "first, or load into a new TrainingEngine")
         verify_manifest(path)
         self._drop_checksum()
         dsu.load_checkpoint(self.engine, path, tag="polynya")
-        self._pending = 0
 
     def offload(self) -> dict[str, float]:
         """Move weights, gradients, fp32 master weights and optimizer state to host memory (for a
@@ -425,6 +439,27 @@ class TrainingEngine:
             return
         dsu.reload_engine(self.engine, self.device)
         self._offloaded = False
+
+    @contextlib.contextmanager
+    def _whole_or_torn(self, planned: int):
+        """Around a forward_backward's micro-batches: the caller appends each micro-batch's
+        rows before its backward. An exception after one began leaves a partial gradient in
+        DeepSpeed's buffers, which ZeRO cannot drop; the engine then refuses to accumulate or
+        step on it (``_check_whole``) rather than train on part of a batch."""
+        started: list = []
+        try:
+            yield started
+        except BaseException as exc:
+            if started:
+                self._torn = (f"a forward_backward failed after the backward of {len(started)} of its "
+                              f"{planned} micro-batches had begun ({type(exc).__name__}: {exc})")
+            raise
+
+    def _check_whole(self) -> None:
+        if self._torn:
+            raise RuntimeError(f"{self._torn}: its partial gradient is in DeepSpeed's buffers, which neither "
+                               "ZeRO nor a load() drops, so step() would train on part of a batch. Build a "
+                               "new TrainingEngine (and load(<checkpoint>) into it) to train on.")
 
     def _check_onloaded(self) -> None:
         if self._offloaded:
