@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .head import token_stats
-from .model_features import AttentionFeatures, attention_features, model_name
+from .model_features import AttentionFeatures, attention_features, model_name, text_config
 from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
 from .config.common import check_naive_layout
@@ -113,6 +113,13 @@ def check_model(model: torch.nn.Module, *, zorro: bool, train: bool = False,
     elif naive_layout == "packed":
         feats.require("The packed naive layout", name, supported=PACKED_SUPPORTS,
                       alternative="use naive_layout='padded' (or 'auto') for this model")
+    cfg = text_config(model.config) if hasattr(model, "config") else None
+    dropout = float(getattr(cfg, "attention_dropout", 0.0) or 0.0)
+    if (train or model.training) and dropout > 0:
+        raise ValueError(f"{name} sets attention_dropout={dropout}, which polynya's attention paths "
+                         "(ZoRRo, the packed naive layout, the fused GPU kernels) do not apply, so "
+                         "log-probs would depend on the batch layout; set attention_dropout=0.0 in "
+                         "the model config (RL post-training runs without it)")
     if train and feats.router_aux_loss:
         raise ValueError(f"{name} sets output_router_logits=True (the MoE router load-balancing "
                          f"loss, coefficient {feats.router_aux_loss_coef}), which polynya's "

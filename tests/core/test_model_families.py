@@ -170,3 +170,24 @@ def test_naive_path_equals_the_full_hf_model(family):
             logits = model(ids).logits[0, p.size - 1:-1].float() / 0.7
         ref = logits.log_softmax(-1).gather(1, torch.tensor(r)[:, None])[:, 0]
         torch.testing.assert_close(st.logprobs[i, :r.size].detach(), ref, atol=1e-5, rtol=0)
+
+
+def test_attention_dropout_is_refused_where_it_would_apply(tmp_path):
+    """polynya's attention paths do not all apply attention dropout (ZoRRo's segments, the packed
+    naive layout, the GPU kernels): in train mode it would make log-probs depend on the batch
+    layout, so training refuses it by name; eval (the log-prob engine) has no dropout."""
+    from polynya import RolloutBatch, compute_logprobs
+    from polynya.config.train import TrainConfig
+    from polynya.engines.train import TrainingEngine
+    from polynya.models import load_model
+
+    model = load_model("tiny:qwen3", dtype="float32")
+    model.config.attention_dropout = 0.1
+    batch = RolloutBatch([[5, 6, 7]] * 2, [[8, 9], [10]])
+    eval_lp = compute_logprobs(model.eval(), batch).logprobs  # no dropout in eval: accepted
+    assert torch.isfinite(eval_lp).all()
+    with pytest.raises(ValueError, match="attention_dropout=0.1.*set attention_dropout=0.0"):
+        compute_logprobs(model.train(), batch)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        TrainingEngine(TrainConfig(str(tmp_path), dtype="float32", zero_stage=0))
