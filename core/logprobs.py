@@ -16,8 +16,6 @@ backward pass, so the full ``[tokens, vocab]`` logits never exist at once.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -25,7 +23,7 @@ from .head import token_stats
 from .model_features import AttentionFeatures, attention_features, model_name, text_config
 from .types import RolloutBatch, TokenStats
 from .zorro import pack_rows
-from .config.common import check_naive_layout
+from .config.common import check_naive_layout, check_temperature
 from .zorro.attention import FLEX_BLOCK, ZORRO_SUPPORTS, use_zorro_attention, zorro_mask
 
 PACKED_SUPPORTS = ZORRO_SUPPORTS  # the packed naive layout runs the same attention hook
@@ -75,14 +73,11 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 def check_inputs(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> None:
     """``ValueError`` unless ``batch`` and ``temperature`` suit ``model``: ids inside the vocabulary,
-    every sample within the model's positions, temperature finite and > 0. Engines call it before
+    every sample within the model's positions, temperature finite and >= ``MIN_TEMPERATURE``. Engines call it before
     touching any state (a refused micro-batch must not follow an accepted one)."""
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"compute_logprobs expects a polynya.RolloutBatch, got {type(batch).__name__}")
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature) or temperature <= 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r} (log-probs "
-                         "at temperature 0 are undefined; 1.0 gives the policy's own)")
+    check_temperature(temperature, "temperature")
     vocab = model.get_input_embeddings().num_embeddings
     for name, seqs in (("prompt_ids", batch.prompts), ("response_ids", batch.responses)):
         for i, s in enumerate(seqs):

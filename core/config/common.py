@@ -1,6 +1,8 @@
 """Validation helpers shared by the engine configs."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -35,6 +37,17 @@ def check_zorro_attention(value: object, owner: str) -> None:
 def check_naive_layout(value: object, owner: str) -> None:
     if value not in NAIVE_LAYOUT:
         raise ValueError(f"{owner}.naive_layout must be one of {NAIVE_LAYOUT}, got {value!r}")
+
+
+def check_temperature(value: object, name: str) -> None:
+    """A log-prob temperature: a finite number >= ``MIN_TEMPERATURE`` (the sampler's floor; below
+    it ``logits / temperature`` overflows float32)."""
+    from ..types import MIN_TEMPERATURE
+
+    check_positive(value, name)
+    if not math.isfinite(value) or value < MIN_TEMPERATURE:
+        raise ValueError(f"{name} must be finite and >= {MIN_TEMPERATURE}, got {value!r} (log-probs at "
+                         "temperature 0 are undefined; 1.0 gives the policy's own)")
 
 
 def check_positive(value: object, name: str, *, allow_zero: bool = False, integer: bool = False) -> None:

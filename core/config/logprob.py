@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import check_model_spec, check_naive_layout, check_positive, check_zorro_attention, resolve_dtype
+from .common import (check_model_spec, check_naive_layout, check_positive, check_temperature,
+                     check_zorro_attention, resolve_dtype)
 from .train import (
     ENGINE_DTYPES,
     _check_bool,
@@ -70,7 +71,7 @@ class LogProbConfig:
         _check_bool(self.zorro, "LogProbConfig.zorro")
         check_zorro_attention(self.zorro_attention, "LogProbConfig")
         check_naive_layout(self.naive_layout, "LogProbConfig")
-        check_positive(self.temperature, "LogProbConfig.temperature")
+        check_temperature(self.temperature, "LogProbConfig.temperature")
         check_positive(self.micro_batch_tokens, "LogProbConfig.micro_batch_tokens", integer=True)
         if self.max_tokens_per_row is not None:
             check_positive(self.max_tokens_per_row, "LogProbConfig.max_tokens_per_row", integer=True)

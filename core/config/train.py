@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import check_model_spec, check_naive_layout, check_positive, check_zorro_attention, resolve_dtype
+from .common import (check_model_spec, check_naive_layout, check_positive, check_temperature,
+                     check_zorro_attention, resolve_dtype)
 
 LOSSES = ("ppo", "grpo", "dapo", "dr_grpo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -229,7 +230,7 @@ class TrainConfig:
         check_positive(self.micro_batch_tokens, "TrainConfig.micro_batch_tokens", integer=True)
         if self.max_tokens_per_row is not None:
             check_positive(self.max_tokens_per_row, "TrainConfig.max_tokens_per_row", integer=True)
-        check_positive(self.temperature, "TrainConfig.temperature")
+        check_temperature(self.temperature, "TrainConfig.temperature")
         _check_bool(self.gradient_checkpointing, "TrainConfig.gradient_checkpointing")
         _check_bool(self.fused_kernels, "TrainConfig.fused_kernels")
         check_compile_layers(self.compile_layers, self.fused_kernels, self.zero_stage, "TrainConfig")

@@ -166,6 +166,7 @@ def test_empty_responses_and_inference_mode():
     (dict(batch=RolloutBatch([[999]], [[1]])), "prompt_ids[0]"),
     (dict(batch=RolloutBatch([[1]], [[1]]), temperature=0.0), "temperature"),
     (dict(batch=RolloutBatch([[1]], [[1]]), temperature=math.nan), "temperature"),
+    (dict(batch=RolloutBatch([[1]], [[1]]), temperature=1e-39), "temperature must be finite and >= 1e-05"),
     (dict(batch={"prompt_ids": [[1]]}), "RolloutBatch"),
 ])
 def test_bad_input_raises_value_error(kwargs, needle):

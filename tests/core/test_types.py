@@ -83,3 +83,12 @@ def test_stop_rule(stop_token_ids, stop_at_eos, expected):
     p = SamplingParams(stop_token_ids=stop_token_ids, stop_at_eos=stop_at_eos)
     assert p.stop_ids({0, 1}) == frozenset(expected)
     assert p.stops_at_eos == bool({0, 1} & expected)
+
+
+@pytest.mark.parametrize("owner", ["TrainConfig", "LogProbConfig"])
+@pytest.mark.parametrize("temperature", [1e-6, float("inf")])
+def test_log_prob_temperature_has_the_samplers_floor(owner, temperature):
+    from polynya.config import LogProbConfig, TrainConfig
+
+    with pytest.raises(ValueError, match=f"{owner}.temperature must be finite and >= 1e-05"):
+        {"TrainConfig": TrainConfig, "LogProbConfig": LogProbConfig}[owner]("tiny:qwen3", temperature=temperature)
