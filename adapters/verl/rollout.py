@@ -19,8 +19,22 @@ next engine step and answers with its partial ``token_ids`` / ``log_probs`` and
 ``resume_generation``); new requests wait for ``resume_generation`` (or are answered
 ``stop_reason="aborted"`` at once with ``reject_request=True``); the call returns once nothing is
 in flight, with the aborted requests' ids. ``log_probs`` are those of the distribution sampled
-from (after temperature / top-k / top-p). ``repetition_penalty`` != 1 and multimodal inputs are
-refused.
+from (after temperature / top-k / top-p). ``repetition_penalty`` != 1 (per request or
+``rollout.repetition_penalty``) and multimodal inputs are refused.
+
+Stopping and seeds follow verl's vLLM server:
+
+- a request stops at the model's EOS ids *and* at its ``stop_token_ids`` (verl's tool agent loop
+  adds its parser's stop ids); ``ignore_eos`` (per request, defaulting to
+  ``actor_rollout_ref.rollout.ignore_eos``) drops the EOS ids and keeps the request's stop ids;
+- replica ``r`` samples from seed ``base + r``, ``base`` being ``engine_kwargs.polynya.seed`` when
+  set, else ``rollout.seed`` (vLLM's engine seed is ``replica_rank + rollout.seed``), so replicas
+  given the same prompt draw different samples. For ``tiny:`` / ``random:`` specs that seed also
+  draws the initial weights (verl itself always passes a model directory).
+
+As verl's vLLM server, the server loads the model directory's own config:
+``actor_rollout_ref.model.override_config`` does not reach rollouts in verl either (polynya's
+``deepspeed`` engine refuses an override that changes the model: ``settings``).
 """
 from __future__ import annotations
 
@@ -38,39 +52,60 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 SERVER_PREFIX = "polynya_rollout_server"
-_IGNORED = {"repetition_penalty": 1.0, "ignore_eos": False}
 
 
 def server_name(replica_rank: int, suffix: str = "") -> str:
     return f"{SERVER_PREFIX}_{replica_rank}{suffix}"
 
 
-def sampler_config(config, model_path: str) -> SamplerConfig:
-    """verl's ``RolloutConfig`` -> ``SamplerConfig`` (``engine_kwargs.polynya`` for the rest)."""
+def _int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an int, got {value!r}")
+    return value
+
+
+def sampler_config(config, model_path: str, replica_rank: int = 0) -> SamplerConfig:
+    """verl's ``RolloutConfig`` -> ``SamplerConfig`` of replica ``replica_rank``
+    (``engine_kwargs.polynya`` for the rest; seed rule in the module docstring)."""
     world = config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size
     if world != 1:
         raise ValueError("polynya's sampler runs one GPU per replica: set actor_rollout_ref.rollout."
                          f"tensor_model_parallel_size=1 (and data/pipeline parallel 1), got {world} GPUs")
+    if config.repetition_penalty != 1.0:
+        raise ValueError("polynya's sampler has no repetition penalty: set actor_rollout_ref.rollout."
+                         f"repetition_penalty=1.0 (got {config.repetition_penalty!r})")
+    if not isinstance(config.ignore_eos, bool):
+        raise ValueError(f"actor_rollout_ref.rollout.ignore_eos must be a bool, got {config.ignore_eos!r}")
     extra = dict((config.engine_kwargs or {}).get("polynya", None) or {})
+    base = extra.pop("seed", None)
+    base = _int(config.seed, "actor_rollout_ref.rollout.seed") if base is None else \
+        _int(base, "actor_rollout_ref.rollout.engine_kwargs.polynya.seed")
     max_len = config.max_model_len or config.prompt_length + config.response_length
     fields = dict(dtype=config.dtype, max_num_seqs=config.max_num_seqs,
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=int(max_len))
     fields.update(extra)
-    return SamplerConfig(str(model_path), **fields)
+    return SamplerConfig(str(model_path), seed=base + _int(replica_rank, "replica_rank"), **fields)
 
 
-def to_sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
-    """verl's (vLLM-style) sampling dict -> ``SamplingParams``; unknown or unsupported keys refused."""
+def to_sampling_params(params: dict[str, Any], default_max_tokens: int, ignore_eos: bool = False) -> SamplingParams:
+    """verl's (vLLM-style) sampling dict -> ``SamplingParams``; unknown or unsupported keys refused.
+
+    As vLLM: generation stops at the model's EOS ids and at ``stop_token_ids``; ``ignore_eos``
+    (the request's, else the argument: ``rollout.ignore_eos``) keeps only ``stop_token_ids``.
+    """
     p = dict(params)
-    for key, neutral in _IGNORED.items():
-        if p.pop(key, neutral) != neutral:
-            raise ValueError(f"sampling_params[{key!r}] is not supported by polynya's sampler")
+    if p.pop("repetition_penalty", 1.0) != 1.0:
+        raise ValueError("sampling_params['repetition_penalty'] is not supported by polynya's sampler")
+    ignore = p.pop("ignore_eos", ignore_eos)
+    if not isinstance(ignore, bool):
+        raise ValueError(f"sampling_params['ignore_eos'] must be a bool, got {ignore!r}")
     max_tokens = p.pop("max_tokens", p.pop("max_new_tokens", default_max_tokens))
     top_k = int(p.pop("top_k", -1))
     out = SamplingParams(temperature=float(p.pop("temperature", 1.0)), top_p=float(p.pop("top_p", 1.0)),
                          top_k=-1 if top_k == 0 else top_k, min_p=float(p.pop("min_p", 0.0)),
                          max_tokens=int(max_tokens), logprobs=bool(p.pop("logprobs", False)),
-                         seed=p.pop("seed", None), stop_token_ids=p.pop("stop_token_ids", None))
+                         seed=p.pop("seed", None), stop_token_ids=p.pop("stop_token_ids", None),
+                         stop_at_eos=not ignore)
     if p:
         raise ValueError(f"sampling_params keys not supported by polynya's sampler: {sorted(p)}")
     return out
@@ -81,7 +116,8 @@ class PolynyaRolloutServer:
 
     Args:
         config: verl ``RolloutConfig``; model_path: local model directory or HF id
-        (``tiny:`` / ``random:`` specs too); replica_rank: for ``extra_fields``.
+        (``tiny:`` / ``random:`` specs too); replica_rank: the replica's index (its sampling
+        seed, module docstring).
     """
 
     def __init__(self, config, model_path: str, replica_rank: int = 0) -> None:
@@ -89,7 +125,7 @@ class PolynyaRolloutServer:
 
         self.config = config
         self.replica_rank = replica_rank
-        self.engine = SamplingEngine(sampler_config(config, model_path))
+        self.engine = SamplingEngine(sampler_config(config, model_path, replica_rank))
         self.max_model_len = self.engine.config.max_model_len
         self.global_steps: int | None = None
         self.asleep = False
@@ -107,7 +143,7 @@ class PolynyaRolloutServer:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
                              f"max_model_len={self.max_model_len}")
         default = min(self.config.response_length, room)
-        params = to_sampling_params(sampling_params, default)
+        params = to_sampling_params(sampling_params, default, ignore_eos=self.config.ignore_eos)
         params.max_tokens = max(1, min(params.max_tokens, room))
         if self.gate.paused and self.reject:
             return self._aborted()

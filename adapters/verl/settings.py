@@ -14,11 +14,23 @@ model path, dtype, seed, optimizer (verl's ``FSDPOptimizerConfig``: AdamW, const
 and token budget become one ``TrainConfig``. Settings polynya cannot honour (another optimizer,
 a warm-up or cosine schedule, fp16, LoRA, fixed-size micro-batches) raise ``ValueError``
 naming the verl key to change.
+
+The model config: verl builds its engines from ``actor_rollout_ref.model.hf_config_path``'s
+config with ``model.override_config`` applied; polynya's engines (actor and reference alike)
+load the model directory's own ``config.json`` and have no hook for changed values. So an
+override that changes the model's config, or an ``hf_config_path`` whose config differs from
+the model's, is refused with the keys it changes (copy the model directory with the changed
+``config.json`` and point ``model.path`` at it). Overrides equal to the model's own values pass,
+and so do ``attn_implementation`` (polynya picks its attention kernels itself:
+``deepspeed.zorro_attention``) and the special token ids (verl sets them from the tokenizer;
+they change no log-prob or gradient).
 """
 from __future__ import annotations
 
 from . import _module_done
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +39,9 @@ from verl.workers.config import ActorConfig, EngineConfig
 
 STRATEGY = "deepspeed"
 _VERL_MODEL = "<verl actor_rollout_ref.model.path>"  # stands in for the path while validating
+# model.override_config keys that leave the engine's numbers unchanged (module docstring)
+_NEUTRAL_OVERRIDES = frozenset({"attn_implementation", "bos_token_id", "eos_token_id", "pad_token_id"})
+_MISSING = object()
 
 
 @dataclass
@@ -99,6 +114,52 @@ def _optim(opt) -> tuple[float, OptimConfig]:
                                       grad_clip=float(opt.clip_grad))
 
 
+def _changes(current, wanted: Mapping, prefix: str = "") -> list[str]:
+    """``key=value`` of every entry of ``wanted`` (nested mappings: sub-configs / dicts) that
+    differs from ``current`` or is absent from it."""
+    changed = []
+    for key, value in wanted.items():
+        have = current.get(key, _MISSING) if isinstance(current, Mapping) else getattr(current, key, _MISSING)
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and have is not _MISSING and not isinstance(have, (str, int, float)):
+            changed += _changes(have, value, name + ".")
+        elif have is _MISSING or have != value:
+            changed.append(f"{name}={value!r} (the model's: {'absent' if have is _MISSING else repr(have)})")
+    return changed
+
+
+def _check_model_config(model_config, path: str) -> None:
+    """Refuse ``model.override_config`` / ``model.hf_config_path`` settings that would change the
+    config of the model at ``path`` (module docstring): ``ValueError`` naming the keys."""
+    from polynya.models import model_config as load_config
+
+    overrides = dict(getattr(model_config, "override_config", None) or {})
+    overrides = dict(overrides.get("model_config", overrides))  # verl reads this nesting too
+    overrides = {k: v for k, v in overrides.items() if k not in _NEUTRAL_OVERRIDES}
+    config_path = getattr(model_config, "local_hf_config_path", None) or getattr(model_config, "hf_config_path", None)
+    other_config = config_path is not None and os.path.realpath(str(config_path)) != os.path.realpath(path)
+    if not overrides and not other_config:
+        return
+    own = load_config(path)
+    if other_config:
+        mine, theirs = own.to_dict(), load_config(str(config_path)).to_dict()
+        skip = _NEUTRAL_OVERRIDES | {"_name_or_path", "transformers_version"}
+        changed = [f"{k}={theirs.get(k, 'absent')!r} (the model's: {mine.get(k, 'absent')!r})"
+                   for k in sorted(mine.keys() | theirs.keys())
+                   if k not in skip and mine.get(k, _MISSING) != theirs.get(k, _MISSING)]
+        if changed:
+            raise ValueError(f"actor_rollout_ref.model.hf_config_path={config_path!r} holds another config than "
+                             f"the model's ({'; '.join(changed)}): polynya's deepspeed engine loads the config.json "
+                             "of actor_rollout_ref.model.path. Put that config into a copy of the model directory "
+                             "and point model.path at it, or drop hf_config_path")
+    changed = _changes(own, overrides)
+    if changed:
+        raise ValueError(f"actor_rollout_ref.model.override_config changes the model's config ({'; '.join(changed)}): "
+                         "polynya's deepspeed engine loads the model's own config.json and cannot apply it. "
+                         "Write these values into the config.json of a copy of the model directory and point "
+                         "actor_rollout_ref.model.path at it, or drop the override")
+
+
 def train_config(model_config, engine_config: DeepSpeedEngineConfig, optimizer_config) -> TrainConfig:
     """The ``TrainConfig`` of one verl engine (actor or, with ``forward_only``, reference)."""
     if not isinstance(engine_config, DeepSpeedEngineConfig):
@@ -108,6 +169,7 @@ def train_config(model_config, engine_config: DeepSpeedEngineConfig, optimizer_c
         raise ValueError("polynya's deepspeed engine trains full weights: LoRA "
                          "(actor_rollout_ref.model.lora_rank) is not supported")
     path = getattr(model_config, "local_path", None) or model_config.path
+    _check_model_config(model_config, str(path))
     budget = engine_config.max_token_len_per_gpu or engine_config.infer_max_token_len_per_gpu
     if not engine_config.use_dynamic_bsz or not budget:
         raise ValueError("polynya's deepspeed engine needs use_dynamic_bsz=true and a token budget "

@@ -1,8 +1,11 @@
 """verl's own ppo_trainer.yaml composes with the README's overrides, verl validates it, and the
-result translates to polynya's configs; bad values fail with polynya's errors."""
+result translates to polynya's configs; bad values fail with polynya's errors. Model-config
+settings are checked on verl's real ``HFModelConfig`` of a saved model: what polynya would load
+must be what verl builds (``override_config`` / ``hf_config_path``), else refused."""
 from __future__ import annotations
 
 import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -10,10 +13,14 @@ import verl
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from omegaconf import open_dict
+from polynya.adapters.verl.engine import DeepSpeedLMEngine
 from polynya.adapters.verl.overrides import SWAP
 from polynya.adapters.verl.rollout import sampler_config
 from polynya.adapters.verl.settings import DeepSpeedActorConfig, DeepSpeedEngineConfig, train_config
+from polynya.models import load_model, tiny_tokenizer
+from transformers import AutoConfig
 from verl.utils.config import omega_conf_to_dataclass, validate_config
+from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
 
 RUN = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
        "trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo"]
@@ -113,3 +120,85 @@ def test_multi_gpu_rollout_replica_is_refused():
     cfg = compose_verl("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
         sampler_config(omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout), "m")
+
+
+@pytest.mark.parametrize("overrides, seeds", [
+    ([], [42, 43, 45]),  # verl's default rollout.seed; replica r: seed + r, as verl's vLLM server
+    (["actor_rollout_ref.rollout.seed=5"], [5, 6, 8]),
+    (["+actor_rollout_ref.rollout.engine_kwargs.polynya.seed=100"], [100, 101, 103]),
+])
+def test_each_rollout_replica_gets_its_own_seed(overrides, seeds):
+    rollout = omega_conf_to_dataclass(compose_verl(*overrides).actor_rollout_ref.rollout)
+    assert [sampler_config(rollout, "m", replica_rank=r).seed for r in (0, 1, 3)] == seeds
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+actor_rollout_ref.rollout.repetition_penalty=1.2", "repetition_penalty=1.0"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.polynya.seed=x", "engine_kwargs.polynya.seed must be an int"),
+])
+def test_rollout_settings_polynya_cannot_honour_are_refused(override, message):
+    rollout = omega_conf_to_dataclass(compose_verl(override).actor_rollout_ref.rollout)
+    with pytest.raises(ValueError, match=message):
+        sampler_config(rollout, "m")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen3")
+    load_model("tiny:qwen3", seed=0).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def engines():
+    """(engine config, optimizer config) of the actor and of the reference (forward only)."""
+    budget = dict(dtype="float32", zero_stage=0, use_dynamic_bsz=True, max_token_len_per_gpu=64)
+    return [(DeepSpeedEngineConfig(**budget), FSDPOptimizerConfig(lr=1e-6)),
+            (DeepSpeedEngineConfig(**budget, forward_only=True), None)]
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"rms_norm_eps": 0.5}, r"rms_norm_eps=0\.5 \(the model's: 1e-06\)"),
+    ({"model_config": {"attention_dropout": 0.1}}, r"attention_dropout=0\.1"),  # verl's nested form
+    ({"no_such_field": 3}, r"no_such_field=3 \(the model's: absent\)"),
+])
+def test_model_override_config_that_changes_the_model_is_refused(model_dir, override, message):
+    """verl builds its actor and reference from the overridden config; polynya loads the model's
+    own, so such an override is refused for both engines (never trained on silently)."""
+    model = HFModelConfig(path=model_dir, override_config=override)
+    for engine, optim in engines():
+        with pytest.raises(ValueError, match=f"actor_rollout_ref.model.override_config changes .*{message}"):
+            train_config(model, engine, optim)
+        with pytest.raises(ValueError, match=message):  # what verl's worker builds
+            DeepSpeedLMEngine(model, engine, optim)
+
+
+def test_model_overrides_that_change_nothing_pass(model_dir):
+    """Values equal to the model's own, the attention implementation (polynya picks its kernels)
+    and the special token ids pass; the model polynya loads then has verl's values."""
+    own = AutoConfig.from_pretrained(model_dir)
+    same = {"rms_norm_eps": own.rms_norm_eps, "num_hidden_layers": own.num_hidden_layers,
+            "hidden_act": own.hidden_act}
+    model = HFModelConfig(path=model_dir, override_config={**same, "attn_implementation": "eager",
+                                                           "eos_token_id": 7, "pad_token_id": 1})
+    for engine, optim in engines():
+        assert train_config(model, engine, optim).model == model_dir
+    loaded = load_model(model_dir).config
+    for key in ("rms_norm_eps", "num_hidden_layers", "hidden_act", "hidden_size", "rope_parameters"):
+        assert getattr(loaded, key) == getattr(model.hf_config, key), key
+
+
+def test_hf_config_path_with_another_config_is_refused(model_dir, tmp_path):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(os.path.join(model_dir, "config.json"), copy)
+    for engine, optim in engines():  # the model's own config elsewhere: the same model
+        assert train_config(HFModelConfig(path=model_dir, hf_config_path=str(copy)), engine, optim).model == model_dir
+    other = AutoConfig.from_pretrained(model_dir)
+    other.rms_norm_eps = 0.25
+    other.save_pretrained(tmp_path / "other")
+    model = HFModelConfig(path=model_dir, hf_config_path=str(tmp_path / "other"))
+    assert model.hf_config.rms_norm_eps == 0.25  # what verl would build its engines from
+    for engine, optim in engines():
+        with pytest.raises(ValueError, match=r"hf_config_path=.*rms_norm_eps=0\.25 \(the model's: 1e-06\)"):
+            train_config(model, engine, optim)

@@ -3,7 +3,9 @@
 Oracle: the same random model in plain torch — greedy tokens by argmax step by step, sampled
 tokens' log-probs by ``log_softmax`` of full forwards. Checked: ``TokenOutput`` fields, sleep /
 wake, abort (partial outputs, then a resend that completes the answer) / resume gating, weight
-updates (new weights -> new tokens) and refused requests.
+updates (new weights -> new tokens), vLLM's stop rules (EOS plus ``stop_token_ids``;
+``ignore_eos`` per request and from ``rollout.ignore_eos``), per-replica seeds and refused
+requests.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 import pytest
 import torch
 from polynya.adapters.verl.rollout import PolynyaRolloutServer
-from polynya.models import load_model
+from polynya.models import load_model, tiny_tokenizer
 from verl.workers.config import RolloutConfig
 
 MODEL, SEED, MAX_NEW = "tiny:qwen3", 0, 6
@@ -129,7 +131,7 @@ def test_abort_all_requests_returns_partial_outputs_and_resend_completes(model):
         return run_step(*args, **kwargs)
 
     runner.run = slow_step
-    params = {"temperature": 0.0, "logprobs": True, "stop_token_ids": [], "max_tokens": total}
+    params = {"temperature": 0.0, "logprobs": True, "ignore_eos": True, "max_tokens": total}
 
     async def scenario():
         running = [asyncio.create_task(server.generate(p, params, f"x{i}")) for i, p in enumerate(PROMPTS)]
@@ -182,6 +184,7 @@ def test_update_weights_serves_the_new_model():
 @pytest.mark.parametrize("params, kwargs, message", [
     ({"repetition_penalty": 1.3}, {}, "repetition_penalty"),
     ({"frequency_penalty": 0.5}, {}, "frequency_penalty"),
+    ({"ignore_eos": "yes"}, {}, "ignore_eos"),
     ({}, {"image_data": ["img"]}, "token ids only"),
 ])
 def test_unsupported_requests_are_refused(server, params, kwargs, message):
@@ -194,3 +197,79 @@ def test_prompt_without_room_is_refused(server):
         run(server.generate(list(range(2, 2 + 38)), {}, "long"))
     with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
         PolynyaRolloutServer(rollout_config(tensor_model_parallel_size=2), MODEL)
+
+
+EOS_NEW = 10  # response_length of the EOS tests: the greedy answer meets EOS early, then goes on
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory, model):
+    """The tiny model saved as a directory (every replica serves the same weights, whatever its
+    seed) with its EOS id moved to an early greedy token of ``PROMPTS[0]``. Returns the path, the
+    EOS-free greedy answer of ``EOS_NEW`` tokens, the EOS position in it, a later position
+    holding a token not seen before it, and an id the answer never holds (a tool parser's)."""
+    free = greedy(model, PROMPTS[0], EOS_NEW, eos=None)
+    first = [i for i in range(EOS_NEW) if free[i] not in free[:i]]  # first occurrences
+    pos, later = next(i for i in first if i >= 2), first[-1]
+    assert free[1] != free[0] and later > pos, free
+    eos = free[pos]
+    saved = load_model(MODEL, dtype="float32", device="cpu", seed=SEED)
+    saved.config.eos_token_id = saved.generation_config.eos_token_id = eos
+    path = tmp_path_factory.mktemp("eos_model")
+    saved.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    tool_stop = next(t for t in range(2, 512) if t not in free)
+    return str(path), free, pos, later, tool_stop
+
+
+def test_stop_token_ids_stop_besides_eos_as_vllm(eos_model):
+    """vLLM's rule (verl's tool agent loop adds its parser's stop ids to every turn): a request's
+    ``stop_token_ids`` stop generation *as well as* the model's EOS, never instead of it."""
+    path, free, pos, later, tool_stop = eos_model
+    server = PolynyaRolloutServer(rollout_config(response_length=EOS_NEW), path)
+    g = {"temperature": 0.0}
+
+    def tokens(params, rid):
+        out = run(server.generate(PROMPTS[0], {**g, **params}, rid))
+        assert out.stop_reason == "completed"
+        return out.token_ids
+
+    assert tokens({}, "e0") == free[:pos + 1]  # EOS, the last token returned
+    assert tokens({"stop_token_ids": [tool_stop]}, "e1") == free[:pos + 1]  # still stops at EOS
+    assert tokens({"stop_token_ids": []}, "e2") == free[:pos + 1]
+    assert tokens({"stop_token_ids": [free[1]]}, "e3") == free[:2]  # a stop id before EOS
+    # ignore_eos drops EOS only: past it to max_tokens, or to the request's stop id
+    assert tokens({"ignore_eos": True, "stop_token_ids": [tool_stop]}, "e4") == free
+    assert tokens({"ignore_eos": True, "stop_token_ids": [free[later]]}, "e5") == free[:later + 1]
+
+
+def test_rollout_ignore_eos_applies_to_every_request(eos_model):
+    """``actor_rollout_ref.rollout.ignore_eos=true`` is every request's default, as verl's vLLM
+    server applies it (``setdefault``): EOS passed, stop ids kept, a request's own value wins."""
+    path, free, pos, later, tool_stop = eos_model
+    server = PolynyaRolloutServer(rollout_config(response_length=EOS_NEW, ignore_eos=True), path)
+    g = {"temperature": 0.0}
+    out = run(server.generate(PROMPTS[0], g, "i0"))
+    assert out.token_ids == free and free[pos] in out.token_ids[:-1] and out.stop_reason == "completed"
+    assert run(server.generate(PROMPTS[0], {**g, "stop_token_ids": [free[later]]}, "i1")).token_ids == \
+        free[:later + 1]
+    assert run(server.generate(PROMPTS[0], {**g, "ignore_eos": False}, "i2")).token_ids == free[:pos + 1]
+
+
+@pytest.mark.parametrize("polynya_seed, seeds", [(None, [7, 8, 7]), (3, [3, 4, 3])])
+def test_replicas_sample_from_their_own_seeds(eos_model, polynya_seed, seeds):
+    """Replica r samples from ``base + r`` (base: ``engine_kwargs.polynya.seed``, else
+    ``rollout.seed``; verl's vLLM server uses ``replica_rank + rollout.seed``): two replicas given
+    the same prompts draw different samples, a replica of the same rank the same ones."""
+    path, free, pos, _, _ = eos_model
+    extra = {"num_blocks": 64, "device": "cpu"} | ({} if polynya_seed is None else {"seed": polynya_seed})
+    config = rollout_config(response_length=EOS_NEW, seed=7, engine_kwargs={"polynya": extra})
+    servers = [PolynyaRolloutServer(config, path, replica_rank=r) for r in (0, 1, 0)]
+    assert [s.engine.config.seed for s in servers] == seeds
+    params = {"temperature": 1.0, "ignore_eos": True}
+    outs = [[run(s.generate(PROMPTS[0], params, f"s{i}")).token_ids for i in range(2)] for s in servers]
+    assert all(len(o) == EOS_NEW for per in outs for o in per)
+    assert outs[0] != outs[1] and outs[0][0] != outs[1][0] and outs[0][1] != outs[1][1]
+    assert outs[2] == outs[0]
+    # the same weights: only the sampling differs
+    assert run(servers[1].generate(PROMPTS[0], {"temperature": 0.0}, "g")).token_ids == free[:pos + 1]
