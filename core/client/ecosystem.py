@@ -13,32 +13,41 @@ A generation whose HTTP client disconnects is aborted in the engine (``cancel.py
 """
 
 import asyncio
+import dataclasses
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from ..types import SamplingParams
 from .cancel import Generations
 from .gate import GenerationGate
-from .openai_compat import add_openai_routes
+from .openai_compat import NEUTRAL_VALUES, SAMPLING_FIELDS, add_openai_routes, sampling_params
 from .routes_skyrl import openai_error
 
-_PARAM_KEYS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "stop_token_ids",
-    "seed",
-)
+# what /inference/v1/generate's sampling_params may hold: vLLM's fields polynya's sampler
+# implements, the neutral values of those it does not (``openai_compat.sampling_params`` checks
+# both, as for /v1/completions), and the fields SkyRL's generator sends that change no token
+_GENERATE_KEYS = {*SAMPLING_FIELDS, *NEUTRAL_VALUES, "top_k", "stop", "skip_special_tokens"}
+_ROUTE_ONLY = {"logprobs", "min_tokens", "prompt_logprobs", "include_stop_str_in_output", "output_kind"}
 
 
-def _params(d: dict, want_logprobs: bool) -> SamplingParams:
-    """vLLM sampling params -> ``SamplingParams``: stop ids *add to* the model's EOS, which
-    ``ignore_eos`` turns off (vLLM's rule)."""
-    kw = {k: d[k] for k in _PARAM_KEYS if d.get(k) is not None}
-    return SamplingParams(**kw, logprobs=want_logprobs, stop_at_eos=not d.get("ignore_eos"))
+def generate_params(sp: dict) -> SamplingParams:
+    """``/inference/v1/generate``'s vLLM ``sampling_params`` -> ``SamplingParams``
+    (``ValueError`` naming a field it would otherwise ignore). vLLM's rules: ``top_k=0`` is off,
+    ``max_tokens`` defaults to 16, stop ids add to the model's EOS unless ``ignore_eos``.
+    ``logprobs=k`` returns the sampled token's log-prob (no top-k alternatives);
+    ``min_tokens`` up to 1 is accepted and not applied (SkyRL's generator always sends 1: a
+    completion may end at its first token, which vLLM would mask)."""
+    min_tokens = sp.get("min_tokens")
+    if min_tokens not in (None, 0, 1):
+        raise ValueError(f"min_tokens={min_tokens!r} is not supported by polynya's sampler (0 or 1 only)")
+    if sp.get("prompt_logprobs") is not None:
+        raise ValueError("prompt_logprobs is not served by /inference/v1/generate; ask "
+                         "/v1/completions with prompt_logprobs")
+    logprobs = sp.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise ValueError(f"logprobs must be null or an int >= 0, got {logprobs!r}")
+    params = sampling_params({k: v for k, v in sp.items() if k not in _ROUTE_ONLY}, _GENERATE_KEYS)
+    return dataclasses.replace(params, logprobs=logprobs is not None)
 
 
 def _prompt_lists(prompt) -> list[list[int]]:
@@ -81,8 +90,9 @@ def add_ecosystem_routes(app, client, tokenizer, generations: Generations) -> No
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise ValueError("sampling_params must be an object")
-        want_lp = sp.get("logprobs") is not None
-        out = await gen(prompts, _params(sp, want_lp), request)
+        params = generate_params(sp)
+        want_lp = params.logprobs
+        out = await gen(prompts, params, request)
         choices = [
             {
                 "index": i,

@@ -38,11 +38,11 @@ from typing import Any
 
 from ..types import SamplingParams
 
-_SAMPLING = ("n", "temperature", "top_p", "min_p", "max_tokens", "seed", "stop_token_ids")
-_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "min_p", "max_tokens", "seed", "stop_token_ids")
+NEUTRAL_VALUES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "echo": False, "stream": False, "ignore_eos": False}
 _COMMON = {"model", "top_k", "logprobs", "return_token_ids", "return_tokens_as_token_ids", "user",
-           "skip_special_tokens", "stop", "prompt_logprobs", "structured_outputs", *_SAMPLING, *_NEUTRAL}
+           "skip_special_tokens", "stop", "prompt_logprobs", "structured_outputs", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
 _COMPLETION_KEYS = _COMMON | {"prompt"}
 _CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "chat_template", "chat_template_kwargs",
                         "add_generation_prompt", "tools", "tool_choice"}
@@ -53,13 +53,13 @@ def sampling_params(body: dict[str, Any], keys: set[str]) -> SamplingParams:
     unknown = sorted(set(body) - keys)
     if unknown:
         raise ValueError(f"unsupported request field(s) {unknown}; polynya's server takes {sorted(keys)}")
-    for k, neutral in _NEUTRAL.items():
+    for k, neutral in NEUTRAL_VALUES.items():
         if k in body and body[k] is not None and body[k] != neutral and k != "ignore_eos":
             raise ValueError(f"{k}={body[k]!r} is not supported by polynya's sampler (only {neutral!r})")
     for k in ("stop", "structured_outputs", "tools"):
         if body.get(k):
             raise ValueError(f"{k!r} is not supported by polynya's sampler")
-    kw = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     kw.setdefault("max_tokens", 16)  # the OpenAI / vLLM default
     top_k = body.get("top_k")
     if top_k is not None:

@@ -122,6 +122,17 @@ def _batch_tensors(**override):
         ("/v1/completions", dict(json={"prompt": [[5, 6], []]}), 400, "token ids"),
         ("/v1/completions", dict(json={"prompt": [5], "repetition_penalty": 1.2}), 400, "repetition_penalty"),
         ("/v1/completions", dict(json={"prompt": [5], "best_of": 2}), 400, "best_of"),
+        # /inference/v1/generate refuses what its sampler would ignore, as /v1/completions does
+        ("/inference/v1/generate", dict(json={"token_ids": [5], "sampling_params": {
+            "repetition_penalty": 1.3}}), 400, "repetition_penalty=1.3 is not supported"),
+        ("/inference/v1/generate", dict(json={"token_ids": [5], "sampling_params": {
+            "stop": ["\n\n"]}}), 400, "'stop' is not supported"),
+        ("/inference/v1/generate", dict(json={"token_ids": [5], "sampling_params": {
+            "best_of": 2}}), 400, "unsupported request field(s) ['best_of']"),
+        ("/inference/v1/generate", dict(json={"token_ids": [5], "sampling_params": {
+            "min_tokens": 4}}), 400, "min_tokens=4"),
+        ("/inference/v1/generate", dict(json={"token_ids": [5], "sampling_params": {
+            "prompt_logprobs": 1}}), 400, "prompt_logprobs"),
         ("/init_weight_transfer_engine", dict(json={}), 400, "init_info"),
         ("/update_weights", dict(json={"update_info": {"names": []}}), 409, "start_weight_update"),
     ],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from polynya import SamplingParams
-from polynya.client.ecosystem import _params
+from polynya.client.ecosystem import generate_params
 from polynya.client.openai_compat import _COMPLETION_KEYS, sampling_params
 
 from .test_native_engine import make_engine, ragged_prompts
@@ -40,7 +40,7 @@ def test_engine_stop_rules(run):
 
 
 @pytest.mark.parametrize("translate", [
-    lambda body: _params(body, want_logprobs=False),
+    generate_params,
     lambda body: sampling_params(body, _COMPLETION_KEYS),
 ], ids=["inference_generate", "openai_completions"])
 def test_vllm_requests_add_stop_ids_to_eos(run, translate):
@@ -51,3 +51,15 @@ def test_vllm_requests_add_stop_ids_to_eos(run, translate):
     assert run(translate({**base, "stop_token_ids": [run.other], "ignore_eos": True})) == (run.free[:8], "stop")
     assert run(translate({**base, "ignore_eos": True})) == (run.free, "length")
     assert run(translate(base)) == (run.free[:4], "stop")
+
+
+def test_generate_route_takes_skyrls_dict_and_vllms_top_k_off():
+    """SkyRL's generator dict (min_tokens=1, include_stop_str_in_output, skip_special_tokens,
+    logprobs=1, stop=None) is accepted as before; top_k=0 is vLLM's "off"; max_tokens defaults
+    to vLLM's 16."""
+    skyrl = {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True,
+             "max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
+             "logprobs": 1, "stop": None}
+    p = generate_params(skyrl)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.logprobs, p.stops_at_eos) == (9, 0.7, 0.9, -1, True, True)
+    assert generate_params({}).max_tokens == 16 and not generate_params({}).logprobs
