@@ -3,9 +3,14 @@ before it sampled anything.
 
 A bad request raises ``ValueError`` naming its index *before* anything is queued, so the other
 requests of the call — and those of concurrent calls — are untouched.
+
+``SamplingParams`` is a mutable dataclass, and callers reuse one object across calls: the
+requests run on a private copy taken here (checked again as it is copied), so what was checked is
+what runs, and changing the caller's object later changes nothing already queued.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from polynya.types import Sample, SamplingParams, TokenSeq, as_token_array
@@ -21,14 +26,15 @@ def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequ
         vocab_size: ids must be below it. max_model_len: a prompt must be shorter (room for
             one new token). max_n: largest ``n`` the backend can run at once (None: no limit).
     Returns:
-        ``(prompts as lists of ints, one SamplingParams per prompt)``.
+        ``(prompts as lists of ints, one SamplingParams per prompt)``: the params are private
+        copies (one per distinct object passed), the values as of this call.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of token-id lists")
     plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(plist) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-    toks = []
+    toks, copies = [], {}
     for i, (prompt, p) in enumerate(zip(prompts, plist)):
         arr = as_token_array(prompt, f"prompts[{i}]")
         if arr.size == 0:
@@ -40,6 +46,12 @@ def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequ
                              f"{max_model_len} (prompt + at least one new token)")
         if not isinstance(p, SamplingParams):
             raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        if id(p) not in copies:
+            try:  # __post_init__ checks the fields as they are now
+                copies[id(p)] = dataclasses.replace(p)
+            except ValueError as exc:
+                raise ValueError(f"params[{i}]: {exc}") from None
+        p = plist[i] = copies[id(p)]
         if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
             raise ValueError(f"params[{i}].max_tokens must be >= 1, got {p.max_tokens!r}")
         if not isinstance(p.n, int) or p.n < 1 or (max_n is not None and p.n > max_n):

@@ -43,14 +43,19 @@ class Launched:
     """A step on the device whose tokens are not booked yet (read back by ``Readback``).
     ``live``: the rows whose tokens are booked, ``None`` for all of them; a step launched
     before the previous one's tokens were back also carries the rows that stopped in that
-    step (their extra token is dropped). ``tokens``: its sampled tokens on the device."""
+    step (their extra token is dropped). ``tokens``: its sampled tokens on the device. The
+    rest is what it counts in ``stats`` once read back."""
 
     rows: list[Sequence]
     is_prefill: bool
     inputs: DecodeInputs | None = None  # a decode step's arrays (the next step's basis)
     tokens: torch.Tensor | None = None
     live: np.ndarray | None = None
-    fca: bool = False  # counted in fca_steps
+    fca: bool = False  # a decode step on FCA (fca_steps)
+    ahead: bool = False  # launched before the previous step was booked (ahead_steps)
+    early: bool = False  # ... and before its tokens were back (early_steps)
+    computed: int = 0  # a prefill's tokens computed (prefill_tokens) ...
+    hits: int = 0  # ... and taken from the prefix cache (cache_hit_tokens)
 
     def booked(self, tokens: list[int], logprobs: list[float]
                ) -> tuple[list[Sequence], list[int], list[float]]:
@@ -108,7 +113,8 @@ class LaunchAhead:
         if not len(keep) or (self.scheduler.waiting and done.any()):
             return None  # with a sequence waiting, booking's freed rows and pages may admit it
         for i in np.flatnonzero(cur_inputs.lens % bs == 0):  # key the pages cur fills (as booking
-            self.block_manager.commit(rows[i], int(cur_inputs.lens[i]))  # would) before the check
+            # would) before the check; provisional until cur is read back
+            self.block_manager.commit(rows[i], int(cur_inputs.lens[i]), provisional=True)
         if len(keep) < n:
             rows, inputs = [rows[i] for i in keep], inputs.select(keep)
         new_page = inputs.slots < 0
@@ -129,18 +135,15 @@ class LaunchAhead:
         if len(ahead.index) != len(ids) or (ahead.index != np.arange(len(ids))).any():
             ids = ids[torch.from_numpy(ahead.index).to(ids.device, non_blocking=True)]
         logits = self.runner.run(ahead.rows, False, ahead.inputs, ids)
-        self._count_decode(len(ahead.rows))
-        self._counts["ahead_steps"] += 1
-        self._counts["early_steps"] += 1
         fca = self.runner.last_step_fca
-        self._counts["fca_steps"] += fca
         return Launched(ahead.rows, False, ahead.inputs,
-                         self._sample(ahead.rows, logits, ahead.uniforms), fca=fca)
+                        self._sample(ahead.rows, logits, ahead.uniforms), fca=fca, ahead=True,
+                        early=True)
 
     def _settle_early(self, cur: Launched, early: Launched, ahead: Ahead,
                       tokens: list[int]) -> Launched | None:
         """``cur``'s tokens are back: the rows of ``early`` that drew a stop token there are
-        not live in it (their extra token is dropped), counters as if they were never in it.
+        not live in it (their extra token is dropped; it counts its live rows once read back).
         Without them the step would have run in another shape (a smaller CUDA-graph bucket,
         ``ModelRunner.decode_rows``; with FCA, another forest: a shared prefix may lose its
         last sharer), which may round the live rows' numbers differently: then it is dropped
@@ -151,20 +154,14 @@ class LaunchAhead:
         live = ahead.live(tokens)
         if len(live) == len(rows):
             return early
-        dropped = len(rows) - len(live)
-        c = self._counts
-        c["ahead_rows_dropped"] += dropped
+        self._counts["ahead_rows_dropped"] += len(rows) - len(live)
         # a paged step stays paged without rows (they only lower the reads FCA would save)
         same = bool(live) and not early.fca and (
             self.runner.decode_rows(len(live)) == self.runner.decode_rows(len(rows)))
         if same:
-            c["decode_tokens"] -= dropped
             early.live = np.asarray(live, dtype=np.int64)
             return early
-        for key, n in (("decode_steps", 1), ("decode_tokens", len(rows)), ("ahead_steps", 1),
-                       ("early_steps", 1), ("fca_steps", early.fca)):
-            c[key] -= n
-        c["early_steps_dropped"] += 1
+        self._counts["early_steps_dropped"] += 1
         self._readback.discard()  # the early step's tokens: never read
         return self._launch_ahead(cur, ahead, tokens) if live else None
 
@@ -188,7 +185,5 @@ class LaunchAhead:
             inputs = inputs.with_pages(at_boundary, pages, self.block_manager.block_size)
         inputs = inputs.with_ids(np.asarray(tokens, dtype=np.int64)[keep])
         logits = self.runner.run(rows, False, inputs)
-        self._count_decode(len(rows))
-        self._counts["ahead_steps"] += 1
-        self._counts["fca_steps"] += self.runner.last_step_fca
-        return Launched(rows, False, inputs, self._sample(rows, logits, uniforms))
+        return Launched(rows, False, inputs, self._sample(rows, logits, uniforms),
+                        fca=self.runner.last_step_fca, ahead=True)

@@ -14,6 +14,15 @@ The cache is ``num_blocks`` pages of ``block_size`` tokens. Each sequence holds 
   decode step writes into a page with ref count > 1, the sequence gets a fresh page and the
   caller copies the old page's KV into it (``append_slot`` returns the ``(src, dst)`` pair).
   So requests that decode together share only full pages — what FCA's forest planner needs.
+- **Keys ahead of their KV are provisional.** A prefill keys its full pages when it allocates
+  them (so a prompt later in the same prefill batch shares them), and async scheduling keys the
+  page a decode step fills before that step is booked: such keys are *provisional* until the
+  engine has read that step back (``confirm``). A step that fails before then leaves pages whose
+  KV may never have been computed: ``drop_provisional`` forgets their keys (the sequences that
+  used them are sent back to be recomputed by the scheduler), so no later request hits them.
+- **Epochs.** ``reset_prefix_cache`` (new weights, sleep) bumps ``epoch``; a sequence records
+  the epoch its pages were allocated in, and ``commit`` keys no page of an older one: a sequence
+  running across a weight update holds KV computed (partly) with the old weights.
 """
 from __future__ import annotations
 
@@ -36,7 +45,8 @@ class BlockManager:
         self.key: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        self.hit_blocks = 0
+        self.epoch = 0  # bumped by reset_prefix_cache
+        self.provisional: list[int] = []  # pages keyed before their KV was read back
 
     @property
     def num_blocks(self) -> int:
@@ -79,9 +89,26 @@ class BlockManager:
         return found
 
     def reset_prefix_cache(self) -> None:
-        """Forget every content key (after a weight update the cached KV is stale)."""
+        """Forget every content key (after a weight update the cached KV is stale), and key no
+        page of a sequence allocated before now (a new epoch)."""
         self.key.clear()
         self.hash_to_block.clear()
+        self.provisional = []
+        self.epoch += 1
+
+    def confirm(self) -> None:
+        """The step that computes the KV of the provisional keys' pages was read back: they are
+        keys like any other."""
+        if self.provisional:
+            self.provisional = []
+
+    def drop_provisional(self) -> None:
+        """Forget the provisional keys (their step failed: the KV may never have been computed)."""
+        for bid in self.provisional:
+            k = self.key.pop(bid, None)
+            if k is not None and self.hash_to_block.get(k[0]) == bid:
+                del self.hash_to_block[k[0]]
+        self.provisional = []
 
     # ---------------------------------------------------------------- allocation
     def _take_free(self) -> int:
@@ -119,13 +146,13 @@ class BlockManager:
         return self.blocks_needed(seq) <= self.num_free
 
     def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` a table for all its tokens; sets ``seq.num_cached_tokens``."""
+        """Give ``seq`` a table for all its tokens; sets ``seq.num_cached_tokens``. Its fresh
+        full pages are keyed provisionally (module docstring)."""
         assert not seq.block_table, "sequence already holds blocks"
         bs = self.block_size
         cached = self._cached_prefix(seq)
         for bid in cached:
             self._ref(bid)
-        self.hit_blocks += len(cached)
         table, prev = list(cached), None
         if cached:
             prev = self._hash(cached[-1])
@@ -134,9 +161,11 @@ class BlockManager:
             tokens = seq.block_tokens(i, bs)
             if len(tokens) == bs:  # full: its KV is computed by this prefill, key it now
                 prev = self._register(bid, prev, tokens)
+                self.provisional.append(bid)
             table.append(bid)
         seq.block_table, seq.table_array = table, None
         seq.num_cached_tokens = len(cached) * bs
+        seq.cache_epoch = self.epoch
 
     def deallocate(self, seq: Sequence) -> None:
         for bid in reversed(seq.block_table):
@@ -149,6 +178,7 @@ class BlockManager:
         for bid in parent.block_table:
             self._ref(bid)
         child.block_table, child.table_array = list(parent.block_table), parent.table_array
+        child.cache_epoch = parent.cache_epoch
 
     # ---------------------------------------------------------------- decode
     def needs_block(self, seq: Sequence) -> bool:
@@ -177,16 +207,19 @@ class BlockManager:
         seq.table_array = None
         return old, new
 
-    def commit(self, seq: Sequence, num_kv_tokens: int) -> None:
-        """After a step computed KV up to ``num_kv_tokens``: key the page it filled, if any."""
+    def commit(self, seq: Sequence, num_kv_tokens: int, provisional: bool = False) -> None:
+        """After a step computed KV up to ``num_kv_tokens`` (``provisional``: a step not read
+        back yet will compute it): key the page it filled, if any."""
         bs = self.block_size
-        if num_kv_tokens % bs or num_kv_tokens == 0:
-            return
+        if num_kv_tokens % bs or num_kv_tokens == 0 or seq.cache_epoch != self.epoch:
+            return  # no page filled, or the sequence's KV predates a cache reset
         idx = num_kv_tokens // bs - 1
         bid = seq.block_table[idx]
         if bid in self.key:
             return
         prev = self._hash(seq.block_table[idx - 1]) if idx > 0 else None
         if idx > 0 and prev is None:
-            return  # the chain was cut (prefix cache reset): this page cannot be keyed
+            return  # the page before is not keyed (its key was dropped): a chain needs every link
         self._register(bid, prev, seq.block_tokens(idx, bs))
+        if provisional:
+            self.provisional.append(bid)

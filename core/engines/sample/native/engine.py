@@ -24,6 +24,12 @@ one runs and launched before it is booked, most steps even before its tokens are
 (``ahead.py`` says how, and why the results stay the synchronous engine's). A step launched
 ahead is in flight when ``step`` returns; anything that must see the engine between two steps
 (``abort``, ``load_weights``, ``prompt_logprobs``, ``sleep``) books it first.
+
+A step that fails (a device error, an interrupt) leaves the engine as if it had never been
+launched (``_recover``): what it did not book is forgotten, prefix-cache keys given ahead of KV
+it never computed are dropped, and every caller's sequences whose KV it was to compute go back
+to waiting, to be recomputed; only the stepping caller's requests are dropped. A step counts in
+``stats`` once it is read back.
 """
 from __future__ import annotations
 
@@ -132,8 +138,9 @@ class NativeEngine(LaunchAhead):
         return torch.Generator().manual_seed(seed)
 
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
-        """Queue a request checked by ``validate``; returns its id (for ``wait`` / ``abort``).
-        Does not wait for a step in progress: the next step admits it."""
+        """Queue a request checked by ``validate`` (its params: the copy ``validate`` returns);
+        returns its id (for ``wait`` / ``abort``). Does not wait for a step in progress: the
+        next step admits it."""
         with self._intake_lock:
             entry = self._new_request(prompt, params)
             self._intake.append(entry)
@@ -211,8 +218,7 @@ class NativeEngine(LaunchAhead):
         except BaseException:  # a failed step (or an interrupt): drop this call's requests
             with self._steps.plain(), self._lock:
                 self._admit()
-                self._inflight = None  # never booked: its rows redo that step
-                self._readback.clear()
+                self._recover()  # done by a failed step already; not if it came between steps
                 self.scheduler.abort(set(rids))
                 for r in rids:
                     self._requests.pop(r, None)
@@ -288,28 +294,56 @@ class NativeEngine(LaunchAhead):
 
         With ``async_scheduling`` the next decode step is launched as soon as this one's tokens
         are back and before they are booked, from inputs prepared while this step ran on the
-        device; it stays in flight when ``step`` returns, and the next ``step`` books it."""
+        device; it stays in flight when ``step`` returns, and the next ``step`` books it.
+
+        A step that raises (or is interrupted) recovers first (``_recover``), then re-raises."""
         start = time.perf_counter()
-        if self._aborts:
-            self._apply_aborts()
-        self._admit()
-        cur, self._inflight = self._inflight, None
-        if cur is None:
-            if not self.scheduler.has_work():
-                return
-            batch = self.scheduler.schedule()
-            if not batch.seqs:
-                return
-            cur = self._launch(batch)
-        ahead = self._prepare_ahead(cur) if self.async_scheduling else None
-        early = self._launch_early(cur, ahead) if ahead is not None else None
-        rows, tokens, logprobs = cur.booked(*self._readback.result())
-        if early is not None:
-            self._inflight = self._settle_early(cur, early, ahead, tokens)
-        elif ahead is not None:
-            self._inflight = self._launch_ahead(cur, ahead, tokens)
-        self._postprocess(rows, tokens, logprobs)
+        try:
+            if self._aborts:
+                self._apply_aborts()
+            self._admit()
+            cur, self._inflight = self._inflight, None
+            if cur is None:
+                if not self.scheduler.has_work():
+                    return
+                batch = self.scheduler.schedule()
+                if not batch.seqs:
+                    return
+                cur = self._launch(batch)
+            ahead = self._prepare_ahead(cur) if self.async_scheduling else None
+            early = self._launch_early(cur, ahead) if ahead is not None else None
+            rows, tokens, logprobs = self._read_back(cur)
+            if early is not None:
+                self._inflight = self._settle_early(cur, early, ahead, tokens)
+            elif ahead is not None:
+                self._inflight = self._launch_ahead(cur, ahead, tokens)
+            self._postprocess(rows, tokens, logprobs)
+        except BaseException:
+            self._recover()
+            raise
         self._times["prefill_time_s" if cur.is_prefill else "decode_time_s"] += time.perf_counter() - start
+
+    def _read_back(self, cur: Launched) -> tuple[list[Sequence], list[int], list[float]]:
+        """Wait for ``cur``'s tokens: its live rows, their tokens and log-probs. The KV it
+        computes is then in the cache: the provisional keys and pending sequences of its
+        scheduling are confirmed, and it counts in ``stats``."""
+        rows, tokens, logprobs = cur.booked(*self._readback.result())
+        self.block_manager.confirm()
+        self.scheduler.confirm()
+        self._count(cur, len(rows))
+        return rows, tokens, logprobs
+
+    def _recover(self) -> None:
+        """After a step failed anywhere (caller holds _lock): the steps launched and not booked
+        are forgotten (their rows run them again; a decode row's token list and draws are as
+        before them), keys given to pages ahead of KV never read back are dropped, and the
+        sequences that step was to compute KV for — prefills (forks merged back into their
+        parent) and rows given a copy-on-write page, whoever's they are — go back to waiting to
+        be recomputed (``Scheduler.recover``). Does nothing more when called again."""
+        self._inflight = None
+        self._readback.clear()
+        self.block_manager.drop_provisional()
+        self.scheduler.recover()
 
     def _finish_inflight(self) -> None:
         """Book the step in flight, if any (before anything that must see the engine between
@@ -317,7 +351,7 @@ class NativeEngine(LaunchAhead):
         cur, self._inflight = self._inflight, None
         if cur is not None:
             start = time.perf_counter()
-            self._postprocess(*cur.booked(*self._readback.result()))
+            self._postprocess(*self._read_back(cur))
             self._times["decode_time_s"] += time.perf_counter() - start
 
     def _launch(self, batch: Batch) -> Launched:
@@ -326,12 +360,14 @@ class NativeEngine(LaunchAhead):
             self.runner.copy_blocks(batch.copies)
         inputs = None if batch.is_prefill else DecodeInputs.build(batch.seqs, self.block_manager.block_size)
         logits = self.runner.run(batch.seqs, batch.is_prefill, inputs)
-        self._count(batch)  # before the new tokens are appended
-        self._counts["fca_steps"] += not batch.is_prefill and self.runner.last_step_fca
+        fca = not batch.is_prefill and self.runner.last_step_fca
+        hits = sum(s.num_cached_tokens for s in batch.seqs) if batch.is_prefill else 0
+        computed = sum(map(len, batch.seqs)) - hits if batch.is_prefill else 0
         rows, parents = self._expand_forks(batch)
         if len(rows) != len(batch.seqs):
             logits = logits[torch.tensor(parents, device=logits.device)]
-        return Launched(rows, batch.is_prefill, inputs, self._sample(rows, logits))
+        return Launched(rows, batch.is_prefill, inputs, self._sample(rows, logits), fca=fca,
+                        computed=computed, hits=hits)
 
     @staticmethod
     def _uniforms(rows: list[Sequence], ahead: int = 0) -> list[float]:
@@ -350,11 +386,12 @@ class NativeEngine(LaunchAhead):
     def _sampling_tensors(self, rows: list[Sequence], uniforms: list[float],
                           logits: torch.Tensor) -> SamplingTensors:
         """Row settings on the device, rebuilt only when the rows' parameters changed (most
-        decode steps run the same rows as the step before: only the uniforms are new)."""
+        decode steps run the same rows as the step before: only the uniforms are new).
+        Compared by value (a row's params are its request's private copy, so when the rows
+        are the last step's each comparison is an identity check)."""
         params = [s.params for s in rows]
         cached = self._st_cache
-        if cached is not None and len(cached[0]) == len(params) and all(
-                a is b for a, b in zip(cached[0], params)):
+        if cached is not None and cached[0] == params:
             return cached[1].with_uniforms(uniforms)
         st = SamplingTensors.build(params, uniforms, logits.shape[-1], logits.device)
         self._st_cache = (params, st)
@@ -368,8 +405,8 @@ class NativeEngine(LaunchAhead):
             parents.append(i)
             for j in range(1, seq.pending_forks + 1):
                 child = seq.fork(j, self._generator(seq.params, j))
+                self.scheduler.add_running(child)  # first: pending before it holds pages
                 self.block_manager.fork(seq, child)
-                self.scheduler.add_running(child)
                 rows.append(child)
                 parents.append(i)
             seq.pending_forks = 0
@@ -396,20 +433,20 @@ class NativeEngine(LaunchAhead):
         (``"length"``); scalars, or arrays of rows."""
         return (length - prompt >= max_tokens) | (length >= self.max_model_len)
 
-    def _count(self, batch: Batch) -> None:
+    def _count(self, cur: Launched, rows: int) -> None:
+        """Count a step read back, with ``rows`` live rows."""
         c = self._counts
-        if batch.is_prefill:
+        if cur.is_prefill:
             c["prefill_steps"] += 1
-            c["prefill_tokens"] += sum(len(s) - s.num_cached_tokens for s in batch.seqs)
-            c["cache_hit_tokens"] += sum(s.num_cached_tokens for s in batch.seqs)
-        else:
-            self._count_decode(len(batch.seqs))
-
-    def _count_decode(self, rows: int) -> None:
-        c = self._counts
+            c["prefill_tokens"] += cur.computed
+            c["cache_hit_tokens"] += cur.hits
+            return
         c["decode_steps"] += 1
         c["decode_tokens"] += rows
         c["peak_decode_rows"] = max(c["peak_decode_rows"], rows)
+        c["fca_steps"] += cur.fca
+        c["ahead_steps"] += cur.ahead
+        c["early_steps"] += cur.early
 
     # ---------------------------------------------------------------- weights, memory, stats
     def load_weights(self, weights: WeightPieces, version: int | None = None, *,
@@ -423,9 +460,16 @@ class NativeEngine(LaunchAhead):
                                  f"{self.weight_version}")
             self._finish_inflight()  # it ran on the old weights: book it before they change
             self.runner.load_weights(weights, checksum=checksum)
-            self.block_manager.reset_prefix_cache()
+            self.block_manager.reset_prefix_cache()  # running sequences key no page from now on
             self.weight_version = self.weight_version + 1 if version is None else int(version)
             return self.weight_version
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache, between two steps (the step in flight is booked first);
+        the sequences running now key none of their pages from now on."""
+        with self._steps.plain(), self._lock:
+            self._finish_inflight()
+            self.block_manager.reset_prefix_cache()
 
     def weight_checksum(self) -> str:
         with self._steps.plain(), self._lock:
@@ -483,7 +527,8 @@ class NativeEngine(LaunchAhead):
         ``compile_scope_reason``: why not the configured ``compile_scope``, else None)."""
         with self._steps.plain(), self._lock:
             captures, capture_s = self.runner.graph_stats()
-            return dict(self._counts, **self._times, cache_hit_blocks=self.block_manager.hit_blocks,
+            hit_blocks = self._counts["cache_hit_tokens"] // self.block_manager.block_size
+            return dict(self._counts, **self._times, cache_hit_blocks=hit_blocks,
                         graph_captures=captures, graph_capture_s=capture_s,
                         **self.runner.compile_stats(),
                         blocks_in_use=self.block_manager.num_used, num_blocks=self.block_manager.num_blocks,

@@ -11,6 +11,11 @@ pages are released and it goes back to the front of the waiting queue, keeping i
 log-probs and generator, to be recomputed later (its full pages are often still cached). No
 sequence is ever dropped; a lone sequence always fits because ``max_model_len`` is capped by
 the cache size.
+
+A step's sequences whose KV is not certain until the engine reads the step back are *pending*:
+a prefill's sequences (and the forks made from them) and a decode's rows given a copy-on-write
+page (the copy runs with the step). ``confirm`` clears them once the step is read back; if the
+step fails before, ``recover`` sends them back to waiting to be recomputed.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.pending: list[Sequence] = []  # see the module docstring
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -48,6 +54,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
+        assert not self.pending, "the step before was neither confirmed nor recovered"
         batch = self._schedule_prefill()
         return batch if batch.seqs else self._schedule_decode()
 
@@ -61,6 +68,7 @@ class Scheduler:
                 break
             if not self._admits(seq, rows, alone=not seqs and not self.running):
                 break
+            self.pending.append(seq)
             self.bm.allocate(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -90,6 +98,7 @@ class Scheduler:
                 copy = self.bm.append_slot(seq)
                 if copy is not None:
                     copies.append(copy)
+                    self.pending.append(seq)
                 scheduled.append(seq)
         self.running.extend(scheduled)
         assert scheduled or self.waiting, "nothing to run: the cache cannot hold a single sequence"
@@ -128,9 +137,40 @@ class Scheduler:
         self.num_preemptions += 1
 
     def add_running(self, seq: Sequence) -> None:
-        """A fork made after its parent's prefill joins the running batch."""
+        """A fork made after its parent's prefill joins the running batch (pending with it)."""
         seq.status = Status.RUNNING
+        self.pending.append(seq)
         self.running.append(seq)
+
+    def confirm(self) -> None:
+        """The step scheduled last was read back: its pending sequences' KV is computed."""
+        if self.pending:
+            self.pending = []
+
+    def recover(self) -> None:
+        """The step scheduled last failed before it was read back: its pending sequences go back
+        to the front of the waiting queue (pages released, to be recomputed; their tokens,
+        log-probs and generators are untouched, nothing of the step was booked). Forks made
+        by its prefill are dropped and their parent is pending its ``n - 1`` forks again."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        ids = {id(s) for s in pending}  # (an interrupted schedule may have left one waiting)
+        self.running = deque(s for s in self.running if id(s) not in ids)
+        self.waiting = deque(s for s in self.waiting if id(s) not in ids)
+        back = []
+        for seq in pending:
+            if seq.status is Status.FINISHED:
+                continue
+            self.bm.deallocate(seq)
+            if not seq.completion:  # its first prefill: nothing sampled yet
+                if seq.sample_index:
+                    seq.status = Status.FINISHED  # a fork made from it: made again
+                    continue
+                seq.pending_forks = seq.params.n - 1
+            seq.status = Status.WAITING
+            back.append(seq)
+        self.waiting.extendleft(reversed(back))
 
     def abort(self, request_ids: set[int]) -> list[Sequence]:
         """Drop every sequence of these requests, waiting or running, releasing its pages;

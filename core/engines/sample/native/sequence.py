@@ -30,6 +30,8 @@ class Sequence:
 
     ``num_cached_tokens`` counts the leading tokens whose KV the prefix cache already held at
     the last prefill; ``pending_forks`` is ``n - 1`` until the prompt's prefill has run.
+    ``cache_epoch``: the block manager's epoch when its pages were allocated (pages of a
+    sequence allocated before a prefix-cache reset are never keyed: their KV is stale).
     """
 
     token_ids: list[int]
@@ -44,6 +46,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    cache_epoch: int = 0
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     table_array: np.ndarray | None = None  # int32 copy of block_table; None when stale
