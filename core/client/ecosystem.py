@@ -130,11 +130,11 @@ def add_ecosystem_routes(app, client, tokenizer, generations: Generations) -> No
         return {"status": "awake"}
 
     def reset_prefix_caches() -> None:
-        for s in samplers:
-            bm = getattr(getattr(s, "backend", None), "block_manager", None)
-            if bm is None:
-                raise NotImplementedError("this sampler backend has no prefix cache to reset")
-            bm.reset_prefix_cache()
+        resets = [getattr(getattr(s, "backend", None), "reset_prefix_cache", None) for s in samplers]
+        if None in resets:
+            raise NotImplementedError("this sampler backend has no prefix cache to reset")
+        for reset in resets:
+            reset()  # between two engine steps (the native engine books the step in flight first)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
