@@ -10,10 +10,17 @@
    when the statement is prepared, before it runs; the connection may attach no database
    (``SQLITE_LIMIT_ATTACHED=0``, which also stops ``VACUUM INTO``);
 3. extension loading stays disabled; the statement must be a single ``SELECT``/``WITH``/
-   ``VALUES`` statement of at most ``MAX_SQL_CHARS`` characters (anything after the first
-   statement is rejected);
+   ``VALUES`` statement of at most ``MAX_SQL_CHARS`` characters: after its first ``;`` (found
+   by :func:`sql_lexemes`, which skips quotes and comments) only comments, whitespace and
+   further ``;`` may follow, and that tail is dropped, never run; the statement itself must
+   also be complete by ``sqlite3.complete_statement`` with no complete statement ending
+   inside it (SQLite's own tokenizer, as a cross-check);
 4. limits: a wall-clock deadline checked by a progress handler (stops runaway recursive CTEs),
    at most ``max_rows`` rows fetched, and values at most ``max_value_bytes`` long.
+
+``parses_as_query(sql)`` tells a read statement from prose that merely starts with ``SELECT``
+or ``WITH``: SQLite parses it on an empty in-memory database whose authorizer denies every
+action, so nothing is ever run.
 """
 from __future__ import annotations
 
@@ -27,6 +34,12 @@ _ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
 _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"}
 MAX_SQL_CHARS = 10_000
 _FIRST_KEYWORD = re.compile(r"\s*(?:(?:--[^\n]*\n|/\*.*?\*/)\s*)*\(*\s*(\w+)", re.S)
+# One lexeme per match, named by its kind; whitespace is SQLite's (ASCII); an unterminated quote
+# or block comment runs to the end, as in SQLite; each parenthesis is a lexeme of its own.
+_LEXEME = re.compile(r"""(?P<space>\s+) | (?P<comment>--[^\n]* | /\*(?:[^*]|\*(?!/))*(?:\*/|\Z))
+    | (?P<quoted>'(?:[^']|'')*(?:'|\Z) | "(?:[^"]|"")*(?:"|\Z) | `(?:[^`]|``)*(?:`|\Z)
+                 | \[[^\]]*(?:\]|\Z))
+    | (?P<semi>;) | (?P<code>[^\s;'"`\[/()-]+ | .)""", re.S | re.X | re.A)
 
 
 class QueryError(Exception):
@@ -54,18 +67,31 @@ def connect_readonly(db_path: str | Path) -> sqlite3.Connection:
     return conn
 
 
+def sql_lexemes(sql: str) -> list[tuple[str, str]]:
+    """``sql`` split into ``(kind, text)`` pieces that join back to ``sql``; ``kind`` is
+    ``"space"``, ``"comment"`` (``--`` or ``/* */``), ``"quoted"`` (a ``'string'`` or a
+    ``"``/`` ` ``/``[]``-quoted identifier), ``";"`` or ``"code"`` (anything else; each
+    parenthesis is a piece of its own). An unterminated quote or comment runs to the end."""
+    return [(";" if m.lastgroup == "semi" else m.lastgroup, m.group())
+            for m in _LEXEME.finditer(sql)]
+
+
 def single_statement(sql: str) -> str:
-    """``sql`` without trailing ``;``/whitespace; :class:`QueryError` unless it is exactly one
-    read statement (``SELECT``, ``WITH`` or ``VALUES``)."""
+    """The one read statement (``SELECT``, ``WITH`` or ``VALUES``) in ``sql``, without the
+    ``;``, comments and whitespace that may trail it; :class:`QueryError` for anything else
+    (a second statement, a write, an unterminated quote or comment, ...)."""
     if len(sql) > MAX_SQL_CHARS:
         raise QueryError(f"query longer than {MAX_SQL_CHARS} characters")
     if "\x00" in sql:  # sqlite3.complete_statement raises ValueError on it
         raise QueryError("query contains a NUL character")
-    text = sql.strip()
-    while text.endswith(";"):
-        text = text[:-1].rstrip()
-    if not text:
+    lexemes = sql_lexemes(sql)
+    end = next((i for i, (kind, _) in enumerate(lexemes) if kind == ";"), len(lexemes))
+    if any(kind not in ("space", "comment", ";") for kind, _ in lexemes[end:]):
+        raise QueryError("only a single SQL statement is allowed")
+    body = [i for i, (kind, _) in enumerate(lexemes[:end]) if kind in ("code", "quoted")]
+    if not body:
         raise QueryError("empty query")
+    text = "".join(t for _, t in lexemes[: body[-1] + 1]).strip()
     if not sqlite3.complete_statement(text + "\n;") or _has_second_statement(text):
         raise QueryError("only a single SQL statement is allowed")
     first = _FIRST_KEYWORD.match(text)
@@ -75,11 +101,31 @@ def single_statement(sql: str) -> str:
 
 
 def _has_second_statement(text: str) -> bool:
-    """True when some ``;`` outside quotes/comments ends a statement before the end of text."""
+    """True when some ``;`` ends a statement before the end of ``text`` by SQLite's own
+    tokenizer (``sqlite3.complete_statement``)."""
     for i, ch in enumerate(text):
         if ch == ";" and sqlite3.complete_statement(text[: i + 1]):
             return True
     return False
+
+
+def parses_as_query(sql: str) -> bool:
+    """True when ``sql`` passes :func:`single_statement` and SQLite's parser accepts it (names
+    are not resolved: it is parsed on an empty in-memory database whose authorizer denies
+    every action, which stops it before anything runs)."""
+    try:
+        text = single_statement(sql)
+    except QueryError:
+        return False
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.set_authorizer(lambda *args: sqlite3.SQLITE_DENY)
+        conn.execute(text)
+    except sqlite3.Error as e:  # a parsed statement is stopped by the authorizer: SQLITE_AUTH
+        return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_AUTH
+    finally:
+        conn.close()
+    return False  # unreachable: a SELECT is always checked against the authorizer
 
 
 def run_query(db_path: str | Path, sql: str, *, timeout_s: float = 0.5, max_rows: int = 10_000,

@@ -10,29 +10,33 @@ BIRD's ``evidence`` is added to the prompt), and SQLite files at
 school, library) with questions and gold SQL under ``recipes/data/txt2sql``.
 
 The prompt holds the schema DDL (from ``sqlite_master``), the first rows of every table and
-the question, and asks for one query in a ```` ```sql ```` block. ``reward`` runs the last SQL
-block of the completion in the sandbox of :mod:`.sqlsafe` (model SQL is untrusted) and compares
-result sets with the gold query's: 1.0 on a match (as multisets, or as lists when the gold
-query has ``ORDER BY``), ``partial`` (0.1) when the query runs but differs, 0.0 otherwise.
+the question, and asks for one query in a ```` ```sql ```` block. ``reward`` runs the query that
+:func:`extract_sql` finds in the completion in the sandbox of :mod:`.sqlsafe` (model SQL is
+untrusted) and compares result sets with the gold query's (:func:`same_result`): 1.0 on a match
+(as multisets, or as lists when the gold query's outermost statement has ``ORDER BY``),
+``partial`` (0.1) when the query runs but differs, 0.0 otherwise.
 """
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections import Counter
 from pathlib import Path
 
 from .common import DATA_DIR, Example, check_split, field, read_records, split_file
-from .sqlsafe import QueryError, connect_readonly, run_query
+from .sqlsafe import QueryError, connect_readonly, parses_as_query, run_query, sql_lexemes
 
 NAME = "txt2sql"
 SAMPLE_ROWS = 3
 GOLD_TIMEOUT_S = 30.0
 _SPLIT_FILES = {"train": ("train_spider.json",), "validation": ("dev.json",)}
-_SQL_BLOCK = re.compile(r"```sql[ \t]*\n?(.*?)(?:```|\Z)", re.S | re.I)
+# A ```sql / ```sqlite / ```sqlite3 fence (any case) whose tag ends there: not ```sqlalchemy.
+_SQL_BLOCK = re.compile(r"```(?:sqlite3?|sql)(?![^\s`])[ \t]*\n?(.*?)(?:```|\Z)", re.S | re.I)
 _ANY_BLOCK = re.compile(r"```[a-zA-Z]*[ \t]*\n(.*?)```", re.S)
 _BARE = re.compile(r"^[ \t]*((?:select|with)\b.*?)(?:;|\n[ \t]*\n|\Z)", re.S | re.I | re.M)
 _ORDER_BY = re.compile(r"\border\s+by\b", re.I)
+ABS_TOL, REL_TOL = 1e-6, 1e-9  # float tolerance of same_result
 
 
 def load(split: str, source: str | None = None) -> list[Example]:
@@ -63,7 +67,7 @@ def load(split: str, source: str | None = None) -> list[Example]:
         examples.append(Example(
             make_prompt(str(db_path), question, evidence), gold,
             {"db_id": db_id, "db_path": str(db_path), "question": question,
-             "ordered": bool(_ORDER_BY.search(gold))}))
+             "ordered": is_ordered(gold)}))
     return examples
 
 
@@ -126,13 +130,41 @@ def make_prompt(db_path: str, question: str, evidence: str = "") -> str:
 
 
 def extract_sql(completion: str) -> str | None:
-    """The last ```` ```sql ```` block (an unclosed final one counts), else the last fenced
-    block, else the last line-initial bare ``SELECT``/``WITH`` statement; ``None`` if none."""
-    for pattern in (_SQL_BLOCK, _ANY_BLOCK, _BARE):
+    """The model's query, or ``None`` if the completion has none.
+
+    The last non-empty ```` ```sql ````/``sqlite``/``sqlite3`` block (tag in any case; an
+    unclosed final block counts), else the last fenced block of any language, else the last
+    bare statement: text from a line-initial ``SELECT``/``WITH`` to ``;``, a blank line or the
+    end. Of several bare candidates the last that SQLite parses as one query wins
+    (:func:`.sqlsafe.parses_as_query`), so prose such as "With this query we get..." after the
+    query does not replace it; if none parses, the last candidate.
+    """
+    for pattern in (_SQL_BLOCK, _ANY_BLOCK):
         found = [m.strip() for m in pattern.findall(completion) if m.strip()]
         if found:
             return found[-1]
-    return None
+    bare = [m.strip() for m in _BARE.findall(completion) if m.strip()]
+    if not bare:
+        return None
+    return next((sql for sql in reversed(bare) if parses_as_query(sql)), bare[-1])
+
+
+def is_ordered(sql: str) -> bool:
+    """True when the outermost statement of ``sql`` has ``ORDER BY``: one inside a string,
+    quoted name, comment or parentheses (a subquery, a CTE, ``OVER (ORDER BY ...)``) does not
+    order the result."""
+    depth, outer = 0, []
+    for kind, text in sql_lexemes(sql):
+        if kind in ("comment", "quoted", "space"):
+            text = " "
+        elif text == "(":
+            depth, text = depth + 1, " "
+        elif text == ")":
+            depth, text = max(depth - 1, 0), " "
+        elif depth:
+            continue
+        outer.append(text)
+    return bool(_ORDER_BY.search("".join(outer)))
 
 
 def reward(completion: str, example: Example, *, partial: float = 0.1, timeout_s: float = 0.5,
@@ -148,7 +180,7 @@ def reward(completion: str, example: Example, *, partial: float = 0.1, timeout_s
     except QueryError:
         return 0.0
     gold = gold_result(db_path, example.answer)
-    ordered = example.meta.get("ordered", bool(_ORDER_BY.search(example.answer)))
+    ordered = example.meta.get("ordered", is_ordered(example.answer))
     return 1.0 if same_result(predicted, gold, ordered) else partial
 
 
@@ -162,10 +194,71 @@ def gold_result(db_path: str, gold_sql: str) -> tuple[tuple, ...]:
 
 
 def same_result(predicted, gold, ordered: bool) -> bool:
-    """Result-set equality: as lists when ``ordered``, else as multisets; floats to 1e-6."""
-    a, b = [_normalise(r) for r in predicted], [_normalise(r) for r in gold]
-    return a == b if ordered else Counter(a) == Counter(b)
+    """Result-set equality: as lists when ``ordered``, else as multisets.
+
+    Values match when equal, or, when one is a float and the other a number, within
+    ``math.isclose(abs_tol=ABS_TOL, rel_tol=REL_TOL)``: 1e-6 absolute, or 1e-9 relative for
+    large values (a sum near 1e12 computed in another order); integers compare exactly.
+    """
+    a, b = [tuple(r) for r in predicted], [tuple(r) for r in gold]
+    if len(a) != len(b):
+        return False
+    if ordered:
+        return all(_rows_close(x, y) for x, y in zip(a, b))
+    if Counter(a) == Counter(b):
+        return True
+    groups: dict[tuple, tuple[list, list]] = {}
+    for side, rows in enumerate((a, b)):
+        for row in rows:
+            groups.setdefault(_shape(row), ([], []))[side].append(row)
+    return all(_same_multiset(x, y) for x, y in groups.values())
 
 
-def _normalise(row) -> tuple:
+def _same_multiset(a: list[tuple], b: list[tuple]) -> bool:
+    """Multiset match of rows with equal non-numeric values: a merge of both sorted by rounded
+    floats pairs most rows; rows a rounding boundary put out of step are paired greedily."""
+    if len(a) != len(b):
+        return False
+    a, b = sorted(a, key=_sort_key), sorted(b, key=_sort_key)
+    left_a, left_b, i, j = [], [], 0, 0
+    while i < len(a) and j < len(b):
+        if _rows_close(a[i], b[j]):
+            i, j = i + 1, j + 1
+        elif _sort_key(a[i]) < _sort_key(b[j]):
+            left_a.append(a[i])
+            i += 1
+        else:
+            left_b.append(b[j])
+            j += 1
+    left_a += a[i:]
+    left_b += b[j:]
+    for row in left_a:
+        k = next((k for k, other in enumerate(left_b) if _rows_close(row, other)), None)
+        if k is None:
+            return False
+        left_b.pop(k)
+    return True
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _shape(row: tuple) -> tuple:
+    """``row`` with every number replaced by ``float`` (the type): rows that can match share it."""
+    return tuple(float if _is_number(v) else v for v in row)
+
+
+def _sort_key(row: tuple) -> tuple:
     return tuple(round(v, 6) if isinstance(v, float) else v for v in row)
+
+
+def _rows_close(x: tuple, y: tuple) -> bool:
+    return len(x) == len(y) and all(_values_close(u, v) for u, v in zip(x, y))
+
+
+def _values_close(u, v) -> bool:
+    if u == v:
+        return True
+    return ((isinstance(u, float) or isinstance(v, float)) and _is_number(u) and _is_number(v)
+            and math.isclose(u, v, rel_tol=REL_TOL, abs_tol=ABS_TOL))

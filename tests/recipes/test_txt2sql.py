@@ -76,9 +76,19 @@ def test_result_sets_compare_as_multisets_unless_gold_orders():
 @pytest.mark.parametrize("completion,sql", [
     ("```sql\nSELECT 1\n```\nbetter:\n```sql\nSELECT 2;\n```", "SELECT 2;"),
     ("```SQL\nSELECT 3\n```", "SELECT 3"),
+    ("```sqlite\nSELECT 6\n```", "SELECT 6"),
+    ("```SQLite  \nSELECT 7;\n```", "SELECT 7;"),
+    ("```sqlite\nSELECT 1\n```\nor\n```sql\nSELECT 8\n```", "SELECT 8"),     # last of either tag
+    ("```sql\nSELECT 9\n```\n```python\nprint(9)\n```", "SELECT 9"),       # an SQL block first
+    ("```sqlalchemy\nq = 10\n```", "q = 10"),        # not an SQL tag: the any-block rule
+    ("```sqlite3\nSELECT 11\n```", "SELECT 11"),
     ("```\nSELECT 4\n```", "SELECT 4"),
     ("Let me think.\n```sql\nSELECT 5 FROM t", "SELECT 5 FROM t"),    # unclosed final block
     ("The query is:\nSELECT name\nFROM t;\nDone.", "SELECT name\nFROM t"),
+    ("SELECT a FROM t;\n\nWith this query we get the names.", "SELECT a FROM t"),
+    ("WITH x AS (SELECT 1) SELECT * FROM x;\nSelect all rows, then filter.",
+     "WITH x AS (SELECT 1) SELECT * FROM x"),
+    ("Select the table first.\n\nWith it we are done.", "With it we are done."),  # none parses
     ("no sql at all", None),
 ])
 def test_extract_sql(completion, sql):
@@ -96,6 +106,12 @@ ADVERSARIAL = [
     "ATTACH DATABASE '{dir}/evil.db' AS evil",
     "SELECT 1; ATTACH DATABASE '{dir}/evil.db' AS evil",
     "SELECT name FROM customers; DROP TABLE customers",
+    "SELECT name FROM customers; -- done\nDROP TABLE customers",
+    "SELECT name FROM customers; /* done */ DELETE FROM orders",
+    "SELECT ';' ; DROP TABLE customers",
+    "SELECT '--' ; DROP TABLE customers",
+    "SELECT 1 /* ; */ ; DELETE FROM orders; -- */",
+    "SELECT [a;b] FROM customers; DROP TABLE customers",
     "VACUUM INTO '{dir}/copy.db'",
     "PRAGMA writable_schema = ON",
     "PRAGMA journal_mode = WAL",
@@ -206,3 +222,127 @@ def test_broken_gold_query_is_reported_not_scored():
     ex = Example("q", "SELECT no_such_column FROM customers", {"db_path": db})
     with pytest.raises(ValueError, match="gold query failed"):
         txt2sql.reward(_block("SELECT 1"), ex)
+
+
+@pytest.mark.parametrize("fence", ["sqlite", "SQLite", "sql", "SQL"])
+def test_sql_and_sqlite_fences_score(shop, fence):
+    completion = f"Done.\n```{fence}\n{shop.answer}\n```"
+    assert txt2sql.extract_sql(completion) == shop.answer
+    assert txt2sql.reward(completion, shop) == 1.0
+
+
+@pytest.mark.parametrize("tail", ["; -- done", " -- done", ";\n-- checked\n", "; /* a; b */",
+                                  " /* done */ ;;", "; -- x\n/* y */ ;"])
+def test_trailing_comments_after_the_query_are_accepted(shop, tail):
+    assert sqlsafe.single_statement(shop.answer + tail) == shop.answer
+    assert txt2sql.reward(_block(shop.answer + tail), shop) == 1.0
+
+
+@pytest.mark.parametrize("sql,statement", [
+    ("SELECT 'a;b' ; -- c", "SELECT 'a;b'"),
+    ("SELECT 'it''s;' FROM t /* x; y */", "SELECT 'it''s;' FROM t"),
+    ('SELECT "a;--" FROM [b;/*] -- ; \n;', 'SELECT "a;--" FROM [b;/*]'),
+    ("SELECT 1 -- a\n FROM t;\n", "SELECT 1 -- a\n FROM t"),
+    ("SELECT 1 /* never closed ; DROP TABLE t", "SELECT 1"),   # SQLite: a comment to the end
+    ("SELECT ';' ; DROP TABLE t", None),
+    ("SELECT '--' ; DROP TABLE t", None),
+    ("SELECT 1 /* ; */ ; SELECT 2", None),
+    ("SELECT 1 -- ;\n; SELECT 2", None),
+    ("SELECT 'never closed ; SELECT 2", None),
+    ("SELECT $a(';') ; DROP TABLE t", None),
+    ("; -- nothing", None),
+])
+def test_single_statement_splits_outside_quotes_and_comments(sql, statement):
+    assert "".join(text for _, text in sqlsafe.sql_lexemes(sql)) == sql
+    if statement is None:
+        with pytest.raises(sqlsafe.QueryError):
+            sqlsafe.single_statement(sql)
+    else:
+        assert sqlsafe.single_statement(sql) == statement
+
+
+@pytest.mark.parametrize("tail", ["; SELECT 1", "; -- done\nSELECT 1", " /* ; */ ; SELECT 1",
+                                  " -- ;\n; SELECT 1"])
+def test_a_second_statement_after_the_query_scores_zero(shop, tail):
+    assert txt2sql.reward(_block(shop.answer + tail), shop) == 0.0
+
+
+def test_prose_after_a_bare_query_does_not_replace_it(shop):
+    for prose in ["With this query we get the answer.", "Select statements like this one count."]:
+        completion = f"The query is:\n{shop.answer};\n\n{prose}"
+        assert txt2sql.extract_sql(completion) == shop.answer
+        assert txt2sql.reward(completion, shop) == 1.0
+
+
+@pytest.mark.parametrize("gold,pred,ordered", [
+    ("SELECT name FROM pets ORDER BY age", "SELECT name FROM pets ORDER BY name DESC", True),
+    ("select name from pets order\nby age desc", "SELECT name FROM pets ORDER BY name", True),
+    ("SELECT name FROM pets UNION SELECT kind FROM pets ORDER/* c */BY 1",
+     "SELECT kind FROM pets UNION SELECT name FROM pets ORDER BY 1 DESC", True),
+    ("SELECT name FROM (SELECT name, age FROM pets ORDER BY age DESC LIMIT 2)",
+     "SELECT name FROM pets WHERE age > 2 ORDER BY name", False),
+    ("WITH o AS (SELECT name FROM pets ORDER BY age DESC LIMIT 2) SELECT name FROM o",
+     "SELECT name FROM pets WHERE age > 2 ORDER BY name", False),
+    ("SELECT name FROM pets WHERE kind <> 'order by'", "SELECT name FROM pets ORDER BY name", False),
+    ('SELECT name AS "order by" FROM pets -- order by age',
+     "SELECT name FROM pets ORDER BY name", False),
+    ("SELECT name, rank() OVER (ORDER BY age) FROM pets",
+     "SELECT name, rank() OVER (ORDER BY age) FROM pets ORDER BY name DESC", False),
+])
+def test_only_an_outermost_order_by_orders_the_result(tmp_path, gold, pred, ordered):
+    _mini_db(tmp_path / "database" / "pets" / "pets.sqlite")
+    (tmp_path / "train.json").write_text(json.dumps([{"db_id": "pets", "question": "q",
+                                                      "SQL": gold}]))
+    [ex] = txt2sql.load("train", source=str(tmp_path))
+    assert txt2sql.is_ordered(gold) == ex.meta["ordered"] == ordered
+    rows, gold_rows = (sqlsafe.run_query(ex.meta["db_path"], q) for q in (pred, gold))
+    assert rows != gold_rows and sorted(rows) == sorted(gold_rows)  # same rows, another order
+    assert txt2sql.reward(_block(pred), ex) == (pytest.approx(0.1) if ordered else 1.0)
+    del ex.meta["ordered"]                                             # decided from the gold SQL
+    assert txt2sql.reward(_block(pred), ex) == (pytest.approx(0.1) if ordered else 1.0)
+
+
+def _floats_db(path: Path) -> str:
+    """v * 3 / 10 and v * 0.3 differ by an ulp across a 6th-decimal rounding boundary in rows
+    n=1 and n=3 (2.0000235 vs 2.0000234999999997); row n=2 (2.00002299) rounds to 2.000023 both
+    ways, so sorting by rounded values puts row n=1 on different sides of it in the two sets."""
+    conn = sqlite3.connect(path)
+    conn.executescript("CREATE TABLE m (n INT, v REAL); INSERT INTO m VALUES "
+                       "(1, 6.666745), (3, 6.666765), (2, 6.6667433), (4, 1.5);")
+    conn.commit()
+    conn.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("gold_order", ["", " ORDER BY n"])
+def test_floats_match_within_tolerance_across_rounding_boundaries(tmp_path, gold_order):
+    db = _floats_db(tmp_path / "m.sqlite")
+    gold = f"SELECT v * 3 / 10, n FROM m{gold_order}"
+    ex = Example("q", gold, {"db_path": db, "ordered": txt2sql.is_ordered(gold)})
+    pred = f"SELECT v * 0.3, n FROM m{gold_order}"
+    a, b = sqlsafe.run_query(db, pred)[0][0], txt2sql.gold_result(db, gold)[0][0]
+    assert a != b and round(a, 6) != round(b, 6) and abs(a - b) < 1e-12
+    assert txt2sql.reward(_block(pred), ex) == 1.0
+    assert txt2sql.reward(_block(f"SELECT v * 0.3 + 2e-6, n FROM m{gold_order}"), ex) \
+        == pytest.approx(0.1)
+
+
+def test_same_result_tolerance_and_multiset_matching():
+    same = txt2sql.same_result
+    assert same([(2.0000005,)], [(2.0000004999999,)], ordered=False)
+    assert same([(2.0000005,)], [(2.0000004999999,)], ordered=True)
+    assert same([(1e12 + 1e-3,)], [(1e12,)], ordered=True)        # relative 1e-15
+    assert not same([(1.0,)], [(1.00001,)], ordered=False)
+    assert same([(3,)], [(3.0000000001,)], ordered=False)         # int against float
+    assert not same([(10**12,)], [(10**12 + 1,)], ordered=False)  # ints exactly
+    assert not same([("1",)], [(1,)], ordered=False)
+    # sorted by rounded floats, (2.0000235-ulp, 1) sorts before (2.000023, 2) in one set and
+    # (2.0000235, 1) after it in the other: matched all the same
+    pred = [(2.0000234999999997, 1), (2.000023, 2), (5.0, 3)]
+    gold = [(5.0, 3), (2.000023, 2), (2.0000235, 1)]
+    assert same(pred, gold, ordered=False)
+    assert not same(pred, gold[:2] + [(2.0000235, 4)], ordered=False)
+    assert not same(pred, gold, ordered=True)
+    assert same([(1.0, "a"), (1.0, "a"), (2.0, "b")], [(2.0, "b"), (1.0000001, "a"), (1.0, "a")],
+                ordered=False)
+    assert not same([(1.0, "a"), (1.0, "a")], [(1.0, "a"), (1.0, "b")], ordered=False)
