@@ -160,7 +160,7 @@ class RLClientConfig:
     timeout_s: float = 600.0
     sync_peer_timeout_s: float = 30.0
     server_url: str | None = None
-    api_token: str | None = None
+    api_token: str | None = dataclasses.field(default=None, repr=False)  # a secret: never in a repr
     max_body_bytes: int = 1 << 30
     run_dir: str | None = None
     ray_address: str | None = None

@@ -32,12 +32,14 @@ other field this module does not know; ``prompt_logprobs`` on chat (served on
 answers 501.
 """
 
+import asyncio
 import time
 import uuid
 from typing import Any
 
 from ..types import SamplingParams
 
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs: what one request may ask per prompt token
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "min_p", "max_tokens", "seed", "stop_token_ids")
 NEUTRAL_VALUES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "echo": False, "stream": False, "ignore_eos": False}
@@ -71,13 +73,15 @@ def sampling_params(body: dict[str, Any], keys: set[str]) -> SamplingParams:
 
 
 def prompt_logprobs_k(body: dict, params: SamplingParams) -> int | None:
-    """``prompt_logprobs`` of a request: None (not asked) or ``k`` (-1: all); ``ValueError`` when
-    it is not an int >= -1 or comes with a filter (the scores are of ``logits / temperature``)."""
+    """``prompt_logprobs`` of a request: None (not asked) or ``k``; ``ValueError`` when it is not
+    an int in ``[0, MAX_PROMPT_LOGPROBS]`` (a bound on the answer: ``k`` entries per prompt
+    token) or comes with a filter (the scores are of ``logits / temperature``)."""
     k = body.get("prompt_logprobs")
     if k is None:
         return None
-    if isinstance(k, bool) or not isinstance(k, int) or k < -1:
-        raise ValueError(f"prompt_logprobs must be an int >= -1 (-1: the whole vocabulary), got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_PROMPT_LOGPROBS:
+        raise ValueError(f"prompt_logprobs must be an int in [0, {MAX_PROMPT_LOGPROBS}] (vLLM's default "
+                         f"max_logprobs; the whole vocabulary, -1, is not served), got {k!r}")
     if params.top_k > 0 or params.top_p < 1 or (params.min_p or 0) > 0:
         raise ValueError("prompt_logprobs with top_k / top_p / min_p: polynya scores prompts under "
                          "logits / temperature only; drop the filters from this request")
@@ -183,10 +187,14 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}].content must be text (images and content parts are not supported)")
+    if body.get("chat_template") is not None:  # vLLM refuses it too by default (CVE-2025-61620)
+        raise ValueError("a request's chat_template is refused: a template runs on the server, with no "
+                         "bound on its memory or time. Serve a model directory whose tokenizer has the "
+                         "template you need")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValueError("chat_template_kwargs must be an object")
-    out = tokenizer.apply_chat_template(messages, chat_template=body.get("chat_template"), tokenize=True,
+    out = tokenizer.apply_chat_template(messages, tokenize=True,
                                         add_generation_prompt=body.get("add_generation_prompt", True),
                                         **kwargs)
     ids = out["input_ids"] if hasattr(out, "keys") else out
@@ -260,6 +268,6 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
             body.get("top_logprobs") is None or _want_logprobs(body["top_logprobs"], "top_logprobs"))
         if body.get("tool_choice") not in (None, "none"):
             raise ValueError("tool_choice other than 'none' is not supported")
-        prompt = chat_prompt(body, tokenizer)
+        prompt = await asyncio.to_thread(chat_prompt, body, tokenizer)  # off the event loop
         groups = await generate([prompt], params, request)
         return chat_response(body, prompt, groups[0], tokenizer, model, want_lp)

@@ -20,6 +20,8 @@ sync backend), LoRA adapter loading, ``/start_draft_weight_update`` (speculative
 ``/v1/chat/completions/render`` (multimodal prompts).
 """
 # no ``from __future__ import annotations``: FastAPI must resolve the route signatures
+import asyncio
+
 from .openai_compat import chat_prompt
 
 _REFUSALS = {
@@ -99,7 +101,7 @@ def add_skyrl_routes(app, client, tokenizer) -> None:
         body = await read_json(request)
         tok = need_tokenizer("/tokenize")
         if "messages" in body:
-            ids = chat_prompt(body, tok)
+            ids = await asyncio.to_thread(chat_prompt, body, tok)  # off the event loop
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):

@@ -117,13 +117,31 @@ def test_prompt_logprobs_response_shape_and_refusals(server, model):
         got = torch.tensor([entry[t]["logprob"] for t in want])
         torch.testing.assert_close(got, ref[pos - 1, list(want)], atol=1e-5, rtol=0)
     bad = [({**body, "top_p": 0.5}, "filters"), ({**body, "prompt_logprobs": -2}, "prompt_logprobs"),
-           ({**body, "prompt_logprobs": True}, "prompt_logprobs")]
+           ({**body, "prompt_logprobs": True}, "prompt_logprobs"),
+           # an answer's size is bounded: k entries per prompt token, k <= 20 (vLLM's max_logprobs)
+           ({**body, "prompt_logprobs": -1}, "prompt_logprobs must be an int in [0, 20]"),
+           ({**body, "prompt_logprobs": 21}, "prompt_logprobs must be an int in [0, 20]")]
     for b, msg in bad:
         r = httpx.post(server + "/v1/completions", json=b, timeout=60)
         assert r.status_code == 400 and msg in r.json()["error"], r.text
     chat = {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}
     r = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 400 and "/v1/completions" in r.json()["error"]
+
+
+def test_a_request_chat_template_is_refused(server):
+    """A template runs on the server with no bound on memory or time (vLLM refuses it by
+    default, CVE-2025-61620): refused on both routes that render chats; the tokenizer's own
+    template (with chat_template_kwargs) still renders."""
+    messages = [{"role": "user", "content": "hi"}]
+    bomb = "{% set x = 'a' * (400 * 1000 * 1000) %}{{ x|length }}"
+    for route, body in (("/v1/chat/completions", {"messages": messages, "max_tokens": 1}),
+                        ("/tokenize", {"messages": messages})):
+        r = httpx.post(server + route, json={**body, "chat_template": bomb}, timeout=60)
+        assert r.status_code == 400 and "chat_template is refused" in r.json()["error"], r.text
+        r = httpx.post(server + route, json={**body, "chat_template": None,
+                                             "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+        assert r.status_code == 200, r.text
 
 
 def test_health_models_world_size_server_info(trl_client):

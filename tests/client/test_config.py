@@ -105,3 +105,11 @@ def test_layouts():
     )
     split = plan_layout(1, 2, 1, False, "dev")
     assert (split.trainer, split.sampler, split.logprob, split.share) == ([0], [1, 2], [3], 1.0)
+
+
+def test_the_api_token_stays_out_of_reprs():
+    from polynya import RLClientConfig
+
+    cfg = RLClientConfig("tiny:qwen3", comm_protocol="http", server_url="http://10.0.0.5:8000",
+                         api_token="SECRET-TOKEN-123")
+    assert cfg.api_token == "SECRET-TOKEN-123" and "SECRET-TOKEN-123" not in repr(cfg)
