@@ -252,11 +252,12 @@ def checkpoint_types() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
-def load_checkpoint(engine, path: str, tag: str) -> None:
+def load_checkpoint(engine, path: str, tag: str, began=None) -> None:
     """``engine.load_checkpoint`` with every pickle restricted to ``checkpoint_types``.
 
     Each file of the tag is unpickled (weights-only) once before DeepSpeed loads any of them,
-    so a file holding anything else raises ``CheckpointError`` before the engine changes.
+    so a file holding anything else raises ``CheckpointError`` before the engine changes;
+    ``began()`` is called just before DeepSpeed starts changing it.
     """
     from ..files import CheckpointError, safe_torch_load
 
@@ -274,6 +275,8 @@ def load_checkpoint(engine, path: str, tag: str) -> None:
                 except Exception as exc:  # an unpickling error, or bytes torch cannot read
                     raise CheckpointError(f"{file!r} cannot be loaded as "
                                           f"weights only: {exc}") from None
+        if began is not None:
+            began()
         load_path, _ = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
     if load_path is None:

@@ -94,6 +94,7 @@ class TrainingEngine:
         self.dtype = resolve_dtype(config.dtype)
         self._pending = 0  # forward_backward calls since the last step
         self._torn: str | None = None  # why a forward_backward stopped after gradients were added
+        self._half_loaded: str | None = None  # why a load() stopped after DeepSpeed began loading
         self._offloaded = False
         self._ready = None  # (span layout, its .seen, PendingChecksum) launched after the update
         self._digest_stream = None
@@ -335,6 +336,7 @@ class TrainingEngine:
         from .logprob import sharded_logprobs
 
         self._check_onloaded()
+        self._check_loaded()
         self.module.eval()
         return sharded_logprobs(self, batch, entropy=entropy,
                                 temperature=self.config.temperature if temperature is None else temperature)
@@ -347,6 +349,7 @@ class TrainingEngine:
         then a manifest with the sha256 of every file (``polynya.files``; rank 0 writes it once
         every rank is done)."""
         self._check_onloaded()
+        self._check_loaded()
         self.engine.save_checkpoint(path, tag="polynya")
         if self.config.export_hf:
             self.save_pretrained(os.path.join(path, HF_EXPORT))
@@ -364,6 +367,7 @@ class TrainingEngine:
         from ..models import load_tokenizer
 
         self._check_onloaded()
+        self._check_loaded()
         shapes = {n: dsu.full_shape(p) for n, p in self.module.named_parameters()}
         state = {}
         for names, flat in self.export_weights():
@@ -381,17 +385,27 @@ class TrainingEngine:
         and every pickle is read with ``weights_only=True`` (tensors, containers and the few
         DeepSpeed types its state holds): a missing, corrupted, truncated or mismatched file,
         or a pickle holding anything else, is a ``CheckpointError`` naming the file, with the
-        engine unchanged.
+        engine unchanged. A load that fails after DeepSpeed began (a file whose pickle is sound
+        but whose contents DeepSpeed cannot use) may have replaced part of the state: the engine
+        then refuses everything but another ``load`` until one succeeds.
         """
         self._check_onloaded()
-        self._check_whole()
+        if self._torn:
+            self._check_whole()
         if self._pending:  # DeepSpeed keeps accumulated gradients across a checkpoint load
             raise RuntimeError(f"load() with the gradients of {self._pending} forward_backward call(s) "
                                "pending: the next step() would add them to the loaded state. Call step() "
                                "first, or load into a new TrainingEngine")
         verify_manifest(path)
         self._drop_checksum()
-        dsu.load_checkpoint(self.engine, path, tag="polynya")
+        began: list[bool] = []
+        try:
+            dsu.load_checkpoint(self.engine, path, tag="polynya", began=lambda: began.append(True))
+        except BaseException as exc:
+            if began:  # DeepSpeed had begun: part of the state may be the checkpoint's
+                self._half_loaded = f"a load({path!r}) failed part-way ({type(exc).__name__}: {exc})"
+            raise
+        self._half_loaded = None
 
     def offload(self) -> dict[str, float]:
         """Move weights, gradients, fp32 master weights and optimizer state to host memory (for a
@@ -456,10 +470,17 @@ class TrainingEngine:
             raise
 
     def _check_whole(self) -> None:
+        """Refuse to train on a partial gradient or a partly loaded state."""
+        self._check_loaded()
         if self._torn:
             raise RuntimeError(f"{self._torn}: its partial gradient is in DeepSpeed's buffers, which neither "
                                "ZeRO nor a load() drops, so step() would train on part of a batch. Build a "
                                "new TrainingEngine (and load(<checkpoint>) into it) to train on.")
+
+    def _check_loaded(self) -> None:
+        if self._half_loaded:
+            raise RuntimeError(f"{self._half_loaded}: the engine may hold part of that checkpoint's "
+                               "state (weights, optimizer, schedule). load() a sound checkpoint first")
 
     def _check_onloaded(self) -> None:
         if self._offloaded:
@@ -475,10 +496,12 @@ class TrainingEngine:
         must consume the generator.
         """
         self._check_onloaded()
+        self._check_loaded()
         return dsu.export_buckets(self.module, bucket_bytes)
 
     def weight_checksum(self, bucket_bytes: int = 1 << 28) -> str:
         """``polynya.distributed.checksum_named_tensors`` of the full weights (all ranks call)."""
+        self._check_loaded()
         return dsu.weights_checksum(self.module, bucket_bytes)
 
     def prepare_checksum(self) -> None:

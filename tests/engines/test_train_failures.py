@@ -3,7 +3,8 @@
 A micro-batch whose responses are all empty still runs its (zero) backward, so the update equals
 the one-micro-batch update. A forward_backward that fails after a backward began leaves a
 partial gradient that ZeRO cannot drop (nor a checkpoint load): the engine refuses to
-accumulate, step or load on it, and a new engine loaded from a checkpoint trains on.
+accumulate, step or load on it, and a new engine loaded from a checkpoint trains on. A load that
+fails after DeepSpeed began leaves the engine refusing all but another load.
 """
 from __future__ import annotations
 
@@ -128,3 +129,41 @@ def test_a_failure_before_any_backward_leaves_the_engine_usable():
     engine._logprobs = real
     engine.forward_backward(batch)
     assert engine.step()["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_load_that_fails_part_way_is_not_trained_on(stage, tmp_path):
+    """A checkpoint whose pickles are sound but whose optimizer file DeepSpeed cannot use: the
+    load fails after DeepSpeed replaced the weights. The engine then refuses to train, export
+    or save until a load succeeds; a good load then trains as a fresh engine loaded from it."""
+    import os
+    import shutil
+
+    from polynya.files import write_manifest
+
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    engine = TrainingEngine(train_config(stage, micro_batch_tokens=24))
+    engine.save(good)
+    engine.forward_backward(make_batch(5))
+    engine.step()  # the weights move on from the checkpoint's
+    shutil.copytree(good, bad)
+    folder = os.path.join(bad, "polynya")
+    (optim,) = [f for f in os.listdir(folder) if "optim" in f] or [sorted(os.listdir(folder))[-1]]
+    torch.save({"not": "an optimizer state"}, os.path.join(folder, optim))  # weights-only safe
+    os.remove(os.path.join(bad, "MANIFEST.json"))
+    write_manifest(bad)
+    with pytest.raises(Exception):
+        engine.load(bad)
+    batch = make_batch(3)
+    for call in (lambda: engine.forward_backward(batch), engine.step, lambda: engine.compute_logprobs(batch),
+                 lambda: list(engine.export_weights()), lambda: engine.save(str(tmp_path / "again")),
+                 engine.weight_checksum):
+        with pytest.raises(RuntimeError, match="failed part-way.*load\\(\\) a sound checkpoint first"):
+            call()
+    assert not os.path.exists(tmp_path / "again")
+    engine.load(good)
+    fresh = TrainingEngine(train_config(stage, micro_batch_tokens=24))
+    fresh.load(good)
+    assert engine.weight_checksum() == fresh.weight_checksum()
+    assert (engine.forward_backward(batch)["loss"], engine.step()["grad_norm"]) == pytest.approx(
+        (fresh.forward_backward(batch)["loss"], fresh.step()["grad_norm"]), rel=1e-6)
