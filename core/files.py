@@ -40,6 +40,11 @@ def file_sha256(path: str) -> str:
 def _files(root: str) -> list[str]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:  # os.walk does not enter them: their files would go unlisted, unchecked
+            if os.path.islink(os.path.join(dirpath, d)):
+                rel = os.path.relpath(os.path.join(dirpath, d), root)
+                raise CheckpointError(f"{os.path.join(root, rel)!r} is a symbolic link to a directory: a "
+                                      "checkpoint holds regular directories only (copy it with its files)")
         dirnames.sort()
         for name in sorted(filenames):
             rel = os.path.relpath(os.path.join(dirpath, name), root)

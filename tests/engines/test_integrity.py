@@ -163,12 +163,20 @@ def _damages(tmp: str):
     def missing(d):
         os.remove(os.path.join(d, model))
 
+    def linked(d):  # the tag directory a link to files no manifest lists (walks do not enter links)
+        elsewhere = d + "_files"
+        shutil.move(os.path.join(d, "polynya"), elsewhere)
+        os.symlink(elsewhere, os.path.join(d, "polynya"))
+        with open(os.path.join(d, "MANIFEST.json"), "w") as f:
+            f.write('{"format": 1, "files": {}}')
+
     return [("bytes flipped in a tensor record", flip, "mp_rank_00_model_states.pt.*corrupted"),
             ("truncated optimizer file", truncate, "optim_states.pt.*bytes"),
             ("no manifest", no_manifest, "MANIFEST"),
             ("a file of another checkpoint", extra, "other_rank_states.pt.*not in"),
             ("missing file", missing, "model_states.pt.*missing"),
-            ("planted pickle", planted, "optim_states.pt.*weights only")], marker
+            ("planted pickle", planted, "optim_states.pt.*weights only"),
+            ("the tag directory a symbolic link", linked, "polynya.*symbolic link to a directory")], marker
 
 
 def test_damaged_checkpoints_are_refused_untouched(tmp_path):
