@@ -15,8 +15,22 @@
    further ``;`` may follow, and that tail is dropped, never run; the statement itself must
    also be complete by ``sqlite3.complete_statement`` with no complete statement ending
    inside it (SQLite's own tokenizer, as a cross-check);
-4. limits: a wall-clock deadline checked by a progress handler (stops runaway recursive CTEs),
-   at most ``max_rows`` rows fetched, and values at most ``max_value_bytes`` long.
+4. limits: at most ``max_rows`` rows fetched, values at most ``max_value_bytes`` long, and a
+   hard wall-clock deadline: the checked statement runs in a worker process (:mod:`.sqlworker`,
+   which opens the connection of layers 1-2 and applies these limits) that is killed when it
+   has not answered ``KILL_GRACE_S`` after its time limit.
+   Inside, SQLite's progress handler stops most slow queries (a runaway recursive CTE) at the
+   limit without a kill; the kill stops what it cannot: one opcode can run for minutes
+   (``instr``, ``LIKE``, ``GLOB`` on megabyte strings).
+
+Each thread of each process has its own worker, a plain ``python -I -S sqlworker.py``
+subprocess (never a fork of this process, which may hold CUDA threads), started at its first
+query (tens of milliseconds, not counted in the time limit) and again after a kill; it keeps
+its connections open, so a query costs about what it did in-process.
+A worker is killed and reaped when its thread ends and at interpreter exit; one whose parent
+died without that ends at EOF on its stdin, or by its own alarm if a query is still running.
+A forked child never uses or kills its parent's worker. :class:`RuntimeError` (not
+:class:`QueryError`) means the worker itself could not start.
 
 ``parses_as_query(sql)`` tells a read statement from prose that merely starts with ``SELECT``
 or ``WITH``: SQLite parses it on an empty in-memory database whose authorizer denies every
@@ -24,15 +38,27 @@ action, so nothing is ever run.
 """
 from __future__ import annotations
 
+import marshal
+import math
+import os
 import re
+import select
+import signal
 import sqlite3
+import subprocess
+import sys
+import threading
 import time
+import weakref
 from pathlib import Path
 
-_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-            getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
-_DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"}
-MAX_SQL_CHARS = 10_000
+from .sqlworker import MAX_SQL_CHARS, READY, QueryError, connect_readonly, write_message
+
+__all__ = ["MAX_SQL_CHARS", "QueryError", "connect_readonly", "parses_as_query", "run_query",
+           "single_statement", "sql_lexemes"]
+KILL_GRACE_S = 0.25   # a worker silent this long past its query's time limit is killed
+START_TIMEOUT_S = 30.0
+_WORKER_SCRIPT = str(Path(__file__).with_name("sqlworker.py"))
 _FIRST_KEYWORD = re.compile(r"\s*(?:(?:--[^\n]*\n|/\*.*?\*/)\s*)*\(*\s*(\w+)", re.S)
 # One lexeme per match, named by its kind; whitespace is SQLite's (ASCII); an unterminated quote
 # or block comment runs to the end, as in SQLite; each parenthesis is a lexeme of its own.
@@ -40,31 +66,6 @@ _LEXEME = re.compile(r"""(?P<space>\s+) | (?P<comment>--[^\n]* | /\*(?:[^*]|\*(?
     | (?P<quoted>'(?:[^']|'')*(?:'|\Z) | "(?:[^"]|"")*(?:"|\Z) | `(?:[^`]|``)*(?:`|\Z)
                  | \[[^\]]*(?:\]|\Z))
     | (?P<semi>;) | (?P<code>[^\s;'"`\[/()-]+ | .)""", re.S | re.X | re.A)
-
-
-class QueryError(Exception):
-    """The query was rejected, failed, ran too long or returned too many rows."""
-
-
-def _authorize(action: int, arg1, arg2, db_name, trigger) -> int:
-    if action not in _ALLOWED:
-        return sqlite3.SQLITE_DENY
-    if action == sqlite3.SQLITE_FUNCTION and str(arg2).lower() in _DENIED_FUNCTIONS:
-        return sqlite3.SQLITE_DENY
-    return sqlite3.SQLITE_OK
-
-
-def connect_readonly(db_path: str | Path) -> sqlite3.Connection:
-    """A read-only, query-only connection to an existing SQLite file (no authorizer yet)."""
-    path = Path(db_path).resolve()
-    if not path.is_file():
-        raise QueryError(f"database not found: {path}")
-    conn = sqlite3.connect(path.as_uri() + "?mode=ro&immutable=1", uri=True,
-                           isolation_level=None)
-    if hasattr(conn, "enable_load_extension"):
-        conn.enable_load_extension(False)
-    conn.execute("PRAGMA query_only=ON")
-    return conn
 
 
 def sql_lexemes(sql: str) -> list[tuple[str, str]]:
@@ -135,32 +136,128 @@ def run_query(db_path: str | Path, sql: str, *, timeout_s: float = 0.5, max_rows
     Args:
         db_path: an existing SQLite file (never modified).
         sql: one SELECT/WITH/VALUES statement.
-        timeout_s: wall-clock limit for preparing, running and fetching.
+        timeout_s: wall-clock limit for preparing, running and fetching; the worker is
+            killed if it has not answered ``KILL_GRACE_S`` later.
         max_rows: more rows than this is an error (the result would be useless as a reward).
         max_value_bytes: SQLite's string/blob length limit for this connection.
     Returns:
         the rows as tuples, in the order SQLite returned them.
     Raises:
         QueryError: rejected, failed, timed out, or too many rows.
+        RuntimeError: the worker process could not be started.
+        ValueError: ``timeout_s`` is not finite.
     """
+    if not math.isfinite(timeout_s):
+        raise ValueError(f"timeout_s must be finite, got {timeout_s}")
     text = single_statement(sql)
-    conn = connect_readonly(db_path)
-    try:
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_value_bytes)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS + 2)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-        conn.set_authorizer(_authorize)
-        deadline = time.monotonic() + timeout_s
-        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+    path = str(Path(db_path).resolve())  # the worker's working directory may differ
+    kind, result = _ask((path, text, float(timeout_s), int(max_rows), int(max_value_bytes)),
+                        timeout_s)
+    if kind != "ok":
+        raise QueryError(result)
+    return result
+
+
+_local = threading.local()
+
+
+class _Worker:
+    """One ``sqlworker.py`` process, used by the thread of the process that started it."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
         try:
-            cursor = conn.execute(text)
-            rows = cursor.fetchmany(max_rows + 1)
-        except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as e:
-            if time.monotonic() > deadline:
-                raise QueryError(f"query exceeded the {timeout_s:g} s time limit") from None
-            raise QueryError(f"{type(e).__name__}: {e}") from None
-        if len(rows) > max_rows:
-            raise QueryError(f"query returned more than {max_rows} rows")
-        return [tuple(row) for row in rows]
-    finally:
-        conn.close()
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", _WORKER_SCRIPT],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError as e:
+            raise RuntimeError(f"sqlsafe: cannot start the query worker: {e}") from e
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self.owner)
+        try:
+            ready = self.receive(time.monotonic() + START_TIMEOUT_S)
+        except (EOFError, ValueError):
+            ready = None
+        if ready != READY:
+            self.stop()
+            raise RuntimeError(f"sqlsafe: the query worker ({_WORKER_SCRIPT}) did not start")
+
+    def usable(self) -> bool:
+        return self.owner == os.getpid() and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Kill and reap the process (only close the pipes in a forked child); idempotent."""
+        self._finalizer()
+
+    def send(self, request: tuple) -> None:
+        write_message(self.proc.stdin.fileno(), request)
+
+    def receive(self, deadline: float):
+        """The next message, ``None`` if it is not complete by ``deadline`` (``monotonic``);
+        :class:`EOFError` if the process closed its end first."""
+        data = _read_message(self.proc.stdout.fileno(), deadline)
+        return None if data is None else marshal.loads(data)
+
+
+def _stop(proc: subprocess.Popen, owner: int) -> None:
+    if os.getpid() == owner:
+        proc.kill()
+        proc.wait()
+    proc.stdin.close()
+    proc.stdout.close()
+
+
+def _read_message(fd: int, deadline: float) -> bytes | None:
+    """One message's payload from ``fd``. One request is in flight at a time, so every byte
+    that arrives belongs to this message: read whatever is there, usually all in one go."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    data, size = bytearray(), None
+    while size is None or len(data) < size:
+        wait = deadline - time.monotonic()
+        if wait <= 0:
+            return None
+        if not poller.poll(min(wait, 3600.0) * 1000):
+            continue
+        chunk = os.read(fd, 1 << 20 if size is None else min(size - len(data), 1 << 24))
+        if not chunk:
+            raise EOFError
+        data += chunk
+        if size is None and len(data) >= 8:
+            size = 8 + int.from_bytes(data[:8], "big")
+    return bytes(memoryview(data)[8:])
+
+
+def _worker(restart: bool = False) -> _Worker:
+    """This thread's worker, started if it has none, or if it died, was killed or belongs to
+    the process this one was forked from."""
+    worker = getattr(_local, "worker", None)
+    if worker is not None and (restart or not worker.usable()):
+        worker.stop()
+        worker = None
+    if worker is None:
+        worker = _local.worker = _Worker()
+    return worker
+
+
+def _ask(request: tuple, timeout_s: float) -> tuple:
+    """The worker's reply to ``request``; the worker is killed (and restarted by the next
+    query) when it has not answered ``KILL_GRACE_S`` after ``timeout_s``."""
+    worker = _worker()
+    try:
+        worker.send(request)
+    except OSError:  # it died while idle: the query never reached it
+        worker = _worker(restart=True)
+        worker.send(request)
+    deadline = time.monotonic() + timeout_s + KILL_GRACE_S
+    try:
+        reply = worker.receive(deadline)
+    except EOFError:  # it crashed, or its own alarm (the orphan backstop) ended it
+        if worker.proc.wait() == -signal.SIGALRM:
+            raise QueryError(f"query exceeded the {timeout_s:g} s time limit") from None
+        raise QueryError(f"the query process died (exit status {worker.proc.returncode})") from None
+    except BaseException:  # e.g. KeyboardInterrupt: its late answer must not reach the next query
+        worker.stop()
+        raise
+    if reply is None:
+        worker.stop()
+        raise QueryError(f"query exceeded the {timeout_s:g} s time limit")
+    return reply
