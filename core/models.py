@@ -116,7 +116,14 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "float32", device: str |
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
                                                      attn_implementation=attn_implementation)
+        # RoPE frequencies stay float32, as from_pretrained (and vLLM) keep them whatever the
+        # weights' dtype: a bf16 copy rounds them, and the model's own save_pretrained export
+        # then computes other log-probs than the model did
+        rope = {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
         model = model.to(device=device, dtype=torch_dtype)
+        for name, buf in rope.items():
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buf.to(device)
         model.config.name_or_path = spec  # errors name the model as the user did
     else:
         if not os.path.isdir(spec) and "/" not in spec:

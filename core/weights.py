@@ -331,6 +331,24 @@ def checksum_error(got: str, expected: str) -> str:
             f"{expected} (corrupted or incomplete); nothing was loaded")
 
 
+def check_tied(pairs: list[tuple[str, torch.Tensor]], params: Mapping[str, torch.Tensor]) -> None:
+    """``ValueError`` when two names of one parameter (tied embeddings: ``params`` from
+    ``named_parameters(remove_duplicate=False)``) carry different values: the copy would keep
+    the last one silently (an untied trainer's weights loaded into a tied model). Equal values
+    pass (a state dict lists a tied parameter under both names)."""
+    first: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, t in pairs:
+        key = id(params[name])
+        if key not in first:
+            first[key] = (name, t)
+            continue
+        other, u = first[key]
+        if not torch.equal(u, t.to(device=u.device, dtype=u.dtype)):
+            raise ValueError(f"load_weights: {other!r} and {name!r} are one tied parameter of this model "
+                             "but carry different values (weights of a model with untied embeddings?): "
+                             "load them into a model whose config has tie_word_embeddings=False")
+
+
 def checked_pairs(weights: WeightPieces, shapes: Mapping[str, torch.Size], *,
                   checksum: str | None = None, check_names: bool = True
                   ) -> list[tuple[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ import torch
 from ..checksum import checksum_packed
 from ..distributed import ensure_process_group
 from ..spans import span_layout
-from ..weights import checked_pairs, full_shape, is_zero3
+from ..weights import check_tied, checked_pairs, full_shape, is_zero3
 
 WeightPiece = tuple[list[str], torch.Tensor]
 
@@ -205,6 +205,7 @@ def load_pieces(module: torch.nn.Module, pieces: Iterable, *, checksum: str | No
     params = dict(module.named_parameters(remove_duplicate=False))
     shapes = {n: full_shape(p) for n, p in params.items()}
     pairs = checked_pairs(pieces, shapes, checksum=checksum)
+    check_tied(pairs, params)
     start = 0
     for bucket in named_buckets([(n, params[n]) for n, _ in pairs], 1 << 28):
         chunk = pairs[start:start + len(bucket)]

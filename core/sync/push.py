@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ..checksum import checksum_views, specs_checksum
+from ..config.common import resolve_dtype
 from ..weights import BucketSpec, FlatBuckets, full_shape
 from .manifest import SyncError
 
@@ -99,7 +100,7 @@ class WeightPush:
         ``SyncError`` when the engine refuses (NaN/inf, checksum mismatch: it is unchanged) or
         its weights afterwards do not hash to the parameters' checksum."""
         params = [(n, p) for n, p in params]
-        dtype = getattr(torch, engine.config.dtype)
+        dtype = resolve_dtype(engine.config.dtype)  # "bf16", "bfloat16" or a torch.dtype
         if gather is None and all(p.dtype == dtype for _, p in params):
             self.last_path = "direct"
             expected = checksum_views(params)  # the parameters themselves (no per-tensor op)

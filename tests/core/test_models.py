@@ -34,3 +34,21 @@ def test_random_shape_config_is_real_size():
 def test_unknown_specs_are_rejected(spec):
     with pytest.raises(ValueError):
         load_model(spec)
+
+
+@pytest.mark.parametrize("spec", ["tiny:qwen3", "tiny:gemma3"])
+def test_synthetic_bf16_models_keep_float32_rope_like_their_export(spec, tmp_path):
+    """RoPE frequencies stay float32 in a bf16 model, as from_pretrained keeps them: the model
+    and its own save_pretrained export compute the same logits (a bf16 copy of the frequencies
+    put them 2e-3 apart in log-prob)."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(spec, dtype="bfloat16")
+    rope = {n: b.dtype for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    assert rope and set(rope.values()) == {torch.float32}, rope
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ids = torch.randint(4, TINY_VOCAB, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)

@@ -78,6 +78,37 @@ def test_sampler_load_weights_is_atomic():
     check_atomic(engine, new_weights(seed=6))
 
 
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    from polynya.models import load_model, tiny_tokenizer
+
+    d = str(tmp_path_factory.mktemp("tied") / "tiny_qwen3_tied")
+    model = load_model(MODEL, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("engine_kind", ["sampler", "logprob_z0", "logprob_z3"])
+def test_two_values_for_one_tied_parameter_are_refused(tied_dir, engine_kind):
+    """An untied trainer's embedding and LM head, loaded into a tied model, used to leave the
+    embedding equal to whichever came last; equal values (a state dict lists a tied parameter
+    under both names) load."""
+    if engine_kind == "sampler":
+        engine = SamplingEngine(SamplerConfig(tied_dir, dtype="float32", num_blocks=64, seed=0))
+    else:
+        engine = LogProbEngine(LogProbConfig(tied_dir, dtype="float32", zero_stage=int(engine_kind[-1])))
+    before, version = engine.weight_checksum(), engine.weight_version
+    shape = (512, 64)  # the tiny vocabulary x hidden size
+    a, b = (torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' and 'lm_head.weight' are one tied"):
+        engine.load_weights([("model.embed_tokens.weight", a), ("lm_head.weight", b)])
+    assert engine.weight_checksum() == before and engine.weight_version == version
+    engine.load_weights([("model.embed_tokens.weight", a), ("lm_head.weight", a.clone())])
+    assert engine.weight_checksum() != before and engine.weight_version == version + 1
+
+
 # ---------------------------------------------------------------- non-finite gradients skip the step
 
 

@@ -63,9 +63,12 @@ def perturb(policy, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g).to(p.device) * 1e-2)
 
 
-@pytest.mark.parametrize("dtype, path", [("float32", "direct"), ("bfloat16", "staged")])
+@pytest.mark.parametrize("dtype, path", [("float32", "direct"), ("bfloat16", "staged"),
+                                         ("fp32", "direct"), ("bf16", "staged"), (torch.bfloat16, "staged")])
 def test_push_makes_sampler_equal_policy(tmp_path, dtype, path):
+    """Every dtype spelling SamplerConfig takes (the push crashed on "bf16", "fp32", torch dtypes)."""
     engine, policy = setup(tmp_path, dtype)
+    dtype = {"fp32": "float32", "bf16": "bfloat16", torch.bfloat16: "bfloat16"}.get(dtype, dtype)
     push = WeightPush()
     ptr = None
     for step in range(3):

@@ -23,7 +23,7 @@ from polynya.kernels.fca import plan_forest
 from polynya.model_features import attention_features
 from polynya.models import load_model
 from polynya.verified_copy import VerifiedBucketCopy
-from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, checked_pairs
+from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, check_tied, checked_pairs
 
 from ..scoring import PromptLogprobs, score_hidden
 from . import attention
@@ -429,6 +429,7 @@ class ModelRunner:
                 return
         params = dict(self.model.named_parameters(remove_duplicate=False))
         pairs = checked_pairs(weights, {n: p.shape for n, p in params.items()}, checksum=checksum)
+        check_tied(pairs, params)
         if isinstance(weights, FlatBuckets):
             plan = self._copy_plan(weights)
             dst, src = plan.dst, plan.sources(weights.flats)
