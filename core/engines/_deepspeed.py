@@ -253,6 +253,30 @@ def checkpoint_types() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's per-checkpoint model file (no model parallelism)
+
+
+def _kind(stage, bf16, ranks) -> str:
+    return f"ZeRO-{stage} {'bfloat16' if bf16 else 'float32'} engine on {ranks} rank(s)"
+
+
+def _check_saved_by_same_kind(engine, state, path: str) -> None:
+    """``CheckpointError`` unless ``state`` (the checkpoint's model states) was saved by an
+    engine of ``engine``'s ZeRO stage, dtype and data-parallel size: DeepSpeed would otherwise
+    load the weights and then fail on the optimizer files, the engine half loaded."""
+    from ..files import CheckpointError
+
+    cfg = state.get("ds_config") if isinstance(state, dict) else None
+    if not isinstance(cfg, dict):
+        return  # not ours to judge: DeepSpeed checks the rest
+    saved = _kind((cfg.get("zero_optimization") or {}).get("stage", 0),
+                  bool((cfg.get("bf16") or {}).get("enabled")), state.get("dp_world_size"))
+    here = _kind(engine.zero_optimization_stage(), engine.bfloat16_enabled(), engine.dp_world_size)
+    if saved != here:
+        raise CheckpointError(f"{path!r} was saved by a {saved}; this is a {here}: load it into an "
+                              "engine of the same ZeRO stage, dtype and world size")
+
+
 def load_checkpoint(engine, path: str, tag: str, began=None) -> None:
     """``engine.load_checkpoint`` with every pickle restricted to ``checkpoint_types``.
 
@@ -271,11 +295,13 @@ def load_checkpoint(engine, path: str, tag: str, began=None) -> None:
             if name.endswith(".pt"):
                 file = os.path.join(folder, name)
                 try:  # zip checkpoints are mapped, not read: the check costs the pickles only
-                    torch.load(file, map_location="cpu", weights_only=True,
-                               mmap=zipfile.is_zipfile(file))
+                    state = torch.load(file, map_location="cpu", weights_only=True,
+                                       mmap=zipfile.is_zipfile(file))
                 except Exception as exc:  # an unpickling error, or bytes torch cannot read
                     raise CheckpointError(f"{file!r} cannot be loaded as "
                                           f"weights only: {exc}") from None
+                if name == MODEL_STATES:
+                    _check_saved_by_same_kind(engine, state, path)
         if began is not None:
             began()
         load_path, _ = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,

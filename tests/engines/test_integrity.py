@@ -234,3 +234,18 @@ def test_damaged_checkpoints_are_refused_untouched(tmp_path):
         assert_same_tensors(optimizer_state(engine), opt)
     engine.load(saved)  # the intact checkpoint still loads
     assert engine.weight_checksum() != sums and int(engine.engine.global_steps) == 1
+
+
+@pytest.mark.parametrize("saved, loading", [((0, "bfloat16"), (0, "float32")), ((2, "float32"), (2, "bfloat16")),
+                                            ((2, "float32"), (1, "float32"))])
+def test_a_checkpoint_of_another_kind_of_engine_is_refused_untouched(tmp_path, saved, loading):
+    """A checkpoint saved at another dtype or ZeRO stage used to load the weights and then
+    fail on DeepSpeed's optimizer files (the engine half loaded); it is refused first."""
+    TrainingEngine(train_config(saved[0], dtype=saved[1])).save(str(tmp_path))
+    engine = TrainingEngine(train_config(loading[0], dtype=loading[1]))
+    before = engine.weight_checksum()
+    with pytest.raises(CheckpointError, match=f"saved by a ZeRO-{saved[0]} {saved[1]} engine on 1 rank"):
+        engine.load(str(tmp_path))
+    assert engine.weight_checksum() == before
+    engine.forward_backward(make_batch(3))  # not half loaded: it trains on
+    engine.step()
