@@ -89,3 +89,30 @@ def test_row_settings_are_rebuilt_only_when_their_values_change(monkeypatch):
     assert len(builds) == 1
     engine.generate([prompt], SamplingParams(n=3, temperature=0.7, max_tokens=9, stop_token_ids=(), seed=2))
     assert builds[1:] == [[0.7] * 3]
+
+
+def test_generate_async_takes_the_values_of_its_call(hf_qwen):
+    """A caller that changes its params object after calling ``generate_async`` (before the
+    worker thread gets to it: held here until the change is made) gets the call's values."""
+    import asyncio
+    import threading
+
+    engine = make_engine()
+    prompt = ragged_prompts(43, [6])[0]
+    params = SamplingParams(temperature=0, max_tokens=5, stop_token_ids=())
+    changed, real = threading.Event(), engine.generate
+
+    def held(*args, **kw):
+        assert changed.wait(30)
+        return real(*args, **kw)
+    engine.generate = held
+
+    async def call_then_change():
+        task = asyncio.ensure_future(engine.generate_async([prompt], params))
+        await asyncio.sleep(0)  # the call has started
+        params.max_tokens, params.temperature = 2, 1.0
+        changed.set()
+        return await task
+
+    out = asyncio.run(call_then_change())[0][0]
+    assert out.token_ids == greedy(hf_qwen, prompt, 5) and out.finish_reason == "length"
