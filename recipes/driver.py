@@ -30,6 +30,7 @@ from . import checkpoint
 from .evaluate import Evaluator
 from .metrics import MetricsLogger
 from .schema import to_client_config
+from .seeds import per_prompt
 from .tasks import Example, get_task
 from .tasks.common import judge
 
@@ -117,8 +118,9 @@ class GRPODriver:
         rc, times = self.run_cfg, {}
         idx = self._pick(step)
         prompts = [self.prompt_ids[i] for i in idx]
-        params = SamplingParams(n=rc.group_size, temperature=self.client_config.train.temperature, top_p=rc.top_p,
-                                top_k=rc.top_k, max_tokens=rc.max_new_tokens, seed=rc.seed + step)
+        params = per_prompt(SamplingParams(n=rc.group_size, temperature=self.client_config.train.temperature,
+                                           top_p=rc.top_p, top_k=rc.top_k, max_tokens=rc.max_new_tokens),
+                            "train", rc.seed, step, len(prompts))
         phase(f"generating {len(prompts)} x {rc.group_size} samples")
         t = time.perf_counter()
         groups = client.generate(prompts, params)
@@ -194,7 +196,8 @@ class GRPODriver:
                     if last or (rc.checkpoint_every and (step + 1) % rc.checkpoint_every == 0):
                         phase("saving a checkpoint")
                         saved = checkpoint.save(client, self.out_dir, step + 1,
-                                                {"next_step": step + 1, "seed": rc.seed}, rc.keep_checkpoints)
+                                                {"next_step": step + 1, **self._data_settings()},
+                                                rc.keep_checkpoints)
             finally:
                 logger.close()
         print(f"metrics: {os.path.abspath(logger.path)}", flush=True)
@@ -215,7 +218,28 @@ class GRPODriver:
             raise ValueError(f"{os.path.abspath(self.out_dir)} already holds a run (metrics.jsonl / "
                              f"checkpoints) and {why}: pass a new run.out_dir=..., or "
                              "run.overwrite=true to delete that run first")
+        if found is not None:
+            self._check_same_data(found[1])
         return found
+
+    def _check_same_data(self, state: dict) -> None:
+        """``ValueError`` when the run to resume drew its prompts or seeds otherwise."""
+        now = self._data_settings()
+        changed = {k: (state[k], v) for k, v in now.items() if k in state and state[k] != v}
+        if "sampling_seeds" not in state:  # a run from before per-prompt seeds
+            changed["sampling_seeds"] = ("one per step", now["sampling_seeds"])
+        if changed:
+            raise ValueError(f"{os.path.abspath(self.out_dir)} holds a run with other data settings ("
+                             + ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in sorted(changed.items()))
+                             + "): resume with the same settings, or pass a new run.out_dir=...")
+
+    def _data_settings(self) -> dict:
+        """The settings that decide which prompts a step draws and how it samples them: a
+        resumed run must have the same, or its steps after the checkpoint are another run's."""
+        rc = self.run_cfg
+        return {"seed": rc.seed, "task": self.cfg.task.name, "train_split": self.cfg.task.train_split,
+                "prompts_per_step": rc.prompts_per_step, "group_size": rc.group_size,
+                "sampling_seeds": "per_prompt"}
 
     def _resume(self, client, found) -> int:
         if found is None:

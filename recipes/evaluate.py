@@ -15,6 +15,7 @@ import time
 from types import ModuleType
 
 from .. import SamplingParams
+from .seeds import per_prompt
 from .tasks import Example
 from .tasks.common import judge
 
@@ -32,8 +33,9 @@ class Evaluator:
 
     def evaluate(self, client, step: int) -> dict[str, float]:
         t = time.perf_counter()
-        params = SamplingParams(n=1, temperature=0.0 if self.greedy else self.temperature,
-                                max_tokens=self.max_new_tokens, seed=self.seed + 7919 * (step + 1))
+        params = per_prompt(SamplingParams(n=1, temperature=0.0 if self.greedy else self.temperature,
+                                           max_tokens=self.max_new_tokens),
+                            "eval", self.seed, step, len(self.prompt_ids))
         outs = client.generate(self.prompt_ids, params)
         rewards, errors = [], 0
         for ex, (sample,) in zip(self.examples, outs):

@@ -15,6 +15,7 @@ TRL runs single-process here (``client.train.zero_stage`` is not translated); me
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from omegaconf import DictConfig
@@ -61,7 +62,8 @@ def run(cfg: DictConfig) -> None:
     sampling = client.sampling
     if is_synthetic(sampling.model):
         sampling = dataclasses.replace(sampling, model=model_path)
-    logger = MetricsLogger(out_dir, total_steps=rc.steps, start_step=0, progress=rc.progress,
+    start = _resumed_step(out_dir, rc.resume)  # before anything in out_dir changes
+    logger = MetricsLogger(out_dir, total_steps=rc.steps, start_step=start, progress=rc.progress,
                            tensorboard=rc.tensorboard)
 
     class Metrics(TrainerCallback):
@@ -74,11 +76,27 @@ def run(cfg: DictConfig) -> None:
                           sampler_config=sampling, zorro=client.zorro_train)
     trainer.remove_callback(PrinterCallback)  # MetricsLogger prints each step instead
     try:
-        resume = rc.resume and any(d.startswith("checkpoint-") for d in os.listdir(out_dir))
-        trainer.train(resume_from_checkpoint=True if resume else None)
+        trainer.train(resume_from_checkpoint=True if start else None)
     finally:
         logger.close()
     print(f"metrics: {os.path.abspath(logger.path)}", flush=True)
+
+
+def _resumed_step(out_dir: str, resume: bool) -> int:
+    """The step TRL resumes ``out_dir``'s run at (its latest ``checkpoint-N``'s ``global_step``),
+    0 for a fresh run; ``ValueError`` when ``out_dir`` holds a run that would be overwritten
+    (``run.resume=false``, or no checkpoint to resume from): its metrics and checkpoints would
+    mix with the new run's."""
+    checkpoints = sorted((int(d.split("-", 1)[1]), d) for d in os.listdir(out_dir)
+                         if d.startswith("checkpoint-") and d.split("-", 1)[1].isdigit())
+    if resume and checkpoints:
+        with open(os.path.join(out_dir, checkpoints[-1][1], "trainer_state.json")) as f:
+            return int(json.load(f)["global_step"])
+    if checkpoints or os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        why = "run.resume=false" if checkpoints else "it has no TRL checkpoint to resume from"
+        raise ValueError(f"{os.path.abspath(out_dir)} already holds a run (metrics.jsonl / checkpoint-*) and "
+                         f"{why}: pass a new run.out_dir=... (or delete that run first)")
+    return 0
 
 
 def grpo_config(cfg: DictConfig, client, cuda: bool):

@@ -1,5 +1,6 @@
 """The Hydra recipe app: every shipped YAML composes into valid engine configs; each task runs
 end to end on the tiny model; a killed run resumes from its checkpoint; GRPO advantages."""
+import dataclasses
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from polynya import SamplingParams
 
 from polynya.recipes.driver import GRPODriver, group_advantages
 from polynya.recipes.schema import register, to_client_config
@@ -154,3 +156,38 @@ def test_toy_task_reward_goes_up(tmp_path):
     first = sum(h["reward_mean"] for h in history[:5]) / 5
     last = sum(h["reward_mean"] for h in history[-5:]) / 5
     assert last > first + 0.05, (first, last)
+
+
+def test_a_resume_with_other_data_settings_is_refused(tmp_path):
+    """A resumed run's later steps would draw other prompts or seeds: refused before any engine
+    is built, naming each setting."""
+    first = _run(tmp_path, "toy", "run.steps=1", "run.checkpoint_every=1")
+    before = open(first["metrics_path"]).read()
+    with pytest.raises(ValueError, match="group_size: 2 there, 3 now.*seed: 0 there, 5 now"):
+        _run(tmp_path, "toy", "run.steps=2", "run.seed=5", "run.group_size=3")
+    assert open(first["metrics_path"]).read() == before
+    again = _run(tmp_path, "toy", "run.steps=2", "run.checkpoint_every=1")  # same settings: resumes
+    assert again["start_step"] == 1 and again["steps"] == 1
+
+
+def test_each_prompt_of_a_step_samples_from_its_own_seed():
+    """One seed for a step gave sample j of every prompt the same random stream (correlated
+    rollouts across the step's groups); per-prompt seeds draw them independently."""
+    from polynya.config import SamplerConfig
+    from polynya.engines import SamplingEngine
+    from polynya.recipes.seeds import per_prompt
+
+    engine = SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu", block_size=4, num_blocks=256))
+    prompts = [[5 + k, 40, 41, 42] for k in range(12)]  # 12 prompts that differ in their first token
+    base = SamplingParams(n=4, temperature=1.0, max_tokens=1, stop_token_ids=())
+
+    def agreement(params) -> float:
+        firsts = [[s.token_ids[0] for s in group] for group in engine.generate(prompts, params)]
+        pairs = [(a, b) for i, a in enumerate(firsts) for b in firsts[i + 1:]]
+        return sum(x == y for a, b in pairs for x, y in zip(a, b)) / (len(pairs) * base.n)
+
+    shared = agreement(dataclasses.replace(base, seed=7))
+    own = agreement(per_prompt(base, "train", 0, 7, len(prompts)))
+    assert shared > 0.3 and own < 0.05, (shared, own)
+    assert per_prompt(base, "train", 0, 7, 3) == per_prompt(base, "train", 0, 7, 3)  # reproducible
+    assert len({p.seed for p in per_prompt(base, "train", 0, 7, 64) + per_prompt(base, "eval", 0, 7, 64)}) == 128
