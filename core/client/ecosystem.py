@@ -13,7 +13,6 @@ A generation whose HTTP client disconnects is aborted in the engine (``cancel.py
 """
 
 import asyncio
-import dataclasses
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -46,8 +45,8 @@ def generate_params(sp: dict) -> SamplingParams:
     logprobs = sp.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise ValueError(f"logprobs must be null or an int >= 0, got {logprobs!r}")
-    params = sampling_params({k: v for k, v in sp.items() if k not in _ROUTE_ONLY}, _GENERATE_KEYS)
-    return dataclasses.replace(params, logprobs=logprobs is not None)
+    return sampling_params({k: v for k, v in sp.items() if k not in _ROUTE_ONLY}, _GENERATE_KEYS,
+                           logprobs=logprobs is not None)
 
 
 def _prompt_lists(prompt) -> list[list[int]]:

@@ -50,7 +50,7 @@ _CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "chat_template", "chat_templ
                         "add_generation_prompt", "tools", "tool_choice"}
 
 
-def sampling_params(body: dict[str, Any], keys: set[str]) -> SamplingParams:
+def sampling_params(body: dict[str, Any], keys: set[str], *, logprobs: bool = True) -> SamplingParams:
     """vLLM request fields -> ``SamplingParams`` (``ValueError`` naming what is not supported)."""
     unknown = sorted(set(body) - keys)
     if unknown:
@@ -69,7 +69,7 @@ def sampling_params(body: dict[str, Any], keys: set[str]) -> SamplingParams:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1: off), got {top_k!r}")
         kw["top_k"] = -1 if top_k == 0 else top_k
     # vLLM's rule: stop_token_ids add to the model's EOS, which ignore_eos turns off
-    return SamplingParams(**kw, logprobs=True, stop_at_eos=not body.get("ignore_eos"))
+    return SamplingParams(**kw, logprobs=logprobs, stop_at_eos=not body.get("ignore_eos"))
 
 
 def prompt_logprobs_k(body: dict, params: SamplingParams) -> int | None:

@@ -390,8 +390,7 @@ class TrainingEngine:
         then refuses everything but another ``load`` until one succeeds.
         """
         self._check_onloaded()
-        if self._torn:
-            self._check_whole()
+        self._check_gradients()
         if self._pending:  # DeepSpeed keeps accumulated gradients across a checkpoint load
             raise RuntimeError(f"load() with the gradients of {self._pending} forward_backward call(s) "
                                "pending: the next step() would add them to the loaded state. Call step() "
@@ -472,6 +471,9 @@ class TrainingEngine:
     def _check_whole(self) -> None:
         """Refuse to train on a partial gradient or a partly loaded state."""
         self._check_loaded()
+        self._check_gradients()
+
+    def _check_gradients(self) -> None:
         if self._torn:
             raise RuntimeError(f"{self._torn}: its partial gradient is in DeepSpeed's buffers, which neither "
                                "ZeRO nor a load() drops, so step() would train on part of a batch. Build a "

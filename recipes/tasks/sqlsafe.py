@@ -52,7 +52,7 @@ import time
 import weakref
 from pathlib import Path
 
-from .sqlworker import MAX_SQL_CHARS, READY, QueryError, connect_readonly, write_message
+from .sqlworker import HEADER, MAX_SQL_CHARS, READY, QueryError, connect_readonly, write_message
 
 __all__ = ["MAX_SQL_CHARS", "QueryError", "connect_readonly", "parses_as_query", "run_query",
            "single_statement", "sql_lexemes"]
@@ -221,9 +221,9 @@ def _read_message(fd: int, deadline: float) -> bytes | None:
         if not chunk:
             raise EOFError
         data += chunk
-        if size is None and len(data) >= 8:
-            size = 8 + int.from_bytes(data[:8], "big")
-    return bytes(memoryview(data)[8:])
+        if size is None and len(data) >= HEADER.size:
+            size = HEADER.size + HEADER.unpack_from(data)[0]
+    return bytes(memoryview(data)[HEADER.size:])
 
 
 def _worker(restart: bool = False) -> _Worker:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 READY = "sqlworker ready"
 ORPHAN_SLACK_S = 1.0  # more than sqlsafe.KILL_GRACE_S: the parent kills first
-_HEADER = struct.Struct(">Q")
+HEADER = struct.Struct(">Q")
 _ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
             getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
 _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"}
@@ -119,7 +119,7 @@ def _connection(db_path: str) -> sqlite3.Connection:
 def write_message(fd: int, obj) -> None:
     """Send ``obj`` (marshal-able) as one message on ``fd``."""
     data = marshal.dumps(obj)
-    view = memoryview(_HEADER.pack(len(data)) + data)
+    view = memoryview(HEADER.pack(len(data)) + data)
     while view:
         view = view[os.write(fd, view):]
 
@@ -152,10 +152,10 @@ def serve(fd_in: int = 0, fd_out: int = 1) -> None:
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the orphan backstop terminates
     write_message(fd_out, READY)
     while True:
-        header = _read_exact(fd_in, _HEADER.size)
+        header = _read_exact(fd_in, HEADER.size)
         if header is None:
             return
-        payload = _read_exact(fd_in, _HEADER.unpack(header)[0])
+        payload = _read_exact(fd_in, HEADER.unpack(header)[0])
         if payload is None:
             return
         reply = _answer(marshal.loads(payload))

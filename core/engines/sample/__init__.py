@@ -24,7 +24,6 @@ no other request — in this call or a concurrent one — is affected.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib.util
 import threading
 from collections.abc import Iterable, Sequence
@@ -36,6 +35,7 @@ import torch
 from polynya.config.sampler import SamplerConfig
 from polynya.types import Sample, SamplingParams, TokenSeq
 
+from .requests import private_copies
 from .scoring import PromptLogprobs
 
 __all__ = ["SamplingEngine"]
@@ -163,9 +163,7 @@ class SamplingEngine:
         """``generate`` on a worker thread; the event loop stays free, and concurrent calls are
         batched together by the engine (up to ``SamplerConfig.call_slots`` calls at once)."""
         loop = asyncio.get_running_loop()
-        # the values as of this call, not as of when the worker thread gets to it
-        params = (dataclasses.replace(params) if isinstance(params, SamplingParams)
-                  else [dataclasses.replace(p) if isinstance(p, SamplingParams) else p for p in params])
+        params = private_copies(params)  # the values as of this call, not when the worker runs it
         return await loop.run_in_executor(
             self._executor, lambda: self.generate(prompts, params, request_id=request_id))
 

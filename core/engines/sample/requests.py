@@ -34,7 +34,8 @@ def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequ
     plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(plist) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-    toks, copies = [], {}
+    plist = private_copies(plist)
+    toks = []
     for i, (prompt, p) in enumerate(zip(prompts, plist)):
         arr = as_token_array(prompt, f"prompts[{i}]")
         if arr.size == 0:
@@ -46,18 +47,30 @@ def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequ
                              f"{max_model_len} (prompt + at least one new token)")
         if not isinstance(p, SamplingParams):
             raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-        if id(p) not in copies:
-            try:  # __post_init__ checks the fields as they are now
-                copies[id(p)] = dataclasses.replace(p)
-            except ValueError as exc:
-                raise ValueError(f"params[{i}]: {exc}") from None
-        p = plist[i] = copies[id(p)]
         if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
             raise ValueError(f"params[{i}].max_tokens must be >= 1, got {p.max_tokens!r}")
         if not isinstance(p.n, int) or p.n < 1 or (max_n is not None and p.n > max_n):
             raise ValueError(f"params[{i}].n must be in [1, {max_n}], got {p.n!r}")
         toks.append(arr.tolist())
     return toks, plist
+
+
+def private_copies(params):
+    """``params`` (one ``SamplingParams`` or a list) copied now, one copy per distinct object
+    (``__post_init__`` checks the fields as they are now: ``ValueError`` naming the index);
+    entries that are not ``SamplingParams`` pass through, for the caller's own check."""
+    if isinstance(params, SamplingParams):
+        return private_copies([params])[0]
+    if not isinstance(params, Sequence):
+        return params
+    copies: dict[int, SamplingParams] = {}
+    for i, p in enumerate(params):
+        if isinstance(p, SamplingParams) and id(p) not in copies:
+            try:
+                copies[id(p)] = dataclasses.replace(p)
+            except ValueError as exc:
+                raise ValueError(f"params[{i}]: {exc}") from None
+    return [copies.get(id(p), p) for p in params]
 
 
 def unstarted_sample(params: SamplingParams) -> Sample:
