@@ -115,10 +115,28 @@ def _fresh(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
 
 
-def _regions(cls: type, backend: str, dynamic: bool) -> _Regions:
+def family_reason(cls: type) -> str | None:
+    """Why decoder layers of class ``cls`` cannot run as compiled regions, or None."""
+    name = _class_name(cls)
+    if name not in _FAMILIES:
+        return (f"compiled regions support the decoder layers "
+                f"{', '.join(c.rsplit('.', 1)[1] for c in LAYER_CLASSES)}; {name} is not verified")
+    return None
+
+
+def layer_regions(cls: type, backend: str | Callable = "inductor", dynamic: bool = True, *,
+                  shared: bool = True) -> _Regions:
+    """The compiled regions of decoder-layer class ``cls`` (one of ``LAYER_CLASSES``).
+
+    ``shared=True``: the process's one set per (class, backend, dynamic), what
+    ``compile_layers`` installs. ``shared=False``: a set of the caller's own (fresh code
+    objects: its graphs and Dynamo's recompile budget are its alone; the native sampler's
+    prefill keeps its inference-mode graphs apart from a colocated trainer's)."""
+    if why := family_reason(cls):
+        raise ValueError(why)
     key = (cls, backend, dynamic)
     with _LOCK:
-        regions = _COMPILED.get(key)
+        regions = _COMPILED.get(key) if shared else None
         if regions is None:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -126,9 +144,11 @@ def _regions(cls: type, backend: str, dynamic: bool) -> _Regions:
             family = sys.modules[cls.__module__]
             compiled = (torch.compile(_fresh(f), backend=backend, dynamic=dynamic)
                         for f in (_before_attention, _after_attention))
-            regions = _COMPILED[key] = _Regions(*compiled, family.apply_rotary_pos_emb,
-                                                family.eager_attention_forward,
-                                                ALL_ATTENTION_FUNCTIONS, qk_norm, window)
+            regions = _Regions(*compiled, family.apply_rotary_pos_emb,
+                               family.eager_attention_forward, ALL_ATTENTION_FUNCTIONS, qk_norm,
+                               window)
+            if shared:
+                _COMPILED[key] = regions
     return regions
 
 
@@ -148,10 +168,10 @@ def _checkpoints_in_forward(layer: torch.nn.Module) -> bool:
     return code is not None and code.co_name == "forward_with_checkpointing"
 
 
-def _two_regions(layer, hidden_states, attention_mask=None, position_ids=None,
-                 position_embeddings=None, **kwargs):
-    """The layer's forward as before-region, attention (eager), after-region."""
-    regions: _Regions = layer.__dict__["_polynya_compiled"]
+def run_regions(regions: _Regions, layer: torch.nn.Module, hidden_states: torch.Tensor,
+                attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+    """The layer's forward as before-region, attention (eager), after-region: what the class's
+    forward computes, for a call ``covered_kwargs`` accepted (with the kwargs it returned)."""
     attn = layer.self_attn
     q, k, v = regions.before(layer, hidden_states, *position_embeddings, regions.rope, regions.qk_norm)
     attention = regions.interfaces.get_interface(attn.config._attn_implementation,
@@ -166,18 +186,28 @@ def _two_regions(layer, hidden_states, attention_mask=None, position_ids=None,
     return regions.after(layer, hidden_states, out)
 
 
+def covered_kwargs(layer: torch.nn.Module, args: tuple, kwargs: dict) -> dict | None:
+    """The keyword arguments ``run_regions`` takes for this layer call (its KV-cache arguments,
+    all None, left out), or None when the regions do not cover it: a KV cache, extra
+    positional arguments, no rotary embeddings, or hooks on the attention module."""
+    if (len(args) != 1 or kwargs.get("position_embeddings") is None or _hooked(layer.self_attn)
+            or any(kwargs.get(name) is not None for name in _CACHE_KWARGS)):
+        return None
+    return {key: value for key, value in kwargs.items() if key not in _CACHE_KWARGS}
+
+
 def _layer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward ``compile_layers`` installs (module docstring): two compiled regions for a
     training call, the class's own forward for anything else."""
-    if (len(args) != 1 or kwargs.get("position_embeddings") is None or _hooked(self.self_attn)
-            or any(kwargs.get(name) is not None for name in _CACHE_KWARGS)):
+    covered = covered_kwargs(self, args, kwargs)
+    if covered is None:
         return type(self).forward(self, *args, **kwargs)
-    for name in _CACHE_KWARGS:
-        kwargs.pop(name, None)
+    regions = self.__dict__["_polynya_compiled"]
     if (_checkpoints_in_forward(self) and self.gradient_checkpointing and self.training
             and torch.is_grad_enabled()):
-        return self._gradient_checkpointing_func(functools.partial(_two_regions, self, **kwargs), *args)
-    return _two_regions(self, *args, **kwargs)
+        return self._gradient_checkpointing_func(
+            functools.partial(run_regions, regions, self, **covered), *args)
+    return run_regions(regions, self, *args, **covered)
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
@@ -194,10 +224,8 @@ def compile_reason(model: torch.nn.Module) -> str | None:
     layers, why = decoder_layers(model)
     if layers is None:
         return why
-    name = _class_name(type(layers[0]))
-    if name not in _FAMILIES:
-        return (f"compile_layers supports the decoder layers {', '.join(c.rsplit('.', 1)[1] for c in LAYER_CLASSES)}; "
-                f"{name} is not verified (run without compiled layers)")
+    if why := family_reason(type(layers[0])):
+        return f"{why} (run without compiled layers)"
     for layer in layers:
         if "forward" in layer.__dict__ and not _is_compiled(layer):
             return (f"{type(layer).__name__} already has an instance-level forward "
@@ -235,7 +263,7 @@ def compile_layers(model: torch.nn.Module, *, backend: str = "inductor",
         if id(module) not in targets:
             continue
         if not _is_compiled(module):
-            module._polynya_compiled = _regions(type(module), backend, dynamic)
+            module._polynya_compiled = layer_regions(type(module), backend, dynamic)
             module.forward = functools.partial(_layer_forward, module)
         names.append(name)
     return names

@@ -81,6 +81,16 @@ class SamplerConfig:
             may fuse across layer boundaries (slightly faster steps) at ~N times the compile
             cost. A model whose decoder layers cannot be found compiles as ``"model"``
             (``stats()["compile_scope"]`` says which ran and ``["compile_scope_reason"]`` why).
+        compile_prefill: run each decoder layer of a prefill (and of a prompt-log-prob
+            scoring pass) as two ``torch.compile`` regions around its attention
+            (``polynya.engines.sample.native.compiled_prefill``): Inductor fuses the norms,
+            RoPE, activations and residuals around the GEMMs; shapes are dynamic, so one compile
+            per region serves every prompt length (paid on the first prefill:
+            ``stats()["prefill_compiles"]`` / ``["prefill_compile_s"]``). Families
+            ``polynya.compiled_layers`` verifies only (dense Llama, Qwen2, Qwen3, Mistral);
+            others, or a failed compile, prefill eagerly (``stats()["prefill_compile_reason"]``
+            says why; a failure also warns). ``None`` (default): on whenever the decode step is
+            compiled (``compile_decode``); ``True`` / ``False`` force it.
         fuse_projections: in the compiled decode step, run the projections that read the same
             input (q/k/v, gate/up) as one GEMM each (``polynya.engines.sample.native.
             fused_projections``: their weights share one buffer, parameters unchanged). Native
@@ -110,6 +120,7 @@ class SamplerConfig:
     compile_decode: bool | None = None
     compile_scope: str = "layers"
     fuse_projections: bool | None = None
+    compile_prefill: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -145,6 +156,9 @@ class SamplerConfig:
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError("SamplerConfig.fuse_projections must be a bool or None (on whenever "
                              f"the decode step is compiled), got {self.fuse_projections!r}")
+        if self.compile_prefill is not None and not isinstance(self.compile_prefill, bool):
+            raise ValueError("SamplerConfig.compile_prefill must be a bool or None (on whenever "
+                             f"the decode step is compiled), got {self.compile_prefill!r}")
         if self.compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"SamplerConfig.compile_scope must be one of {COMPILE_SCOPES}, got "
                              f"{self.compile_scope!r}")
@@ -154,6 +168,13 @@ class SamplerConfig:
     def decode_compiled(self, device_type: str) -> bool:
         """Whether the decode step is compiled on a device of this type (``compile_decode``)."""
         return self.compile_decode if self.compile_decode is not None else device_type == "cuda"
+
+    def prefill_compiled(self, device_type: str) -> bool:
+        """Whether prefill layers run compiled on a device of this type (``compile_prefill``;
+        by default whenever the decode step is compiled)."""
+        if self.compile_prefill is not None:
+            return self.compile_prefill
+        return self.decode_compiled(device_type)
 
     def projections_fused(self, device_type: str) -> bool:
         """Whether the compiled decode step fuses its projections on a device of this type

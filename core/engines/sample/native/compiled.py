@@ -12,9 +12,10 @@ What is compiled (``SamplerConfig.compile_scope``):
   the model runs the same code, Dynamo lifts the layer's parameters (and its layer index, a
   0-dim tensor: ``attention.tag_layers``) as graph inputs, so one graph serves every layer of
   a kind (same window, same attention path) and a compile traces one layer, not N. Each
-  decoder layer's ``forward`` is routed (an instance attribute, set once): a call carrying the
-  compiled decode's context (``StepContext.cache``) goes through this runner's compiled layer
-  function; every other call (prefill, scoring, the eager decode) runs the layer as before.
+  decoder layer's ``forward`` is routed (``Routes``, an instance attribute set once): a call
+  carrying the compiled decode's context (``StepContext.cache``) goes through this runner's
+  compiled layer function; prefill and scoring calls to the compiled prefill when there is one;
+  every other call (the eager decode) runs the layer as before.
   The embedding, rotary, final norm and LM head run eagerly around the layers (inside the
   same CUDA graph: no Python at replay). Without CUDA graphs every layer call pays Dynamo's
   guard check and call wrapper (~0.1 ms each on the CPU), where the ``"model"`` scope pays it
@@ -25,8 +26,9 @@ What is compiled (``SamplerConfig.compile_scope``):
 Either way the forest plan is built eagerly before the forward (inside the CUDA graph, as
 before) and each layer's cache write + decode attention is one opaque ``torch.library`` op
 (``attention.paged_decode_layer`` / ``fca_decode_layer``), so Dynamo never traces into the
-Triton launchers. Prefill stays eager: its shapes change every step (new prompt lengths), a
-compile per shape would cost more than it saves.
+Triton launchers. Prefill is not traced here: its shapes change every step (new prompt
+lengths); with ``compile_prefill`` its layers run as dynamic-shape compiled regions around an
+eager attention instead (``compiled_prefill.py``, through the same ``Routes``).
 
 Compiles are bounded:
 
@@ -55,6 +57,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,25 +91,41 @@ def _decode_layer(forward: Callable, *args: Any, **kwargs: Any) -> Any:
     return forward(*args, **kwargs)
 
 
-def _routed_forward(step: Callable, forward: Callable, *args: Any, **kwargs: Any) -> Any:
-    """A routed decoder layer's ``forward``: the compiled decode's calls (their context holds
-    the whole cache) through the runner's compiled ``step``, every other call as before."""
+@dataclass
+class Routes:
+    """Where routed decoder layers send their calls: the compiled decode step's (their context
+    holds the whole cache) to ``decode`` (``(forward, *args, **kwargs)``), prefill calls to
+    ``prefill`` (``compiled_prefill.CompiledPrefill``); None, and every other call: the layer's
+    own forward. One object serves every layer of a model."""
+
+    decode: Callable | None = None
+    prefill: Callable | None = None
+
+
+def _routed_forward(routes: Routes, layer: torch.nn.Module, forward: Callable, *args: Any,
+                    **kwargs: Any) -> Any:
+    """A routed decoder layer's ``forward`` (``Routes``)."""
     ctx = kwargs.get(attention.CTX_KWARG)
-    if ctx is None or ctx.cache is None:
-        return forward(*args, **kwargs)
-    _mark_layer_inputs(args, kwargs)
-    return step(forward, *args, **kwargs)
+    if ctx is not None:
+        if ctx.cache is not None and routes.decode is not None:
+            _mark_layer_inputs(args, kwargs)
+            return routes.decode(forward, *args, **kwargs)
+        if ctx.is_prefill and routes.prefill is not None:
+            return routes.prefill(layer, forward, args, kwargs)
+    return forward(*args, **kwargs)
 
 
-def _route(layers: torch.nn.ModuleList, step: Callable) -> None:
-    """Route each layer's calls (``_routed_forward``) to ``step``; routing again replaces the
-    step (the layer's own forward stays the one underneath)."""
+def routes_of(layers: torch.nn.ModuleList) -> Routes:
+    """The ``Routes`` of ``layers``, routing each layer's ``forward`` (an instance attribute)
+    on first use; the layer's own forward stays the one underneath."""
+    first = layers[0].forward
+    if isinstance(first, functools.partial) and first.func is _routed_forward:
+        return first.args[0]
+    routes = Routes()
     for layer in layers:
-        forward = layer.forward
-        if isinstance(forward, functools.partial) and forward.func is _routed_forward:
-            forward = forward.args[1]
         # a partial of module-level functions (as polynya.fused): deepcopy keeps the pairing
-        layer.forward = functools.partial(_routed_forward, step, forward)
+        layer.forward = functools.partial(_routed_forward, routes, layer, layer.forward)
+    return routes
 
 
 def _own_copy(fn: Callable) -> Callable:
@@ -258,7 +277,7 @@ class CompiledDecode:
                                      dynamic=None)
         if self._layers is None:
             return compile_(_own_copy(_decode_step))
-        _route(self._layers, compile_(_own_copy(_decode_layer)))
+        routes_of(self._layers).decode = compile_(_own_copy(_decode_layer))
         return _decode_step
 
     def _limits(self) -> contextlib.ExitStack:

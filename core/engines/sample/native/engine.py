@@ -524,7 +524,10 @@ class NativeEngine(LaunchAhead):
         compiles of the decode step (``compile_decode``) and the wall time of the steps that
         compiled (``compiles`` / ``compile_s``, inside the step and capture times), and what
         was compiled (``compile_scope``: ``"layers"`` / ``"model"``, None when nothing is;
-        ``compile_scope_reason``: why not the configured ``compile_scope``, else None)."""
+        ``compile_scope_reason``: why not the configured ``compile_scope``, else None), and the
+        same for the prefill's compiled layers (``compile_prefill``: ``prefill_compiles`` /
+        ``prefill_compile_s``, inside the prefill times; ``prefill_compile_reason``: why
+        prefill runs eagerly, None while it runs compiled)."""
         with self._steps.plain(), self._lock:
             captures, capture_s = self.runner.graph_stats()
             hit_blocks = self._counts["cache_hit_tokens"] // self.block_manager.block_size

@@ -6,8 +6,9 @@ its ``**kwargs``. The cache is one tensor ``[layers, 2, num_blocks, block_size, 
 
 Decode with FCA builds the forest plan (``polynya.kernels.fca.plan_forest``) once per step from
 the block tables; every layer reuses it. With ``SamplerConfig.compile_decode`` the decode step's
-model runs through ``torch.compile`` (``compiled.py``; prefill stays eager); either way CUDA
-graphs (``cuda_graph.py``) capture the whole step.
+model runs through ``torch.compile`` (``compiled.py``), and with ``compile_prefill`` each
+prefill layer runs as compiled regions around its attention (``compiled_prefill.py``); either
+way CUDA graphs (``cuda_graph.py``) capture the whole decode step.
 """
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ from polynya.checksum import checksum_views
 from polynya.config.common import resolve_dtype
 from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
-from polynya.model_features import attention_features
+from polynya.model_features import attention_features, decoder_layers
 from polynya.models import load_model
 from polynya.verified_copy import VerifiedBucketCopy
 from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, check_tied, checked_pairs
 
 from ..scoring import PromptLogprobs, score_hidden
 from . import attention
-from .compiled import CompiledDecode
+from .compiled import CompiledDecode, routes_of
+from .compiled_prefill import CompiledPrefill, prefill_compile_reason
 from .cuda_graph import DecodeGraphs, GraphCaptureError
 from .decode_inputs import DecodeInputs
 from .fused_projections import ProjectionGroups
@@ -102,6 +104,15 @@ class ModelRunner:
                                            self.num_blocks, self.block_size, config.model,
                                            scope=config.compile_scope,
                                            fuse_projections=bool(self.projections))
+        # prefill layers as compiled regions (compiled_prefill.py), when asked for and verified
+        self.prefill_compiled: CompiledPrefill | None = None
+        self.prefill_compile_reason: str | None = "compile_prefill is off"
+        if config.prefill_compiled(self.device.type):
+            layers, why = decoder_layers(self.model)
+            self.prefill_compile_reason = prefill_compile_reason(layers, why)
+            if self.prefill_compile_reason is None:
+                self.prefill_compiled = CompiledPrefill(config.model)
+                routes_of(layers).prefill = self.prefill_compiled
         shape = (self.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
                  self.head_dim)
         self._kv_memory = KVMemory(shape, self.dtype, self.device)
@@ -190,15 +201,20 @@ class ModelRunner:
         ``"model"``; None with ``compile_decode`` off), ``compile_scope_reason`` (why it is
         not the configured one, else None), ``fused_groups`` (weight groups sharing a buffer,
         ``fuse_projections``) and ``fused_calls`` (linear groups the compiled graphs run as
-        one GEMM)."""
-        c = self.compiled
+        one GEMM); ``prefill_compiles`` / ``prefill_compile_s`` the same for the prefill's
+        compiled layers (``compile_prefill``) and ``prefill_compile_reason`` why prefill runs
+        eagerly (None while it runs compiled)."""
+        c, p = self.compiled, self.prefill_compiled
         groups = len(self.projections) if self.projections is not None else 0
-        if c is None:
-            return {"compiles": 0, "compile_s": 0.0, "compile_scope": None,
-                    "compile_scope_reason": None, "fused_groups": groups, "fused_calls": 0}
-        return {"fused_groups": groups, "fused_calls": c.fused_calls,
-                "compiles": c.compiles, "compile_s": c.compile_s, "compile_scope": c.scope,
-                "compile_scope_reason": c.scope_reason}
+        stats = {"fused_groups": groups, "fused_calls": 0, "compiles": 0, "compile_s": 0.0,
+                 "compile_scope": None, "compile_scope_reason": None,
+                 "prefill_compiles": p.compiles if p is not None else 0,
+                 "prefill_compile_s": p.compile_s if p is not None else 0.0,
+                 "prefill_compile_reason": p.error if p is not None else self.prefill_compile_reason}
+        if c is not None:
+            stats.update(fused_calls=c.fused_calls, compiles=c.compiles, compile_s=c.compile_s,
+                         compile_scope=c.scope, compile_scope_reason=c.scope_reason)
+        return stats
 
     def _disable_graphs(self, exc: GraphCaptureError) -> None:
         """Decode eagerly from now on (the path every correctness test checks), and say why."""
