@@ -114,6 +114,7 @@ VALUES = {
     "sampling.compile_decode": (True, [], {}),
     "sampling.compile_scope": ("model", [], {}),
     "sampling.fuse_projections": (True, [], {}),
+    "sampling.compile_prefill": (True, [], {}),
 }
 
 
