@@ -81,8 +81,8 @@ class SamplerConfig:
             may fuse across layer boundaries (slightly faster steps) at ~N times the compile
             cost. A model whose decoder layers cannot be found compiles as ``"model"``
             (``stats()["compile_scope"]`` says which ran and ``["compile_scope_reason"]`` why).
-        compile_prefill: run each decoder layer of a prefill (and of a prompt-log-prob
-            scoring pass) as two ``torch.compile`` regions around its attention
+        compile_prefill: (native backend) run each decoder layer of a prefill (and of a
+            prompt-log-prob scoring pass) as two ``torch.compile`` regions around its attention
             (``polynya.engines.sample.native.compiled_prefill``): Inductor fuses the norms,
             RoPE, activations and residuals around the GEMMs; shapes are dynamic, so one compile
             per region serves every prompt length (paid on the first prefill:
@@ -90,7 +90,9 @@ class SamplerConfig:
             ``polynya.compiled_layers`` verifies only (dense Llama, Qwen2, Qwen3, Mistral);
             others, or a failed compile, prefill eagerly (``stats()["prefill_compile_reason"]``
             says why; a failure also warns). ``None`` (default): on whenever the decode step is
-            compiled (``compile_decode``); ``True`` / ``False`` force it.
+            compiled (``compile_decode``); ``True`` / ``False`` force it. On an H200 (Qwen3-0.6B
+            shape, bf16) 1.65x the eager prefill at 8 prompts x 6.5k tokens, 1.22x at 8 x 256
+            (``benchmarks/bench_prefill.py``).
         fuse_projections: in the compiled decode step, run the projections that read the same
             input (q/k/v, gate/up) as one GEMM each (``polynya.engines.sample.native.
             fused_projections``: their weights share one buffer, parameters unchanged). Native

@@ -122,3 +122,25 @@ def test_config_defaults_and_validation():
     assert not SamplerConfig("tiny:qwen3", compile_prefill=False).prefill_compiled("cuda")
     with pytest.raises(ValueError, match="compile_prefill must be a bool or None"):
         SamplerConfig("tiny:qwen3", compile_prefill="yes")
+
+
+def test_new_weights_reach_the_compiled_regions():
+    """The regions take the layers' parameters as graph inputs: weights loaded in place (a
+    sync), and weights moved off and back (a level-2 sleep), change the prefill's numbers as
+    they change the eager one's — never a stale compiled constant."""
+    from polynya.models import load_model
+
+    compiled, eager = make_engine("qwen3", True), make_engine("qwen3", False)
+    prompts = calls(4)[0][0]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=True, stop_token_ids=())
+    before = compiled.generate(prompts, params)
+    new = dict(load_model("tiny:qwen3", dtype=torch.float32, seed=11).named_parameters())
+    for engine in (compiled, eager):
+        engine.load_weights(new)
+    after, want = compiled.generate(prompts, params), eager.generate(prompts, params)
+    assert_same_samples([after], [want])
+    assert [o[0].logprobs for o in after] != [o[0].logprobs for o in before]
+    compiled.sleep(level=2)  # the weights leave the device and come back (the CPU: in place)
+    compiled.wake()
+    assert_same_samples([compiled.generate(prompts, params)], [want])
+    assert compiled.stats()["prefill_compiles"] == 2
