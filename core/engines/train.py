@@ -172,7 +172,9 @@ class TrainingEngine:
         Returns:
             global metrics: ``loss``, ``pg_loss``, ``clip_frac``, ``ratio``, ``kl`` (with
             ``ref_logprobs``), ``entropy`` (when computed), ``response_tokens``, ``sequences``,
-            ``micro_batches`` (per rank), ``time_s``.
+            ``micro_batches`` (per rank), ``zorro_micro_batches`` (of them, those that ran the
+            ZoRRo layout: with ``zorro_attention="auto"`` a micro-batch too small to pay runs
+            the packed naive one, ``polynya.logprobs.zorro_pays``), ``time_s``.
         """
         self._check_onloaded()
         self._check_whole()
@@ -182,11 +184,13 @@ class TrainingEngine:
         want_entropy = cfg.log_entropy or spec.entropy_coef != 0
         sums = torch.zeros(len(_METRICS), dtype=torch.float64, device=self.device)
         self.module.train()
+        zorro_runs = 0
         with self._whole_or_torn(len(plan)) as started:
             for rows, real in plan:
                 mb = batch.select(rows)
                 with dsu.engine_forward(self.engine):
                     stats = self._logprobs(mb, entropy=want_entropy, grad=True)
+                zorro_runs += stats.layout == "zorro"
                 dev = lambda t: None if t is None else t.to(self.device)
                 out = policy_loss(spec, stats.logprobs, dev(mb.advantages), stats.mask, normalizer,
                                   old_logprobs=dev(mb.old_logprobs), ref_logprobs=dev(mb.ref_logprobs),
@@ -205,7 +209,8 @@ class TrainingEngine:
         if not want_entropy:
             metrics.pop("entropy")
         metrics.update(response_tokens=normalizer.num_tokens, sequences=normalizer.num_sequences,
-                       micro_batches=len(plan), time_s=time.perf_counter() - t0)
+                       micro_batches=len(plan), zorro_micro_batches=zorro_runs,
+                       time_s=time.perf_counter() - t0)
         return metrics
 
     def step(self) -> dict[str, float]:

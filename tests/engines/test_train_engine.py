@@ -50,6 +50,8 @@ def test_zorro_on_off_same_loss_and_grad_norm(stage):
     for zorro in (True, False):
         engine = TrainingEngine(train_config(stage, zorro=zorro))
         m = engine.forward_backward(batch)
+        assert m["micro_batches"] >= 1
+        assert m["zorro_micro_batches"] == (m["micro_batches"] if zorro else 0)  # which layout ran
         s = engine.step()
         results.append((m["loss"], s["grad_norm"], full_weights(engine.module)))
     (l1, g1, w1), (l0, g0, w0) = results
@@ -57,6 +59,25 @@ def test_zorro_on_off_same_loss_and_grad_norm(stage):
     assert g1 == pytest.approx(g0, rel=1e-5)
     for name in w0:
         torch.testing.assert_close(w1[name], w0[name], rtol=1e-5, atol=1e-6)
+
+
+def test_zorro_micro_batches_count_what_auto_ran(monkeypatch):
+    """``zorro_attention="auto"`` runs a micro-batch too small to pay in the packed naive layout
+    (``zorro_pays``): the metrics say how many ran ZoRRo."""
+    import polynya.logprobs
+
+    engine = TrainingEngine(train_config(0, zorro=True, micro_batch_tokens=10))
+    batch = off_policy(engine, make_batch(2))
+    calls = []
+
+    def every_other(model, mb, attention):
+        calls.append(1)
+        return len(calls) % 2 == 1
+
+    monkeypatch.setattr(polynya.logprobs, "zorro_pays", every_other)
+    m = engine.forward_backward(batch)
+    assert m["micro_batches"] >= 3 and len(calls) == m["micro_batches"]
+    assert m["zorro_micro_batches"] == (m["micro_batches"] + 1) // 2
 
 
 @pytest.mark.parametrize("stage", STAGES)
