@@ -35,10 +35,12 @@ What it does and guarantees:
   costs tens of seconds once per process (Inductor's on-disk cache makes a later process
   cheaper); a recompile beyond ``torch._dynamo.config`` 's limit falls back to eager (torch's
   behaviour), never to other numbers.
-- Only the decoder-layer classes in ``LAYER_CLASSES`` (dense Llama, Qwen2, Qwen3, Mistral in
-  transformers 5.17-5.24, whose forwards the regions mirror; Mistral's sliding window is applied
-  by the attention) are compiled; any other model is refused with a ``ValueError`` rather than
-  guessed at (mixture-of-experts routing, Gemma's soft-caps and norms are not verified).
+- Only the decoder-layer classes in ``LAYER_CLASSES`` (dense Llama, Qwen2, Qwen3, Mistral,
+  whose forwards the regions mirror; Mistral's sliding window is applied by the attention) under
+  the transformers releases ``VERIFIED_TRANSFORMERS`` covers (compiled equal to eager in
+  ``tests/core/test_compiled_layers.py`` under 5.24 and, in the verl environment, 5.10) are
+  compiled; any other model or release is refused with a ``ValueError`` rather than guessed at
+  (mixture-of-experts routing, Gemma's soft-caps and norms are not verified).
 - Idempotent; reversible with ``uncompile_layers``. A layer or sub-module that already has an
   instance-level ``forward`` from someone else (``polynya.fused``, accelerate's hooks) is refused.
 """
@@ -66,6 +68,8 @@ _FAMILIES: dict[str, tuple[bool, str | None]] = {
     _T + "mistral.modeling_mistral.MistralDecoderLayer": (False, "config"),
 }
 LAYER_CLASSES = tuple(_FAMILIES)
+# the transformers releases whose layer forwards the regions are checked against (pyproject's range)
+VERIFIED_TRANSFORMERS = ("5.10", "5.25")
 _CACHE_KWARGS = ("cache", "past_key_values", "layer_past")  # names of the KV cache, by release
 
 
@@ -117,6 +121,13 @@ def _fresh(fn: Callable) -> Callable:
 
 def family_reason(cls: type) -> str | None:
     """Why decoder layers of class ``cls`` cannot run as compiled regions, or None."""
+    import transformers
+    from packaging.version import Version
+
+    low, high = VERIFIED_TRANSFORMERS
+    if not Version(low) <= Version(transformers.__version__) < Version(high):
+        return (f"compiled regions mirror the decoder layers of transformers >= {low}, < {high}; "
+                f"transformers {transformers.__version__} is not verified")
     name = _class_name(cls)
     if name not in _FAMILIES:
         return (f"compiled regions support the decoder layers "

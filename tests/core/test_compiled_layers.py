@@ -228,3 +228,16 @@ def test_a_users_torch_compile_leaves_the_polynya_attention_eager():
     torch.testing.assert_close(ent_c, ent_e, atol=1e-5, rtol=0)
     for name, g in g_e.items():
         torch.testing.assert_close(g_c[name], g, atol=1e-4 * g.abs().max().item(), rtol=1e-4, msg=name)
+
+
+def test_refuses_transformers_releases_it_does_not_verify(monkeypatch):
+    import transformers
+
+    model = load_model("tiny:qwen3", dtype=torch.float32, seed=0)
+    for version in ("5.9.0", "5.25.0", "6.0.0.dev0"):
+        monkeypatch.setattr(transformers, "__version__", version)
+        with pytest.raises(ValueError, match=f"transformers {version} is not verified"):
+            compile_layers(model)
+        assert compiled_modules(model) == []
+    monkeypatch.setattr(transformers, "__version__", "5.10.4")
+    assert len(compile_layers(model)) == model.config.num_hidden_layers

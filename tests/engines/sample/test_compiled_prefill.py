@@ -3,10 +3,15 @@ one: greedy tokens and their log-probs over generates with ragged prompts, promp
 cached pages (a prefill over a cached prefix) and new prompt lengths on every call, and prompt
 log-probs (scoring passes run the same regions), for a family with q/k norms (Qwen3), one
 without (Llama) and windowed ones (Mistral's window from the config, Qwen2's from the module).
-One compile per region serves every prompt length; decode steps never take the regions; an
-unverified family prefills eagerly and says why; a failed compile prefills eagerly from then on
-with a warning and the same numbers."""
+One compile per region serves every prompt length; decode steps never take the regions, scoring
+passes do; new weights reach them; an unverified family or transformers release prefills eagerly
+and says why; a failed compile (also after a layer's cache write) prefills eagerly from then on
+with a warning and the same numbers, while out-of-memory and the layer's own errors are raised
+and leave the regions on."""
 from __future__ import annotations
+
+import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -16,6 +21,7 @@ from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
 from polynya.engines.sample.native import compiled_prefill
 from polynya.models import TINY_SLIDING_WINDOW
+from torch._dynamo.exc import TorchDynamoException
 
 NEW = 5
 
@@ -104,14 +110,86 @@ def test_compile_failure_prefills_eagerly_with_a_warning(monkeypatch):
     engine, eager = make_engine("qwen3", True), make_engine("qwen3", False)
 
     def broken(*args, **kwargs):
-        raise RuntimeError("inductor failed\nlong trace")
+        raise TorchDynamoException("inductor failed\nlong trace")
 
     monkeypatch.setattr(compiled_prefill, "run_regions", broken)
     with pytest.warns(RuntimeWarning, match="prefill's layers cannot be compiled .*inductor failed"):
         got = run(engine)
     assert_same_samples(got, run(eager))
-    assert engine.stats()["prefill_compile_reason"] == "RuntimeError: inductor failed"
+    assert engine.stats()["prefill_compile_reason"] == "TorchDynamoException: inductor failed"
     assert engine.backend.runner.prefill_compiled.error is not None
+
+
+def test_a_failure_after_a_layers_cache_write_reruns_it_eagerly(monkeypatch):
+    """The second layer's after-region fails once its attention has written the cache: that
+    layer runs again eagerly (same cache values), every later call eagerly, same numbers."""
+    real = compiled_prefill.layer_regions
+
+    def failing_second_after(*args, **kwargs):
+        regions, calls = real(*args, **kwargs), []
+
+        def after(layer, residual, out):
+            calls.append(layer)
+            if len(calls) == 2:
+                raise TorchDynamoException("after-region failed")
+            return regions.after(layer, residual, out)
+
+        return dataclasses.replace(regions, after=after)
+
+    monkeypatch.setattr(compiled_prefill, "layer_regions", failing_second_after)
+    engine, eager = make_engine("qwen3", True), make_engine("qwen3", False)
+    with pytest.warns(RuntimeWarning, match="after-region failed"):
+        got = run(engine)
+    assert_same_samples(got, run(eager))
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
+                                   ValueError("the attention refused its inputs")])
+def test_other_errors_are_raised_and_the_regions_stay_on(monkeypatch, error):
+    """Out of memory, or an error of the layer's own (its attention's checks), is not a compile
+    failure: it reaches the caller as the eager layer would raise it, and later prefills still
+    run compiled, with the same numbers."""
+    engine, eager = make_engine("qwen3", True), make_engine("qwen3", False)
+    run(engine)  # compiled once
+    real = compiled_prefill.run_regions
+
+    def raising(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(compiled_prefill, "run_regions", raising)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "cannot be compiled" warning
+        with pytest.raises(type(error), match=str(error)):
+            engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=2))
+    monkeypatch.setattr(compiled_prefill, "run_regions", real)
+    assert engine.stats()["prefill_compile_reason"] is None
+    assert_same_samples(run(engine, seed=1), run(eager, seed=1))
+    assert engine.stats()["prefill_compiles"] == 2
+
+
+def test_scoring_passes_take_the_regions(monkeypatch):
+    engine = make_engine("qwen3", True)
+    seen = []
+    real = compiled_prefill.run_regions
+
+    def counting(regions, layer, hidden, *args, **kwargs):
+        seen.append(hidden.shape[1])
+        return real(regions, layer, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_prefill, "run_regions", counting)
+    engine.prompt_logprobs([[5, 6, 7], [8, 9, 10, 11, 12]], top_k=1)
+    assert seen == [8] * engine.backend.runner.num_layers  # one packed pass, every layer
+
+
+def test_unverified_transformers_prefills_eagerly_and_says_why(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    engine = make_engine("qwen3", True)
+    run(engine)
+    stats = engine.stats()
+    assert stats["prefill_compiles"] == 0
+    assert "transformers 5.25.0 is not verified" in stats["prefill_compile_reason"]
 
 
 def test_config_defaults_and_validation():

@@ -63,6 +63,8 @@ def test_fp32_greedy_equals_hf_generate():
         ref = hf_greedy(engine)
         for r, samples in zip(ref, engine_greedy(engine, n=3)):
             assert all(s == r for s in samples), (fca, graphs)
+        stats = engine.stats()  # the prefill ran compiled (compile_prefill's default on CUDA)
+        assert stats["prefill_compile_reason"] is None and stats["prefill_compiles"] >= 2
         del engine
         torch.cuda.empty_cache()
 

@@ -18,10 +18,13 @@ it (sliding window included). So:
 - only the families ``compiled_layers`` verifies (dense Llama, Qwen2, Qwen3, Mistral) run
   compiled; any other decodes with an eager prefill and ``reason`` says why;
 - a call the regions do not cover (``compiled_layers.covered_kwargs``) runs the layer's own
-  forward, and any failure to compile or run the regions makes this runner prefill eagerly from
-  then on, with a ``RuntimeWarning`` saying why — the failed layer call re-runs eagerly (its
-  cache write is rewritten with the same values), never different numbers;
-- decode steps and scoring passes are untouched (``compiled.Routes``).
+  forward, and a failure to compile (a Dynamo / Inductor error, or any error raised by a call
+  that compiled) makes this runner prefill eagerly from then on, with a ``RuntimeWarning``
+  saying why — the failed layer call re-runs eagerly (a cache write it made is rewritten with
+  the same values), never different numbers. Other errors (out of memory, the attention's own
+  checks) are raised as the eager layer raises them, and the regions stay on;
+- scoring passes (prompt log-probs, a prefill without cache writes) run the same regions;
+  decode steps are untouched (``compiled.Routes``).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 from polynya.compiled_layers import covered_kwargs, family_reason, layer_regions, run_regions
+from torch._dynamo.exc import TorchDynamoException
 
 from .compiled import _DYNAMO_SETTINGS
 
@@ -69,7 +73,10 @@ class CompiledPrefill:
     def __call__(self, layer: torch.nn.Module, forward: Callable, args: tuple,
                  kwargs: dict) -> Any:
         """One decoder layer's prefill call: the compiled regions when they cover it, else
-        ``forward`` (the layer's own)."""
+        ``forward`` (the layer's own). A failure to compile (a Dynamo / Inductor error, or any
+        error of a call that compiled) makes this runner prefill eagerly from then on; any
+        other error — out of memory, bad inputs, the attention's own checks — is raised as the
+        eager layer would raise it, and the regions stay on."""
         covered = None if self.error is not None else covered_kwargs(layer, args, kwargs)
         if covered is None:
             return forward(*args, **kwargs)
@@ -81,16 +88,25 @@ class CompiledPrefill:
                     type(layer), self.backend, dynamic=True, shared=False)
             with _DYNAMO_SETTINGS:
                 return run_regions(regions, layer, *args, **covered)
-        except Exception as exc:  # noqa: BLE001 - any compile failure: prefill eagerly, say why
-            self._fail(exc)
-            return forward(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, TorchDynamoException) and self.compiles == before:
+                raise
+            failure = _describe(exc)  # the message only: the traceback's tensors are freed
         finally:
             if self.compiles != before:
                 self.compile_s += time.perf_counter() - start
+        self._fail(failure)
+        return forward(*args, **kwargs)  # the failed call again, eagerly (cache writes repeat)
 
-    def _fail(self, exc: BaseException) -> None:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        self.error = f"{type(exc).__name__}: {first}"
+    def _fail(self, failure: str) -> None:
+        self.error = failure
         warnings.warn(f"{self.name}: the prefill's layers cannot be compiled ({self.error}); "
                       "prefilling with the eager model from now on (set compile_prefill=False "
                       "to silence)", RuntimeWarning, stacklevel=4)
+
+
+def _describe(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
