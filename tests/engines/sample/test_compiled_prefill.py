@@ -80,8 +80,8 @@ def test_compiled_prefill_equals_eager(family):
     assert compiled.stats()["prefill_compiles"] == 2  # scoring's new lengths: no recompile
 
 
-def test_only_prefill_calls_take_the_regions(monkeypatch):
-    engine = make_engine("qwen3", True)
+def region_calls(monkeypatch) -> list[int]:
+    """The token count of every call that runs the compiled regions, from now on."""
     seen = []
     real = compiled_prefill.run_regions
 
@@ -90,6 +90,12 @@ def test_only_prefill_calls_take_the_regions(monkeypatch):
         return real(regions, layer, hidden, *args, **kwargs)
 
     monkeypatch.setattr(compiled_prefill, "run_regions", counting)
+    return seen
+
+
+def test_only_prefill_calls_take_the_regions(monkeypatch):
+    engine = make_engine("qwen3", True)
+    seen = region_calls(monkeypatch)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=()))
     stats = engine.stats()
@@ -169,14 +175,7 @@ def test_other_errors_are_raised_and_the_regions_stay_on(monkeypatch, error):
 
 def test_scoring_passes_take_the_regions(monkeypatch):
     engine = make_engine("qwen3", True)
-    seen = []
-    real = compiled_prefill.run_regions
-
-    def counting(regions, layer, hidden, *args, **kwargs):
-        seen.append(hidden.shape[1])
-        return real(regions, layer, hidden, *args, **kwargs)
-
-    monkeypatch.setattr(compiled_prefill, "run_regions", counting)
+    seen = region_calls(monkeypatch)
     engine.prompt_logprobs([[5, 6, 7], [8, 9, 10, 11, 12]], top_k=1)
     assert seen == [8] * engine.backend.runner.num_layers  # one packed pass, every layer
 
