@@ -149,7 +149,7 @@ def main() -> None:
         ("eager_mfu_pct", "MFU eager %"), ("compiled_mfu_pct", "MFU compiled %"),
         ("first_fmt", "first call ms (eager / compiled)"),
         ("first_token_agreement", "first tokens equal")]))
-    print({name: s for name, s in stats.items()})
+    print(stats)
     results = {"env": environment(), "args": vars(args), "engine_build_s": build,
                "compile_stats": stats, "rows": rows}
     print("saved", save(results, args.out, "bench_prefill"))

@@ -128,6 +128,13 @@ def routes_of(layers: torch.nn.ModuleList) -> Routes:
     return routes
 
 
+def describe_failure(exc: BaseException) -> str:
+    """``"Type: first line of the message"`` of a compile failure (what ``stats`` and the
+    warnings report)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def _own_copy(fn: Callable) -> Callable:
     """``fn`` with a code object of its own. Dynamo keeps compiled graphs, guards and the
     recompile budget per code object: with its own copy a runner's graphs and budget are its
@@ -294,8 +301,7 @@ class CompiledDecode:
         return stack
 
     def _fail(self, exc: BaseException) -> None:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        self.error = f"{type(exc).__name__}: {first}"
+        self.error = describe_failure(exc)
         warnings.warn(f"{self.name}: the decode step cannot be compiled ({self.error}); decoding "
                       "with the eager model from now on (set compile_decode=False to silence)",
                       RuntimeWarning, stacklevel=4)

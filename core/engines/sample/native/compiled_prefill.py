@@ -37,7 +37,7 @@ import torch
 from polynya.compiled_layers import covered_kwargs, family_reason, layer_regions, run_regions
 from torch._dynamo.exc import TorchDynamoException
 
-from .compiled import _DYNAMO_SETTINGS
+from .compiled import _DYNAMO_SETTINGS, describe_failure
 
 
 def prefill_compile_reason(layers: torch.nn.ModuleList | None, why: str | None) -> str | None:
@@ -93,7 +93,7 @@ class CompiledPrefill:
         except Exception as exc:
             if not isinstance(exc, TorchDynamoException) and self.compiles == before:
                 raise
-            failure = _describe(exc)  # the message only: the traceback's tensors are freed
+            failure = describe_failure(exc)  # the message only: the traceback's tensors are freed
         finally:
             if self.compiles != before:
                 self.compile_s += time.perf_counter() - start
@@ -105,8 +105,3 @@ class CompiledPrefill:
         warnings.warn(f"{self.name}: the prefill's layers cannot be compiled ({self.error}); "
                       "prefilling with the eager model from now on (set compile_prefill=False "
                       "to silence)", RuntimeWarning, stacklevel=4)
-
-
-def _describe(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
