@@ -140,6 +140,8 @@ def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dic
                    "response_len": m["response_len"], "reward_mean": m["reward_mean"],
                    # which layout the trainer's micro-batches ran (ZoRRo's "auto" may pick packed)
                    "micro_batches": m.get("micro_batches"), "zorro_micro_batches": m.get("zorro_micro_batches"),
+                   # of train_s, the trainer's forward/backward; the rest is its optimizer step
+                   "forward_backward_s": m.get("time_s"),
                    **{k: after[k] - before[k] for k in SAMPLER}}
             row["handover_s"] = row["generate_s"] - row["prefill_time_s"] - row["decode_time_s"]
             steps.append(row)
