@@ -107,6 +107,11 @@ def measure(model, batch, arm: str, iters: int):
     return median(times), peak, peak - base
 
 
+def fresh_lengths(P: int, R: int, i: int) -> tuple[int, int]:
+    """Step ``i``'s prompt and response lengths in a ``--fresh`` run (``measure_fresh``)."""
+    return P - (37 * i) % (P // 2 + 1), R - (29 * i) % (R // 2 + 1)
+
+
 def measure_fresh(model, P: int, R: int, G: int, groups: int, arm: str, steps: int,
                   ragged: float = 1.0) -> list[float]:
     """Step times (ms, host wall incl. sync) when every step brings new lengths, as in RL: step
@@ -116,7 +121,7 @@ def measure_fresh(model, P: int, R: int, G: int, groups: int, arm: str, steps: i
 
     times = []
     for i in range(steps + 1):
-        p, r = P - (37 * i) % (P // 2 + 1), R - (29 * i) % (R // 2 + 1)
+        p, r = fresh_lengths(P, R, i)
         batch = make_batch(p, r, G, groups, model.config.vocab_size, seed=i, ragged=ragged)
         fn = step_fn(model, batch, arm)
         torch.cuda.synchronize()

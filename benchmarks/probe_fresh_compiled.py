@@ -16,7 +16,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_zorro import make_batch, measure_fresh, step_fn
+from bench_zorro import fresh_lengths, make_batch, measure_fresh, step_fn
 from common import environment, save
 from polynya.compiled_layers import compile_layers, uncompile_layers
 from polynya.models import load_model
@@ -49,13 +49,17 @@ def engine_row(args, P: int, R: int, G: int) -> dict:
 
     same_batch = make_batch(P, R, G, args.engine_groups, vocab, seed=99)
     same = [timed(step(same_batch)) for _ in range(args.repeat + 2)]
-    fresh = []
-    for i in range(1, args.fresh + 1):
-        p, r = P - (37 * i) % (P // 2 + 1), R - (29 * i) % (R // 2 + 1)
-        fresh.append(timed(step(make_batch(p, r, G, args.engine_groups, vocab, seed=i, ragged=0.5))))
-    return {"mode": "engine", "groups": args.engine_groups, "micro_batches": plans,
-            "same_ms": [round(x, 1) for x in same], "fresh_ms": [round(x, 1) for x in fresh],
-            "same_median": round(statistics.median(same[2:]), 1),
+    fresh = [timed(step(make_batch(*fresh_lengths(P, R, i), G, args.engine_groups, vocab, seed=i,
+                                   ragged=0.5)))
+             for i in range(1, args.fresh + 1)]
+    return result("engine", same, fresh, groups=args.engine_groups, micro_batches=plans)
+
+
+def result(mode: str, same: list[float], fresh: list[float], **extra) -> dict:
+    """A mode's row: every time (ms) and the medians (the repeated batch's first two, which
+    compile and warm up, left out)."""
+    return {"mode": mode, **extra, "same_ms": [round(x, 1) for x in same],
+            "fresh_ms": [round(x, 1) for x in fresh], "same_median": round(statistics.median(same[2:]), 1),
             "fresh_median": round(statistics.median(fresh), 1)}
 
 
@@ -72,6 +76,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script only")
     ap.add_argument("--out", default="results")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if set(modes) - {"compiled", "eager", "engine"}:
+        ap.error(f"--modes takes compiled, eager and engine, got {args.modes!r}")
     P, R, G = map(int, args.shape.split("/"))
     if args.device == "cpu":  # nothing here is timed on the CPU; the calls only have to run
         torch.cuda.synchronize = lambda: None
@@ -80,30 +87,20 @@ def main() -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     rows = []
-    for mode in args.modes.split(","):
-        if mode == "engine":
-            del model
-            torch.cuda.empty_cache()
-            rows.append(engine_row(args, P, R, G))
-            print(rows[-1], flush=True)
-            break  # the engine holds the GPU's copy from here on: it runs last
+    for mode in (m for m in modes if m != "engine"):
         uncompile_layers(model)
         if mode == "compiled":
             compile_layers(model)
         fn = step_fn(model, make_batch(P, R, G, args.groups, model.config.vocab_size, seed=99), args.arm)
-        same = []
-        for i in range(args.repeat + 2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            same.append((time.perf_counter() - t0) * 1e3)
+        same = [timed(fn) for _ in range(args.repeat + 2)]
         fresh = measure_fresh(model, P, R, G, args.groups, args.arm, args.fresh, ragged=0.5)
-        row = {"mode": mode, "same_ms": [round(x, 1) for x in same], "fresh_ms": [round(x, 1) for x in fresh],
-                   "same_median": round(statistics.median(same[2:]), 1),
-                   "fresh_median": round(statistics.median(fresh), 1)}
-        rows.append(row)
-        print(row, flush=True)
+        rows.append(result(mode, same, fresh))
+        print(rows[-1], flush=True)
+    if "engine" in modes:  # last: the engine loads its own copy of the model
+        del model
+        torch.cuda.empty_cache()
+        rows.append(engine_row(args, P, R, G))
+        print(rows[-1], flush=True)
     save(dict(environment(), shape=args.shape, groups=args.groups, arm=args.arm, rows=rows),
          args.out, "probe_fresh_compiled")
 

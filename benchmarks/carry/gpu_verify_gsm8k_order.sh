@@ -8,13 +8,8 @@
 #    ZoRRo's "auto" runs packed naive below ZORRO_MIN_WORK, right at GSM8K's ~16k naive tokens)
 #    (T_RECIPE each; STEPS).
 # Carry .whl (../shared/gpu/carry-wheels.sh):  bash benchmarks/carry/gpu_verify_gsm8k_order.sh
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null \
- && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . 2>/dev/null \
- || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT/first_zorro $OUT/first_naive
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+WHL=1 source benchmarks/carry/gpu_setup.sh
+mkdir -p $OUT/first_zorro $OUT/first_naive
 [ "${T_TESTS:-240}" -gt 0 ] && timeout ${T_TESTS:-240} python3 -m pytest -v -m gpu -p no:cacheprovider \
   tests/engines/sample/test_compiled_prefill_gpu.py tests/engines/sample/test_fused_projections_gpu.py \
   tests/engines/sample/test_native_engine_gpu.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12
