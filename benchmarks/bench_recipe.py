@@ -34,6 +34,12 @@ compiled arm with its eager twin)::
 
     python benchmarks/bench_recipe.py --model tiny --steps 2 --prompts 2 --group-size 2 \
         --max-new-tokens 8 --arms zorro,naive+compiled --out /tmp/br     # CPU smoke, no numbers
+
+``--profile-step N`` runs step N's trainer calls (``forward_backward``, ``step``) under
+``torch.profiler`` (``common.profile_call``) and keeps, in that step's row, wall vs GPU-busy ms,
+kernels, the caching allocator's ``cudaMalloc`` / ``cudaFree`` / retry counts and the top host
+calls: where the training phase's time goes inside the recipe (memory shared with the sampler
+and the log-prob engine) rather than in a bare benchmark.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, save  # noqa: E402
+from common import environment, markdown_table, profile_call, save  # noqa: E402
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
@@ -125,6 +131,23 @@ def direct_generate(driver: GRPODriver, client, first_step: int, calls: int) -> 
     return rows
 
 
+def profile_trainer(trainer) -> dict:
+    """Shadow the trainer's ``forward_backward`` and ``step`` with profiled calls for one step;
+    their profiles land in the returned dict (the caller deletes the shadows after the step)."""
+    profiles = {}
+
+    def wrap(name):
+        method = getattr(trainer, name)
+
+        def call(*a, **kw):
+            out, profiles[name] = profile_call(lambda: method(*a, **kw))
+            return out
+        return call
+
+    trainer.forward_backward, trainer.step = wrap("forward_backward"), wrap("step")
+    return profiles
+
+
 def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dict]]:
     label, on, compiled = arm
     t0 = time.perf_counter()
@@ -134,7 +157,10 @@ def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dic
         sampler = client.samplers[0]
         for step in range(args.steps):
             before = sampler.stats()
+            profiles = profile_trainer(client.trainer) if step == args.profile_step else None
             m = driver.step(client, step)
+            if profiles is not None:
+                del client.trainer.forward_backward, client.trainer.step  # the class's again
             after = sampler.stats()
             row = {"step": step, **{k: m[k] for k in (*PHASES, "step_s")},
                    "response_len": m["response_len"], "reward_mean": m["reward_mean"],
@@ -144,6 +170,8 @@ def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dic
                    "forward_backward_s": m.get("time_s"),
                    **{k: after[k] - before[k] for k in SAMPLER}}
             row["handover_s"] = row["generate_s"] - row["prefill_time_s"] - row["decode_time_s"]
+            if profiles:
+                row["train_profile"] = profiles
             steps.append(row)
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         offloads = client.handover.offloads  # hand-overs of the recipe's steps that moved it
@@ -235,6 +263,8 @@ def main() -> None:
                     help="client.offload_trainer (auto: offloaded only when the sampler lacks room)")
     ap.add_argument("--keep-trainer", action="store_true", help="same as --offload false")
     ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--profile-step", type=int, default=-1,
+                    help="profile this step's trainer calls (module docstring)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more Hydra override for every arm, e.g. "
                          "client.sampling.fca_chunk_tokens=1024 (repeatable)")

@@ -74,6 +74,48 @@ def wall_median_ms(fn, *, warmup: int = 1, iters: int = 5) -> float:
     return median(times)
 
 
+def busy_ms(events) -> float:
+    """Union of the device kernels' [start, end) intervals (``torch.profiler`` events), in ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total / 1e3
+
+
+_ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def profile_call(fn, top: int = 12):
+    """``fn()`` once under ``torch.profiler`` (CUDA-synchronised): its result and a dict of wall
+    ms, GPU-busy ms (the gap is host time the GPU waited for), kernels launched, the caching
+    allocator's counters over the call (``cudaMalloc`` / ``cudaFree`` calls, retries after
+    freeing its cache) and the ``top`` host calls by self CPU time."""
+    cuda = torch.cuda.is_available()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    before = torch.cuda.memory_stats() if cuda else {}
+    with torch.profiler.profile(activities=acts) as prof:
+        _sync()
+        t0 = time.perf_counter()
+        result = fn()
+        _sync()
+        wall = (time.perf_counter() - t0) * 1e3
+    after = torch.cuda.memory_stats() if cuda else {}
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    hot = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return result, {"wall_ms": round(wall, 1), "gpu_busy_ms": round(busy_ms(kernels), 1) if kernels else None,
+                    "kernels": len(kernels),
+                    **{k: after.get(k, 0) - before.get(k, 0) for k in _ALLOCATOR},
+                    "top_cpu": [(e.key[:70], round(e.self_cpu_time_total / 1e3, 1), e.count) for e in hot]}
+
+
 def environment() -> dict:
     return {
         "date": time.strftime("%Y-%m-%d"),

@@ -6,6 +6,12 @@ repeated, at ~0.32 s. This probe times one micro-batch shape repeated, then ``--
 with new lengths every step (``bench_zorro.measure_fresh``), eager and compiled, one process::
 
     cd benchmarks; python probe_fresh_compiled.py --shape 6400/128/8 --groups 2 --fresh 6
+
+``--micro-batch-tokens`` sets the engine's budget (16384, the default, holds 2 such groups);
+``--profile`` runs one more engine step under ``torch.profiler`` and reports wall vs GPU-busy
+time of ``forward_backward`` and ``step`` with the top host calls::
+
+    python probe_fresh_compiled.py --groups 8 --modes compiled,engine --micro-batch-tokens 65536 --profile
 """
 import argparse
 import os
@@ -17,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_zorro import fresh_lengths, make_batch, measure_fresh, step_fn
-from common import environment, save
+from common import environment, profile_call, save
 from polynya.compiled_layers import compile_layers, uncompile_layers
 from polynya.models import load_model
 
@@ -36,7 +42,7 @@ def engine_row(args, P: int, R: int, G: int) -> dict:
     from polynya.engines import TrainingEngine
 
     cfg = TrainConfig(args.model, dtype="bfloat16" if args.device == "cuda" else "float32", zero_stage=2, lr=1e-6, gradient_checkpointing=True,
-                      compile_layers=True, micro_batch_tokens=16384, log_entropy=True)
+                      compile_layers=True, micro_batch_tokens=args.micro_batch_tokens, log_entropy=True)
     engine = TrainingEngine(cfg)
     vocab = engine.module.config.vocab_size
     plans = []
@@ -52,7 +58,17 @@ def engine_row(args, P: int, R: int, G: int) -> dict:
     fresh = [timed(step(make_batch(*fresh_lengths(P, R, i), G, args.engine_groups, vocab, seed=i,
                                    ragged=0.5)))
              for i in range(1, args.fresh + 1)]
-    return result("engine", same, fresh, groups=args.engine_groups, micro_batches=plans)
+    extra = profile_engine(engine, make_batch(*fresh_lengths(P, R, 99), G, args.engine_groups, vocab,
+                                              seed=99, ragged=0.5)) if args.profile else {}
+    return result("engine", same, fresh, groups=args.engine_groups, micro_batches=plans,
+                  micro_batch_tokens=args.micro_batch_tokens, **extra)
+
+
+def profile_engine(engine, batch) -> dict:
+    """One engine step under ``torch.profiler`` (``common.profile_call``): ``forward_backward``
+    and ``step`` apart."""
+    return {"profile": {"forward_backward": profile_call(lambda: engine.forward_backward(batch))[1],
+                        "step": profile_call(engine.step)[1]}}
 
 
 def result(mode: str, same: list[float], fresh: list[float], **extra) -> dict:
@@ -73,6 +89,8 @@ def main() -> None:
     ap.add_argument("--fresh", type=int, default=6)
     ap.add_argument("--modes", default="compiled,eager,engine")
     ap.add_argument("--engine-groups", type=int, default=8)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="the engine's budget")
+    ap.add_argument("--profile", action="store_true", help="one more engine step, profiled")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script only")
     ap.add_argument("--out", default="results")
     args = ap.parse_args()

@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_zorro import make_batch, step_fn  # noqa: E402
-from common import environment, save  # noqa: E402
+from common import busy_ms, environment, save  # noqa: E402
 
 from polynya.compiled_layers import compile_layers, uncompile_layers  # noqa: E402
 from polynya.fused import fuse_model, unfuse_model  # noqa: E402
@@ -80,22 +80,6 @@ def arm_list(args) -> list[str]:
         arm_parts(arm)
     extra = [k for k in SUFFIXES if getattr(args, k)]
     return [x for arm in arms for x in (arm, *(f"{arm}+{k}" for k in extra))]
-
-
-def busy_ms(events) -> float:
-    """Union of the device kernels' [start, end) intervals, in ms."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total / 1e3
 
 
 def profile_arm(model, batch, arm: str, iters: int, device: str) -> dict:
