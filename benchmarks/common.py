@@ -1,10 +1,12 @@
 """Small helpers shared by the benchmark scripts (not collected by pytest)."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -93,25 +95,59 @@ def busy_ms(events) -> float:
 _ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
+def _dynamo_compiles() -> int:
+    """Frames Dynamo has compiled so far in this process (a recompile counts too)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+class _GCTimer:
+    """Time spent in Python's garbage collector while active (a ``gc.callbacks`` hook)."""
+
+    def __init__(self) -> None:
+        self.ms, self.collections, self._t0 = 0.0, [0, 0, 0], None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.collections[info["generation"]] += 1
+            self._t0 = None
+
+    def __enter__(self) -> _GCTimer:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def profile_call(fn, top: int = 12):
     """``fn()`` once under ``torch.profiler`` (CUDA-synchronised): its result and a dict of wall
     ms, GPU-busy ms (the gap is host time the GPU waited for), kernels launched, the caching
     allocator's counters over the call (``cudaMalloc`` / ``cudaFree`` calls, retries after
-    freeing its cache) and the ``top`` host calls by self CPU time."""
+    freeing its cache), the frames Dynamo compiled during the call (recompiles), the time spent
+    in Python's garbage collector (collections per generation), the live Python threads and the ``top`` host calls by self CPU time."""
     cuda = torch.cuda.is_available()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     before = torch.cuda.memory_stats() if cuda else {}
-    with torch.profiler.profile(activities=acts) as prof:
+    compiles = _dynamo_compiles()
+    with torch.profiler.profile(activities=acts) as prof, _GCTimer() as gc_time:
         _sync()
         t0 = time.perf_counter()
         result = fn()
         _sync()
         wall = (time.perf_counter() - t0) * 1e3
     after = torch.cuda.memory_stats() if cuda else {}
+    compiles = _dynamo_compiles() - compiles
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     hot = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     return result, {"wall_ms": round(wall, 1), "gpu_busy_ms": round(busy_ms(kernels), 1) if kernels else None,
-                    "kernels": len(kernels),
+                    "kernels": len(kernels), "dynamo_compiles": compiles,
+                    "gc_ms": round(gc_time.ms, 1), "gc_collections": gc_time.collections,
+                    "python_threads": threading.active_count(),
                     **{k: after.get(k, 0) - before.get(k, 0) for k in _ALLOCATOR},
                     "top_cpu": [(e.key[:70], round(e.self_cpu_time_total / 1e3, 1), e.count) for e in hot]}
 

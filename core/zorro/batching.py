@@ -6,9 +6,10 @@ batch has no ``group_ids``, the samples with identical prompt tokens (a GRPO gro
 not tie groups together: when groups that share a prefix land in different parts, each part
 carries its own copy of that prefix (computed once per part, still never once per sample).
 
-What a part costs is measured on the whole batch's prefix forest (``tree.build_forest``): every
-forest token is one distinct prefix, so the deduplicated tokens of any set of groups are the
-size of the union of their samples' token positions. With ``zorro=False`` a part costs every
+What a part costs is measured on the whole batch's prefix forest (``tree.build_forest``, with
+the layout's ``MIN_SHARED_TOKENS``): every forest token is one distinct shared prefix, so the
+deduplicated tokens of any set of groups are the size of the union of their samples' token
+positions. With ``zorro=False`` a part costs every
 sample's prompt + response tokens. Parts are filled first-fit-decreasing under a token budget
 (``split_batch(batch, max_tokens)``; a group over budget gets a part of its own) and then
 rebalanced over the same number of parts when that keeps every part within budget; exactly
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..types import RolloutBatch
-from .tree import build_forest
+from . import tree
 
 
 def sequences(batch: RolloutBatch) -> list[np.ndarray]:
@@ -54,10 +55,11 @@ class _Groups:
     num_tokens: int  # size of the position space
 
     @classmethod
-    def of(cls, batch: RolloutBatch, zorro: bool) -> "_Groups":
+    def of(cls, batch: RolloutBatch, zorro: bool) -> _Groups:
         rows = prompt_groups(batch)
         if zorro:
-            forest = build_forest(sequences(batch))
+            forest = tree.build_forest(sequences(batch), [p.size for p in batch.prompts],
+                                       tree.MIN_SHARED_TOKENS)  # as pack_rows lays it out
             toks = [np.unique(np.concatenate([forest.sample_pos[i] for i in g])) for g in rows]
             return cls(rows, toks, forest.num_tokens)
         sizes = [sum(batch.prompts[i].size + batch.responses[i].size for i in g) for g in rows]

@@ -1,7 +1,9 @@
 """Lay a batch out in packed rows for one forward pass (the ZoRRo layout).
 
 Each row holds the prefix forest (``tree.build_forest``) of some whole prompt groups: every
-shared prefix once, every response behind it, true RoPE positions. Without
+shared prefix once (one that different prompts start with only from ``tree.MIN_SHARED_TOKENS``
+tokens: a chat template's header is repeated per prompt, cheaper than one more attention partial
+for every token behind it), every response behind it, true RoPE positions. Without
 ``max_tokens_per_row`` the whole batch is one row; with it, the groups are cut into rows of at
 most that many deduplicated tokens by ``batching.split_batch`` (a prefix shared by groups in
 different rows is repeated in each row; a group over budget gets a row of its own). Rows are
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from ..types import RolloutBatch
+from . import tree
 from .batching import split_batch
 from .tree import Forest, build_forest, separate_forest
 
@@ -48,7 +51,7 @@ class PackedRows:
     num_real_tokens: int
     nodes: np.ndarray
 
-    def to(self, device) -> "PackedRows":
+    def to(self, device) -> PackedRows:
         return PackedRows(*(getattr(self, f).to(device, non_blocking=True) for f in
                             ("input_ids", "position_ids", "tin", "tout", "pred_index",
                              "pred_target", "out_row", "out_col")), self.num_real_tokens, self.nodes)
@@ -60,9 +63,7 @@ def pack_rows(batch: RolloutBatch, *, max_tokens_per_row: int | None = None, pad
     ``share=False`` one causal segment per sample (nothing shared)."""
     parts = (split_batch(batch, max_tokens_per_row, zorro=share) if max_tokens_per_row is not None
              else [list(range(len(batch)))])
-    build = build_forest if share else separate_forest
-    forests = [build([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in part])
-               for part in parts]
+    forests = [_forest(batch, part, share) for part in parts]
     length = max(f.num_tokens for f in forests)
     length = -(-length // pad_multiple) * pad_multiple
     num_rows = len(parts)
@@ -93,6 +94,13 @@ def pack_rows(batch: RolloutBatch, *, max_tokens_per_row: int | None = None, pad
     as2d = (lambda a: torch.from_numpy(a).view(num_rows, length))
     return PackedRows(as2d(ids), as2d(pos), as2d(tin), as2d(tout), cat(pred), cat(tgt),
                       cat(orow), cat(ocol), sum(f.num_tokens for f in forests), np.concatenate(nodes))
+
+
+def _forest(batch: RolloutBatch, part: list[int], share: bool) -> Forest:
+    seqs = [np.concatenate([batch.prompts[i], batch.responses[i]]) for i in part]
+    if not share:
+        return separate_forest(seqs)
+    return build_forest(seqs, [batch.prompts[i].size for i in part], tree.MIN_SHARED_TOKENS)
 
 
 def _node_table(forest: Forest, flat: np.ndarray) -> np.ndarray:

@@ -13,12 +13,32 @@ own (the packed naive layout — one causal segment per sample, as verl's remove
 The build sorts the sequences (adjacent sequences then share the longest prefixes), takes the
 longest common prefix of neighbours with numpy, and turns the sorted list into a radix tree with
 a stack — O(total tokens) array work plus O(samples) Python steps.
+
+``build_forest(seqs, prompt_lens=..., min_shared=k)`` shares a span that different prompts
+start with (a chat template's header, a system prompt, a multi-turn history before different
+questions) only when it is at least ``k`` tokens long; a shorter one is repeated at the head of
+each branch below it, nearest the roots first (a repeated span joins its children's spans, which
+are then judged with it). On the GPU's split path every shared span costs each token below it
+one more attention partial (one more call, one more term in the log-sum-exp merge, forward and
+backward): for a chat template's dozen tokens in front of several long prompt groups that is
+far more work than repeating the dozen tokens. Spans inside one prompt group (the prompt its G
+responses share, identical responses) are always shared. ZoRRo's layout and its micro-batch
+planner use ``MIN_SHARED_TOKENS``; the default, 1, is maximal sharing. Every sequence's tokens
+and positions are exact either way, so log-probs and gradients do not change.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
+# ZoRRo's layout shares no span of different prompts shorter than this (module docstring). An
+# estimate: one more partial per token costs ~1/25 of a token's forward/backward (a few KB more
+# read and written per layer against ~5 GFLOP), so a span shared by c branches over S tokens
+# pays when (c - 1) * length > S / 25 plus a call's launches; for prompt groups of 8 x 512-token
+# responses that is ~64 tokens, well above a chat template's header.
+MIN_SHARED_TOKENS = 64
 
 
 @dataclass
@@ -58,8 +78,13 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else m
 
 
-def build_forest(seqs: list[np.ndarray]) -> Forest:
-    """Build the prefix forest of non-empty int64 token sequences (see module docstring)."""
+def build_forest(seqs: list[np.ndarray], prompt_lens: list[int] | None = None,
+                 min_shared: int = 1) -> Forest:
+    """Build the prefix forest of non-empty int64 token sequences (see module docstring).
+
+    ``prompt_lens`` (each sequence's prompt length) with ``min_shared > 1``: a span that
+    different prompts share is shared only when it has at least ``min_shared`` tokens.
+    """
     n = len(seqs)
     order = sorted(range(n), key=lambda i: seqs[i].astype(">i8").tobytes())
     # Radix-tree nodes: token span [start, end) of an owner sequence; node 0 is a virtual root.
@@ -92,8 +117,12 @@ def build_forest(seqs: list[np.ndarray]) -> Forest:
             leaf_of[i] = top
         prev = s
 
-    # Preorder layout (iterative DFS over the virtual root's children).
-    num = len(start) - 1
+    if min_shared > 1:
+        if prompt_lens is None or len(prompt_lens) != n:
+            raise ValueError("build_forest: min_shared > 1 needs prompt_lens, one per sequence")
+        _unshare_short(start, end, parent, children, leaf_of, prompt_lens, min_shared)
+
+    # Preorder layout (iterative DFS over the virtual root's children; unshared nodes are gone).
     pre = np.empty(len(start), dtype=np.int64)  # tree-node id -> preorder index
     node_ids = []
     todo = list(reversed(children[0]))
@@ -102,6 +131,7 @@ def build_forest(seqs: list[np.ndarray]) -> Forest:
         pre[v] = len(node_ids)
         node_ids.append(v)
         todo.extend(reversed(children[v]))
+    num = len(node_ids)
     node_len = np.array([end[v] - start[v] for v in node_ids], dtype=np.int64)
     node_offset = np.concatenate([[0], np.cumsum(node_len)[:-1]]) if num else np.zeros(0, np.int64)
     node_parent = np.array([pre[parent[v]] if parent[v] != 0 else -1 for v in node_ids], dtype=np.int64)
@@ -129,6 +159,33 @@ def build_forest(seqs: list[np.ndarray]) -> Forest:
                                           for k in reversed(path)]))
     return Forest(tokens, depth, node_of, node_offset, node_len, node_parent, node_tout,
                   node_root, sample_pos, sample_root)
+
+
+def _unshare_short(start: list, end: list, parent: list, children: list, leaf_of: list,
+                   prompt_lens, min_shared: int) -> None:
+    """Replace every node shorter than ``min_shared`` tokens that lies inside the prompt of every
+    sequence below it (its branches part inside their prompts: a head of different prompts) by
+    its children, each of which takes the node's tokens in front of its own (top-down, so a child
+    is judged with what it absorbed). A node any prompt ends in stays: a prompt group's prompt is
+    always stored once. Edits the radix tree's lists in place."""
+    shortest = [math.inf] * len(start)  # per node: the shortest prompt of the sequences below it
+    for i, v in enumerate(leaf_of):
+        n = int(prompt_lens[i])
+        while v != 0 and shortest[v] > n:  # an ancestor already as short got it from below
+            shortest[v] = n
+            v = parent[v]
+    todo = list(children[0])
+    while todo:
+        v = todo.pop()
+        kids = children[v]
+        if kids and end[v] - start[v] < min_shared and end[v] < shortest[v]:
+            siblings = children[parent[v]]
+            at = siblings.index(v)
+            siblings[at:at + 1] = kids  # same place: the sorted (preorder) order is kept
+            for c in kids:
+                start[c], parent[c] = start[v], parent[v]  # c's owner runs through v's tokens
+            children[v] = []
+        todo.extend(kids)
 
 
 def separate_forest(seqs: list[np.ndarray]) -> Forest:

@@ -4,16 +4,18 @@ from __future__ import annotations
 import random
 
 from polynya import RolloutBatch
+from polynya.zorro.tree import MIN_SHARED_TOKENS
 
 
 def random_batch(rng: random.Random, vocab: int, *, groups: int = 4, max_group: int = 8,
                  max_prompt: int = 24, max_response: int = 12, system_prompt: bool = True,
                  shuffle: bool = True, with_group_ids: bool = False) -> RolloutBatch:
     """Groups of 1..max_group samples sharing a prompt; ragged lengths; every prompt starts with
-    the same few tokens (as a chat template's header does), half of them also with a system
-    prompt (deeper partial sharing); one response duplicated; rows shuffled."""
+    the same few tokens (as a chat template's header does: ZoRRo's layout repeats such a short
+    head per prompt), half of them also with a system prompt long enough to be shared
+    (``MIN_SHARED_TOKENS``: deeper partial sharing); one response duplicated; rows shuffled."""
     template = [rng.randrange(2, vocab) for _ in range(3)]
-    system = [rng.randrange(2, vocab) for _ in range(rng.randint(3, 8))]
+    system = [rng.randrange(2, vocab) for _ in range(rng.randint(MIN_SHARED_TOKENS, MIN_SHARED_TOKENS + 8))]
     prompts, responses, gids = [], [], []
     for g in range(groups):
         question = [rng.randrange(2, vocab) for _ in range(rng.randint(1, max_prompt))]

@@ -12,13 +12,15 @@ from polynya import RolloutBatch, compute_logprobs
 from polynya.losses import Normalizer, policy_loss, resolve_loss
 from polynya.models import load_model, load_tokenizer
 from polynya.zorro import build_forest, plan_micro_batches, prompt_groups, split_batch
+from polynya.zorro.tree import MIN_SHARED_TOKENS
 
 from .batches import random_batch
 
 
 def _dedup_tokens(batch: RolloutBatch, rows: list[int]) -> int:
-    """The oracle: size of the prefix forest of exactly these rows."""
-    return build_forest([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in rows]).num_tokens
+    """The oracle: size of the prefix forest of exactly these rows, as ZoRRo's layout builds it."""
+    return build_forest([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in rows],
+                        [batch.prompts[i].size for i in rows], MIN_SHARED_TOKENS).num_tokens
 
 
 def _group_of(batch: RolloutBatch) -> dict[int, int]:
@@ -103,7 +105,7 @@ def _chat_batch(seed: int, groups: int = 8, per_group: int = 3) -> RolloutBatch:
     responses and advantages: every sample shares the template's leading tokens."""
     tok = load_tokenizer("tiny:qwen3")
     rng = random.Random(seed)
-    words = "how many apples does the farmer sell each week in total".split()
+    words = ["how", "many", "apples", "does", "the", "farmer", "sell", "each", "week", "in", "total"]
     prompts, responses, adv = [], [], []
     for g in range(groups):
         q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "?"

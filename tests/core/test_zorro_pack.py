@@ -5,6 +5,7 @@ import pytest
 from polynya import RolloutBatch
 from polynya.zorro import build_forest, pack_rows
 from polynya.zorro.attention import dense_mask
+from polynya.zorro.tree import MIN_SHARED_TOKENS
 
 from .batches import random_batch
 
@@ -65,21 +66,95 @@ def test_rows_respect_budget_and_never_split_groups():
 
 
 def test_rows_split_shared_prefix_by_group_and_repeat_it():
-    """Three groups share a template head: with a row budget they get rows of their own, each
-    row carrying its own copy of the head; log-prob inputs still address the right tokens."""
-    head = [1, 2, 3, 4]
+    """Three groups share a system prompt: with a row budget they get rows of their own, each
+    row carrying its own copy of it; log-prob inputs still address the right tokens."""
+    head = list(range(100, 100 + MIN_SHARED_TOKENS))  # long enough to be shared
     b = RolloutBatch([head + [5], head + [5], head + [6], head + [7, 8]], [[9], [10], [9], [11]])
     one = pack_rows(b)
-    assert one.input_ids.shape[0] == 1 and one.num_real_tokens == 4 + 1 + 2 + 1 + 1 + 2 + 1
-    rows = pack_rows(b, max_tokens_per_row=7)
+    assert one.input_ids.shape[0] == 1 and one.num_real_tokens == len(head) + 1 + 2 + 1 + 1 + 2 + 1
+    rows = pack_rows(b, max_tokens_per_row=len(head) + 3)
     assert rows.input_ids.shape[0] >= 2
     assert rows.num_real_tokens > one.num_real_tokens  # the head is repeated per row
     for r in range(rows.input_ids.shape[0]):
-        assert rows.input_ids[r, :4].tolist() == head
+        assert rows.input_ids[r, :len(head)].tolist() == head
     flat = rows.input_ids.reshape(-1)
     for i, (p, resp) in enumerate(zip(b.prompts, b.responses)):
         at = rows.pred_index[rows.out_row == i]
         assert flat[at].tolist() == [int(p[-1])] and rows.pred_target[rows.out_row == i].tolist() == resp.tolist()
+
+
+def test_short_head_of_different_prompts_is_repeated_not_shared():
+    """A chat template's dozen tokens before different prompts: ZoRRo's layout repeats them per
+    prompt group (no tree spans the groups, so no token gets an extra attention partial), while
+    each group's prompt is still stored once for its G responses."""
+    header = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    prompts = [header + [20 + g] * 80 for g in range(3)]
+    b = RolloutBatch([p for p in prompts for _ in range(4)], [[50 + k, 60] for k in range(12)])
+    rows = pack_rows(b)
+    assert rows.num_real_tokens == 3 * (len(header) + 80) + 12 * 2
+    _, ends, stops = rows.nodes.T
+    inner = rows.nodes[stops > ends]
+    assert len(inner) == 3 and set((inner[:, 1] - inner[:, 0]).tolist()) == {len(header) + 80}
+    maximal = build_forest([np.concatenate([p, r]) for p, r in zip(b.prompts, b.responses)])
+    assert maximal.num_tokens == len(header) + 3 * 80 + 12 * 2  # maximal sharing: one tree
+    assert len(set(maximal.sample_root.tolist())) == 1
+    # a header of MIN_SHARED_TOKENS tokens is worth sharing again
+    long = [list(range(100, 100 + MIN_SHARED_TOKENS)) + [20 + g] * 80 for g in range(3)]
+    b2 = RolloutBatch([p for p in long for _ in range(4)], [[50 + k, 60] for k in range(12)])
+    assert pack_rows(b2).num_real_tokens == MIN_SHARED_TOKENS + 3 * 80 + 12 * 2
+
+
+def _random_headed(rng: random.Random) -> RolloutBatch:
+    """Groups whose prompts start with heads of random lengths around MIN_SHARED_TOKENS (some
+    nested: a header, then a system prompt for some groups), ragged responses sharing first
+    tokens, one prompt group repeated under another group id."""
+    vocab = 6
+    header = [rng.randrange(vocab) for _ in range(rng.randint(1, 2 * MIN_SHARED_TOKENS))]
+    system = [rng.randrange(vocab) for _ in range(rng.randint(1, 2 * MIN_SHARED_TOKENS))]
+    prompts, responses, gids = [], [], []
+    for g in range(rng.randint(2, 7)):
+        q = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        prompt = header + (system if rng.random() < 0.5 else []) + q or [1]
+        for _ in range(rng.randint(1, 4)):
+            prompts.append(prompt)
+            responses.append([rng.randrange(3) for _ in range(rng.randint(1, 6))])
+            gids.append(g)
+    return RolloutBatch(prompts, responses, group_ids=gids)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_unsharing_short_heads_is_exact_and_keeps_the_planner_an_upper_bound(seed):
+    """With ``MIN_SHARED_TOKENS``: every sequence's tokens and positions are exact; no head of
+    different prompts (a node inside every prompt below it) is shorter than the threshold; every prompt group's prompt is stored
+    once; and a part's own forest never has more tokens than the planner's count for it (the
+    union of its samples' positions in the whole batch's forest), so row budgets hold."""
+    rng = random.Random(seed)
+    b = _random_headed(rng)
+    seqs = [np.concatenate([p, r]) for p, r in zip(b.prompts, b.responses)]
+    plens = [p.size for p in b.prompts]
+    f = build_forest(seqs, plens, MIN_SHARED_TOKENS)
+    for s, pos in zip(seqs, f.sample_pos):
+        assert np.array_equal(f.tokens[pos], s) and np.array_equal(f.depth[pos], np.arange(s.size))
+    for k in range(f.node_len.size):
+        if not (f.node_parent == k).any():
+            continue
+        branch = int(f.depth[f.node_offset[k] + f.node_len[k] - 1]) + 1  # depth where they part
+        below = [i for i, pos in enumerate(f.sample_pos) if np.isin(f.node_offset[k], pos)]
+        if all(branch < plens[i] for i in below):  # a head of different prompts
+            assert f.node_len[k] >= MIN_SHARED_TOKENS
+    for g in set(b.group_ids):
+        rows = [i for i, x in enumerate(b.group_ids) if x == g]
+        prompt_pos = {tuple(f.sample_pos[i][:plens[i]].tolist()) for i in rows}
+        assert len(prompt_pos) == 1  # the group's prompt once for all its responses
+    groups = sorted(set(b.group_ids))
+    for _ in range(6):
+        pick = set(rng.sample(groups, rng.randint(1, len(groups))))
+        part = [i for i, g in enumerate(b.group_ids) if g in pick]
+        planned = np.unique(np.concatenate([f.sample_pos[i] for i in part])).size
+        own = build_forest([seqs[i] for i in part], [plens[i] for i in part], MIN_SHARED_TOKENS)
+        assert own.num_tokens <= planned
+    with pytest.raises(ValueError, match="prompt_lens"):
+        build_forest(seqs, None, MIN_SHARED_TOKENS)
 
 
 @pytest.mark.parametrize("seed,block,window", [(0, 8, None), (1, 8, None), (2, 16, None),
