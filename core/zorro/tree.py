@@ -16,10 +16,9 @@ a stack — O(total tokens) array work plus O(samples) Python steps.
 
 ``build_forest(seqs, prompt_lens=..., min_shared=k)`` shares a span that different prompts
 start with (a chat template's header, a system prompt, a multi-turn history before different
-questions) only when it is at least ``k`` tokens long; a shorter one is repeated at the head of
-each branch below it, nearest the roots first (a repeated span joins its children's spans, which
-are then judged with it). On the GPU's split path every shared span costs each token below it
-one more attention partial (one more call, one more term in the log-sum-exp merge, forward and
+questions) only when its node has at least ``k`` tokens; a shorter one is repeated at the head
+of each branch below it (``_unshare_short``). On the GPU's split path every shared span costs
+each token below it one more attention partial (one more call, one more term in the log-sum-exp merge, forward and
 backward): for a chat template's dozen tokens in front of several long prompt groups that is
 far more work than repeating the dozen tokens. Spans inside one prompt group (the prompt its G
 responses share, identical responses) are always shared. ZoRRo's layout and its micro-batch
@@ -28,7 +27,6 @@ and positions are exact either way, so log-probs and gradients do not change.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,25 +161,33 @@ def build_forest(seqs: list[np.ndarray], prompt_lens: list[int] | None = None,
 
 def _unshare_short(start: list, end: list, parent: list, children: list, leaf_of: list,
                    prompt_lens, min_shared: int) -> None:
-    """Replace every node shorter than ``min_shared`` tokens that lies inside the prompt of every
-    sequence below it (its branches part inside their prompts: a head of different prompts) by
-    its children, each of which takes the node's tokens in front of its own (top-down, so a child
-    is judged with what it absorbed). A node any prompt ends in stays: a prompt group's prompt is
-    always stored once. Edits the radix tree's lists in place."""
-    shortest = [math.inf] * len(start)  # per node: the shortest prompt of the sequences below it
+    """Replace every node of fewer than ``min_shared`` tokens whose branches part inside a prompt
+    (some sequence below it is still in its prompt there: the node is a head of different
+    prompts) by its children, each of which takes the node's tokens in front of its own; a node
+    some sequence ends in stays as that sequence's leaf. Lengths are the tree's as built (what a
+    child absorbs does not count), which keeps the rule monotone: a subset of the sequences has
+    no shorter nodes and no longer prompts, so it repeats no more than the whole batch does, and
+    the micro-batch planner's token counts, taken on the whole batch, bound every part's. A
+    prompt group's own prompt, where its responses branch off, is never such a node. Edits the
+    radix tree's lists in place."""
+    longest = [0] * len(start)  # per node: the longest prompt of the sequences below it
     for i, v in enumerate(leaf_of):
         n = int(prompt_lens[i])
-        while v != 0 and shortest[v] > n:  # an ancestor already as short got it from below
-            shortest[v] = n
+        while v != 0 and longest[v] < n:  # an ancestor already as long got it from below
+            longest[v] = n
             v = parent[v]
+    endpoints = set(leaf_of)
+    short = [e - s < min_shared for s, e in zip(start, end)]  # judged on the tree as built
     todo = list(children[0])
     while todo:
         v = todo.pop()
         kids = children[v]
-        if kids and end[v] - start[v] < min_shared and end[v] < shortest[v]:
+        if kids and short[v] and end[v] < longest[v]:
             siblings = children[parent[v]]
             at = siblings.index(v)
-            siblings[at:at + 1] = kids  # same place: the sorted (preorder) order is kept
+            # same place, so the sorted (preorder) order is kept; a node some sequence ends in
+            # stays as that sequence's leaf, before the branches that now repeat its tokens
+            siblings[at:at + 1] = ([v] if v in endpoints else []) + kids
             for c in kids:
                 start[c], parent[c] = start[v], parent[v]  # c's owner runs through v's tokens
             children[v] = []

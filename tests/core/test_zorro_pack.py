@@ -125,9 +125,10 @@ def _random_headed(rng: random.Random) -> RolloutBatch:
 @pytest.mark.parametrize("seed", range(40))
 def test_unsharing_short_heads_is_exact_and_keeps_the_planner_an_upper_bound(seed):
     """With ``MIN_SHARED_TOKENS``: every sequence's tokens and positions are exact; no head of
-    different prompts (a node inside every prompt below it) is shorter than the threshold; every prompt group's prompt is stored
-    once; and a part's own forest never has more tokens than the planner's count for it (the
-    union of its samples' positions in the whole batch's forest), so row budgets hold."""
+    different prompts (a node inside every prompt below it) is shorter than the threshold; every
+    prompt group's prompt is stored once (unless another prompt continues it); and a part's own
+    forest never has more tokens than the planner's count for it (the union of its samples'
+    positions in the whole batch's forest), so row budgets hold."""
     rng = random.Random(seed)
     b = _random_headed(rng)
     seqs = [np.concatenate([p, r]) for p, r in zip(b.prompts, b.responses)]
@@ -142,8 +143,12 @@ def test_unsharing_short_heads_is_exact_and_keeps_the_planner_an_upper_bound(see
         below = [i for i, pos in enumerate(f.sample_pos) if np.isin(f.node_offset[k], pos)]
         if all(branch < plens[i] for i in below):  # a head of different prompts
             assert f.node_len[k] >= MIN_SHARED_TOKENS
+    prompts = {tuple(p.tolist()) for p in b.prompts}
     for g in set(b.group_ids):
         rows = [i for i, x in enumerate(b.group_ids) if x == g]
+        mine = tuple(b.prompts[rows[0]].tolist())
+        if any(len(p) > len(mine) and p[:len(mine)] == mine for p in prompts):
+            continue  # a prompt that another prompt continues (no chat template allows that)
         prompt_pos = {tuple(f.sample_pos[i][:plens[i]].tolist()) for i in rows}
         assert len(prompt_pos) == 1  # the group's prompt once for all its responses
     groups = sorted(set(b.group_ids))
@@ -155,6 +160,31 @@ def test_unsharing_short_heads_is_exact_and_keeps_the_planner_an_upper_bound(see
         assert own.num_tokens <= planned
     with pytest.raises(ValueError, match="prompt_lens"):
         build_forest(seqs, None, MIN_SHARED_TOKENS)
+
+
+def test_unsharing_is_monotone_on_small_forests():
+    """The planner bound on many small forests (3 token values, threshold 4: heads, prefixes of
+    other prompts, sequences ending where others branch — the cases a non-monotone rule gets
+    wrong): any subset's own forest has no more tokens than its positions in the whole one."""
+    for seed in range(3000):
+        rng = random.Random(seed)
+        header = [rng.randrange(3) for _ in range(rng.randint(0, 6))]
+        system = [rng.randrange(3) for _ in range(rng.randint(0, 6))]
+        seqs, plens = [], []
+        for _ in range(rng.randint(2, 4)):
+            p = header + (system if rng.random() < 0.5 else []) + [rng.randrange(3) for _ in range(rng.randint(0, 4))]
+            p = p or [1]
+            for _ in range(rng.randint(1, 3)):
+                seqs.append(np.array(p + [rng.randrange(2) for _ in range(rng.randint(1, 3))]))
+                plens.append(len(p))
+        f = build_forest(seqs, plens, 4)
+        for _ in range(4):
+            part = sorted(rng.sample(range(len(seqs)), rng.randint(1, len(seqs))))
+            planned = np.unique(np.concatenate([f.sample_pos[i] for i in part])).size
+            own = build_forest([seqs[i] for i in part], [plens[i] for i in part], 4)
+            assert own.num_tokens <= planned, (seed, part)
+            for i, pos in zip(part, own.sample_pos):
+                assert np.array_equal(own.tokens[pos], seqs[i])
 
 
 @pytest.mark.parametrize("seed,block,window", [(0, 8, None), (1, 8, None), (2, 16, None),
