@@ -31,11 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# ZoRRo's layout shares no span of different prompts shorter than this (module docstring). An
-# estimate: one more partial per token costs ~1/25 of a token's forward/backward (a few KB more
-# read and written per layer against ~5 GFLOP), so a span shared by c branches over S tokens
-# pays when (c - 1) * length > S / 25 plus a call's launches; for prompt groups of 8 x 512-token
-# responses that is ~64 tokens, well above a chat template's header.
+# ZoRRo's layout shares no head of different prompts shorter than this (module docstring). An
+# estimate, not yet measured on a GPU: one more partial costs a token ~1/50 of its forward /
+# backward by bytes (~8 KB more per layer and pass against ~5 GFLOP) plus the extra call's
+# launches, so a head shared by c prompt groups over S tokens pays when (c - 1) * length
+# exceeds ~S / 50 plus ~100 tokens' worth of launches: ~50-200 tokens at the recipes' shapes.
+# 64 repeats every chat-template header and keeps a real system prompt shared.
 MIN_SHARED_TOKENS = 64
 
 
