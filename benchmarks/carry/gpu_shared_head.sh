@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 15 goal 4, written 2026-12-07 (no device then; not yet run). One call, stages skipped with
+# their T_* = 0:
+# - T_HEAD: probe_shared_head.py — the long-context micro-batch (8 groups of 6400/128/8) with an
+#   11-token common head, shared (old layout) vs repeated (MIN_SHARED_TOKENS) vs no head, with
+#   both layouts checked against the packed naive layout on the device;
+# - T_RECIPE: the long-context recipe, both arms compiled, one 65,536-token micro-batch, step 2's
+#   trainer calls profiled (wall vs GPU-busy, allocator, Dynamo compiles, GC, threads);
+# - T_PROBE: probe_fresh_compiled.py's engine with the same budget, profiled, on the same machine,
+#   so that the recipe's forward/backward is compared with the bare engine's on one host;
+# - T_TESTS: the GPU tests whose batches changed (random_batch's system prompt, 2026-12-07).
+# Carry .whl (../shared/gpu/carry-wheels.sh):  bash benchmarks/carry/gpu_shared_head.sh
+WHL=1 source benchmarks/carry/gpu_setup.sh
+[ "${T_HEAD:-150}" -gt 0 ] && timeout ${T_HEAD:-150} python3 benchmarks/probe_shared_head.py \
+  --rounds ${ROUNDS:-3} --out $OUT 2>&1 | grep -E "^\{|^head|^no |correct|rror" | cut -c1-400 | tail -8
+MB="--set client.train.micro_batch_tokens=65536 --set client.logprob.micro_batch_tokens=65536"
+[ "${T_RECIPE:-260}" -gt 0 ] && timeout ${T_RECIPE:-260} python3 benchmarks/bench_recipe.py --task longqa \
+  --steps ${STEPS:-4} --arms ${ARMS:-zorro+compiled,naive+compiled} --budget-s $(( ${T_RECIPE:-260} - 15 )) \
+  --profile-step 2 --direct-calls 1 $MB --out $OUT/recipe 2>&1 | grep -v Warning \
+  | grep -E "^\||speedup|skipping|Error|rror:|'forward_backward_s'" | cut -c1-700 | tail -16
+[ "${T_PROBE:-120}" -gt 0 ] && (cd benchmarks && timeout ${T_PROBE:-120} python3 probe_fresh_compiled.py \
+  --groups 8 --modes engine --micro-batch-tokens 65536 --profile --repeat 2 --fresh 3 --out $OUT \
+  2>&1 | grep -E "^\{|rror" | cut -c1-700 | tail -5)
+[ "${T_TESTS:-0}" -gt 0 ] && timeout ${T_TESTS} python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/core/test_logprobs_gpu.py tests/kernels/test_zorro_split.py 2>&1 | tail -4
+ls $OUT $OUT/recipe 2>/dev/null
