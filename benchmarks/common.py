@@ -8,6 +8,7 @@ import platform
 import statistics
 import threading
 import time
+from typing import Self
 
 import numpy as np
 import torch
@@ -116,7 +117,7 @@ class _GCTimer:
             self.collections[info["generation"]] += 1
             self._t0 = None
 
-    def __enter__(self) -> _GCTimer:
+    def __enter__(self) -> Self:
         gc.callbacks.append(self)
         return self
 
@@ -129,7 +130,8 @@ def profile_call(fn, top: int = 12):
     ms, GPU-busy ms (the gap is host time the GPU waited for), kernels launched, the caching
     allocator's counters over the call (``cudaMalloc`` / ``cudaFree`` calls, retries after
     freeing its cache), the frames Dynamo compiled during the call (recompiles), the time spent
-    in Python's garbage collector (collections per generation), the live Python threads and the ``top`` host calls by self CPU time."""
+    in Python's garbage collector (collections per generation), the live Python threads and the
+    ``top`` host calls by self CPU time."""
     cuda = torch.cuda.is_available()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     before = torch.cuda.memory_stats() if cuda else {}

@@ -9,8 +9,7 @@ carries its own copy of that prefix (computed once per part, still never once pe
 What a part costs is measured on the whole batch's prefix forest (``tree.build_forest``, with
 the layout's ``MIN_SHARED_TOKENS``): every forest token is one distinct shared prefix, so the
 deduplicated tokens of any set of groups are the size of the union of their samples' token
-positions. With ``zorro=False`` a part costs every
-sample's prompt + response tokens. Parts are filled first-fit-decreasing under a token budget
+positions. With ``zorro=False`` a part costs every sample's prompt + response tokens. Parts are filled first-fit-decreasing under a token budget
 (``split_batch(batch, max_tokens)``; a group over budget gets a part of its own) and then
 rebalanced over the same number of parts when that keeps every part within budget; exactly
 ``num_parts`` parts (data-parallel shards) are balanced largest-group-first, each group going
@@ -32,6 +31,15 @@ from . import tree
 def sequences(batch: RolloutBatch) -> list[np.ndarray]:
     """Each sample's prompt + response tokens."""
     return [np.concatenate([p, r]) for p, r in zip(batch.prompts, batch.responses)]
+
+
+def layout_forest(batch: RolloutBatch, rows: list[int] | None = None) -> tree.Forest:
+    """The prefix forest of ``rows`` (default: all) as ZoRRo's layout shares it: heads of
+    different prompts from ``tree.MIN_SHARED_TOKENS`` tokens (``pack_rows`` lays rows out from
+    it, the planner costs parts on it)."""
+    rows = range(len(batch)) if rows is None else rows
+    return tree.build_forest([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in rows],
+                             [batch.prompts[i].size for i in rows], tree.MIN_SHARED_TOKENS)
 
 
 def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
@@ -58,8 +66,7 @@ class _Groups:
     def of(cls, batch: RolloutBatch, zorro: bool) -> _Groups:
         rows = prompt_groups(batch)
         if zorro:
-            forest = tree.build_forest(sequences(batch), [p.size for p in batch.prompts],
-                                       tree.MIN_SHARED_TOKENS)  # as pack_rows lays it out
+            forest = layout_forest(batch)
             toks = [np.unique(np.concatenate([forest.sample_pos[i] for i in g])) for g in rows]
             return cls(rows, toks, forest.num_tokens)
         sizes = [sum(batch.prompts[i].size + batch.responses[i].size for i in g) for g in rows]

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from ..types import RolloutBatch
-from . import tree
-from .batching import split_batch
-from .tree import Forest, build_forest, separate_forest
+from .batching import layout_forest, split_batch
+from .tree import Forest, separate_forest
 
 PAD_TIN = np.iinfo(np.int32).max  # padding tokens see only earlier padding (never real tokens)
 
@@ -97,10 +96,9 @@ def pack_rows(batch: RolloutBatch, *, max_tokens_per_row: int | None = None, pad
 
 
 def _forest(batch: RolloutBatch, part: list[int], share: bool) -> Forest:
-    seqs = [np.concatenate([batch.prompts[i], batch.responses[i]]) for i in part]
-    if not share:
-        return separate_forest(seqs)
-    return build_forest(seqs, [batch.prompts[i].size for i in part], tree.MIN_SHARED_TOKENS)
+    if share:
+        return layout_forest(batch, part)
+    return separate_forest([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in part])
 
 
 def _node_table(forest: Forest, flat: np.ndarray) -> np.ndarray:

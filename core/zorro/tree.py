@@ -18,9 +18,9 @@ a stack — O(total tokens) array work plus O(samples) Python steps.
 start with (a chat template's header, a system prompt, a multi-turn history before different
 questions) only when its node has at least ``k`` tokens; a shorter one is repeated at the head
 of each branch below it (``_unshare_short``). On the GPU's split path every shared span costs
-each token below it one more attention partial (one more call, one more term in the log-sum-exp merge, forward and
-backward): for a chat template's dozen tokens in front of several long prompt groups that is
-far more work than repeating the dozen tokens. Spans inside one prompt group (the prompt its G
+each token below it one more attention partial (one more call, one more term in the
+log-sum-exp merge, forward and backward): for a chat template's dozen tokens in front of several
+long prompt groups that is far more work than repeating the dozen tokens. Spans inside one prompt group (the prompt its G
 responses share, identical responses) are always shared. ZoRRo's layout and its micro-batch
 planner use ``MIN_SHARED_TOKENS``; the default, 1, is maximal sharing. Every sequence's tokens
 and positions are exact either way, so log-probs and gradients do not change.
@@ -81,10 +81,19 @@ def build_forest(seqs: list[np.ndarray], prompt_lens: list[int] | None = None,
                  min_shared: int = 1) -> Forest:
     """Build the prefix forest of non-empty int64 token sequences (see module docstring).
 
-    ``prompt_lens`` (each sequence's prompt length) with ``min_shared > 1``: a span that
-    different prompts share is shared only when it has at least ``min_shared`` tokens.
+    ``prompt_lens`` (each sequence's prompt length, ``0 <= len <= len(seq)``) with
+    ``min_shared > 1``: a span that different prompts share is shared only when it has at least
+    ``min_shared`` tokens. ``ValueError`` when ``prompt_lens`` is missing or does not fit.
     """
     n = len(seqs)
+    if min_shared > 1:
+        if prompt_lens is None or len(prompt_lens) != n:
+            raise ValueError(f"build_forest: min_shared={min_shared} needs prompt_lens, one per "
+                             f"sequence ({n}); got {None if prompt_lens is None else len(prompt_lens)}")
+        bad = [i for i, (s, k) in enumerate(zip(seqs, prompt_lens)) if not 0 <= k <= s.size]
+        if bad:
+            raise ValueError(f"build_forest: prompt_lens[{bad[0]}] = {prompt_lens[bad[0]]} is not "
+                             f"within its sequence's {seqs[bad[0]].size} tokens")
     order = sorted(range(n), key=lambda i: seqs[i].astype(">i8").tobytes())
     # Radix-tree nodes: token span [start, end) of an owner sequence; node 0 is a virtual root.
     start, end, parent, owner, children = [0], [0], [-1], [-1], [[]]
@@ -117,8 +126,6 @@ def build_forest(seqs: list[np.ndarray], prompt_lens: list[int] | None = None,
         prev = s
 
     if min_shared > 1:
-        if prompt_lens is None or len(prompt_lens) != n:
-            raise ValueError("build_forest: min_shared > 1 needs prompt_lens, one per sequence")
         _unshare_short(start, end, parent, children, leaf_of, prompt_lens, min_shared)
 
     # Preorder layout (iterative DFS over the virtual root's children; unshared nodes are gone).

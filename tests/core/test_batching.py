@@ -105,7 +105,7 @@ def _chat_batch(seed: int, groups: int = 8, per_group: int = 3) -> RolloutBatch:
     responses and advantages: every sample shares the template's leading tokens."""
     tok = load_tokenizer("tiny:qwen3")
     rng = random.Random(seed)
-    words = ["how", "many", "apples", "does", "the", "farmer", "sell", "each", "week", "in", "total"]
+    words = "how many apples does the farmer sell each week in total".split()
     prompts, responses, adv = [], [], []
     for g in range(groups):
         q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "?"

@@ -160,6 +160,11 @@ def test_unsharing_short_heads_is_exact_and_keeps_the_planner_an_upper_bound(see
         assert own.num_tokens <= planned
     with pytest.raises(ValueError, match="prompt_lens"):
         build_forest(seqs, None, MIN_SHARED_TOKENS)
+    with pytest.raises(ValueError, match="one per sequence"):
+        build_forest(seqs, plens[:-1], MIN_SHARED_TOKENS)
+    with pytest.raises(ValueError, match=r"prompt_lens\[0\] = .* not within"):
+        build_forest(seqs, [seqs[0].size + 1] + plens[1:], MIN_SHARED_TOKENS)
+    assert plens == [p.size for p in b.prompts]  # the caller's list is left as it was
 
 
 def test_unsharing_is_monotone_on_small_forests():
