@@ -47,6 +47,7 @@ from ..spans import cached_layout, span_layout
 from ..types import RolloutBatch, TokenStats
 from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
+from ._grad_checks import fuse_grad_checks
 
 HF_EXPORT = "hf"  # sub-directory of a checkpoint holding its Hugging Face export
 _METRICS = ("loss", "pg_loss", "clip_frac", "ratio", "kl", "entropy")
@@ -137,6 +138,7 @@ class TrainingEngine:
                                num_params=sum(p.numel() for p in model.parameters()))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                config=ds_cfg, dist_init_required=False)
+        fuse_grad_checks(engine.optimizer)  # ZeRO-1/2: the step's overflow check and norm, multi-tensor
         return engine
 
     def _clip_hook(self, optimizer, args, kwargs) -> None:

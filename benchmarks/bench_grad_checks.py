@@ -1,0 +1,127 @@
+"""The ZeRO-2 optimizer step with DeepSpeed's per-tensor gradient checks vs the multi-tensor ones
+(``polynya.engines._grad_checks``), one engine, arms interleaved per round (issue 15 goal 4)::
+
+    python benchmarks/bench_grad_checks.py --out $OUT
+
+The training engine with the recipes' settings (random Qwen3-0.6B shape, bf16, ZeRO-2, gradient
+clipping 1.0, checkpointing); each round runs ``forward_backward`` on the same small batch, then
+``step`` timed alone (wall, CUDA-synchronised), once with DeepSpeed's own methods and once with the
+fused ones. Before timing, one step computes both answers on the same reduced gradients (overflow
+flag and global norm, clean and with one NaN put into a gradient) and asserts they agree. Each arm's
+step is also profiled once (``common.profile_call``: wall vs GPU-busy, kernels).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import environment, profile_call, save
+from polynya.config import TrainConfig
+from polynya.config.train import OptimConfig
+from polynya.engines import TrainingEngine
+from polynya.engines._grad_checks import _grad_norm, _has_overflow, fuse_grad_checks
+from polynya.types import RolloutBatch
+
+METHODS = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct")
+
+
+def set_arm(opt, fused: bool) -> None:
+    for name in METHODS:
+        vars(opt).pop(name, None)
+    if fused:
+        assert fuse_grad_checks(opt)
+
+
+def batch_of(vocab: int, seed: int) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(100, vocab - 100, (256,), generator=g).tolist() for _ in range(4)]
+    return RolloutBatch([p for p in prompts for _ in range(4)],
+                        [torch.randint(100, vocab - 100, (128,), generator=g).tolist() for _ in range(16)],
+                        advantages=torch.randn(16, generator=g))
+
+
+def agree(engine, batch) -> dict:
+    """One step in which both implementations answer on the same gradients (the fused ones are
+    returned); then the same with a NaN in the middle gradient (the step is skipped)."""
+    opt, cls, seen = engine.engine.optimizer, type(engine.engine.optimizer), {}
+
+    def overflow():
+        seen["overflow"] = (bool(_has_overflow(opt)), bool(cls.has_overflow_partitioned_grads_serial(opt)))
+        return _has_overflow(opt)
+
+    def norm(gradients, params, norm_type=2):
+        ours = _grad_norm(opt, gradients, params, norm_type)
+        seen["norm"] = (float(ours), float(cls.get_grad_norm_direct(opt, gradients, params, norm_type)))
+        return ours
+
+    out = {}
+    for case in ("clean", "nan"):
+        seen.clear()
+        opt.has_overflow_partitioned_grads_serial, opt.get_grad_norm_direct = overflow, norm
+        if case == "nan":
+            def overflow_nan(inner=overflow):
+                grads = [g for i in range(len(opt.bit16_groups)) for g in opt.averaged_gradients[i]]
+                grads[len(grads) // 2].view(-1)[12345 % grads[len(grads) // 2].numel()] = float("nan")
+                return inner()
+            opt.has_overflow_partitioned_grads_serial = overflow_nan
+        engine.forward_backward(batch)
+        skipped = engine.step()["skipped"]
+        out[case] = {**seen, "skipped": skipped}
+    set_arm(opt, True)
+    clean, nan = out["clean"], out["nan"]
+    assert clean["overflow"] == (False, False) and clean["skipped"] == 0.0, clean
+    assert abs(clean["norm"][0] - clean["norm"][1]) <= 1e-6 * clean["norm"][1], clean
+    assert nan["overflow"] == (True, True) and nan["skipped"] == 1.0 and "norm" not in nan, nan
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:qwen3-0.6b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", help="bf16 runs both checks; fp32 only the norm")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    cfg = TrainConfig(args.model, dtype=args.dtype, zero_stage=2,
+                      lr=1e-6, gradient_checkpointing=True, device=args.device, micro_batch_tokens=8192,
+                      optim=OptimConfig(grad_clip=1.0))
+    engine = TrainingEngine(cfg)
+    opt = engine.engine.optimizer
+    batch = batch_of(engine.module.config.vocab_size, 0)
+    checks = agree(engine, batch)
+    tensors = sum(1 for p in engine.module.parameters() if p.requires_grad)
+    times = {"deepspeed": [], "fused": []}
+    for r in range(args.rounds + 1):
+        for arm in (("deepspeed", "fused") if r % 2 == 0 else ("fused", "deepspeed")):
+            set_arm(opt, arm == "fused")
+            engine.forward_backward(batch)
+            torch.cuda.synchronize() if args.device == "cuda" else None
+            t0 = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize() if args.device == "cuda" else None
+            if r > 0:  # round 0 warms both arms up
+                times[arm].append((time.perf_counter() - t0) * 1e3)
+    profiles = {}
+    for arm in ("deepspeed", "fused"):
+        set_arm(opt, arm == "fused")
+        engine.forward_backward(batch)
+        profiles[arm] = profile_call(engine.step)[1]
+    med = {arm: statistics.median(ts) for arm, ts in times.items()}
+    res = {**environment(), "model": args.model, "rounds": args.rounds, "checks": checks,
+           "grad_tensors": tensors, "step_ms": {k: [round(x, 2) for x in v] for k, v in times.items()},
+           "median_ms": {k: round(v, 2) for k, v in med.items()},
+           "saved_ms": round(med["deepspeed"] - med["fused"], 2),
+           "ratio": round(med["deepspeed"] / med["fused"], 3), "profile": profiles}
+    print({k: res[k] for k in ("gpu", "median_ms", "saved_ms", "ratio", "grad_tensors")})
+    print({arm: {k: p[k] for k in ("wall_ms", "gpu_busy_ms", "kernels")} for arm, p in profiles.items()})
+    print("checks", checks)
+    print(save(res, args.out, "bench_grad_checks"))
+
+
+if __name__ == "__main__":
+    main()
