@@ -8,9 +8,11 @@ clipping 1.0, checkpointing); each round runs ``forward_backward`` on the same s
 ``step`` timed alone (wall, CUDA-synchronised), once with DeepSpeed's own methods and once with the
 fused ones. Before timing, one step computes both answers on the same reduced gradients (overflow
 flag and global norm, clean and with one NaN put into a gradient) and asserts they agree. Each arm's
-step is also profiled once (``common.profile_call``: wall vs GPU-busy, kernels).
+step is also profiled once (``common.profile_call``: wall vs GPU-busy, kernels). Writes
+``bench_grad_checks.json`` and ``.png``; ``--replot JSON`` redraws the PNG of a saved run.
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -19,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, profile_call, save
+from common import environment, paired_bars, profile_call, save
 from polynya.config import TrainConfig
 from polynya.config.train import OptimConfig
 from polynya.engines import TrainingEngine
@@ -79,6 +81,15 @@ def agree(engine, batch) -> dict:
     return out
 
 
+def plot(res: dict, path: str) -> None:
+    arms = ("deepspeed", "fused")
+    paired_bars(path, ["DeepSpeed's per-tensor checks", "multi-tensor checks"],
+                [res["median_ms"][a] for a in arms], "step wall, median (ms)",
+                [res["profile"][a]["gpu_busy_ms"] or 0.0 for a in arms], "step GPU busy, profiled (ms)",
+                "ms", title=f"ZeRO-2 optimizer step, Qwen3-0.6B shape ({res['grad_tensors']} tensors), "
+                            f"{res['gpu'].replace('NVIDIA ', '')}, {res['date']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-0.6b")
@@ -86,7 +97,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="bf16 runs both checks; fp32 only the norm")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a saved run, next to it")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return
     cfg = TrainConfig(args.model, dtype=args.dtype, zero_stage=2,
                       lr=1e-6, gradient_checkpointing=True, device=args.device, micro_batch_tokens=8192,
                       optim=OptimConfig(grad_clip=1.0))
@@ -121,6 +137,7 @@ def main() -> None:
     print({arm: {k: p[k] for k in ("wall_ms", "gpu_busy_ms", "kernels")} for arm, p in profiles.items()})
     print("checks", checks)
     print(save(res, args.out, "bench_grad_checks"))
+    plot(res, os.path.join(args.out, "bench_grad_checks.png"))
 
 
 if __name__ == "__main__":

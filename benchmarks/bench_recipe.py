@@ -9,7 +9,8 @@ sampler with FCA on/off) and runs ``--steps`` GRPO steps of the composed recipe,
 as ``GRPODriver.run`` does, recording every step (new prompt lengths every step: the per-step
 times show what new shapes cost) and the sampler's counters per step (prefill / decode time,
 CUDA-graph captures, FCA steps). Medians are over the steps after the first (which pays
-compilation and CUDA-graph capture).
+compilation and CUDA-graph capture), a ``--profile-step`` left out (the profiler slows it);
+``--replot JSON`` re-summarises a saved run with these rules and redraws its PNG.
 
 In the same process, right after its steps, each arm calls the same sampler directly
 (``SamplingEngine.generate``, no hand-over) on fresh prompts of the task with the recipe's
@@ -178,10 +179,20 @@ def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dic
         direct = direct_generate(driver, client, args.steps + 1, args.direct_calls)
         client.wake("trainer")  # how much of the trainer's device memory the hand-over frees
         freed = client.trainer.offload() if client.trainer.config.zero_stage > 0 else None
-    steady = steps[1:] or steps
+    base = {"arm": label, "zorro_fca": on, "compiled": compiled, "wall_s": round(time.perf_counter() - t0, 1),
+            "offload_freed_fraction": round(freed["freed_fraction"], 3) if freed else None,
+            "trainer_offloads": offloads, "offload_trainer": str(driver.client_config.offload_trainer)}
+    return summarize(base, steps, direct), [dict(r, arm=label) for r in steps] + [
+        dict(r, arm=label, direct=True) for r in direct]
+
+
+def summarize(base: dict, steps: list[dict], direct: list[dict]) -> dict:
+    """An arm's row: ``base`` (what only the live run knows) and the medians of its steps after
+    the first, leaving out a profiled step (``--profile-step``: the profiler slows it)."""
+    steady = [r for r in steps[1:] if "train_profile" not in r] or steps[1:] or steps
     med = lambda key, rows=steady: statistics.median(r[key] for r in rows)  # noqa: E731
-    summary = {"arm": label, "zorro_fca": on, "compiled": compiled,
-               "wall_s": round(time.perf_counter() - t0, 1)}
+    summary = {k: base[k] for k in ("arm", "zorro_fca", "compiled", "wall_s")}
+    summary["median_of_steps"] = [r["step"] for r in steady]
     for k in (*PHASES, "step_s", "handover_s"):
         summary[k.replace("_s", "_ms")] = round(1e3 * med(k), 1)
     summary["decode_ms_per_step"] = round(1e3 * med("decode_time_s") / med("decode_steps"), 2)
@@ -190,12 +201,60 @@ def run_arm(args, arm: tuple[str, bool, bool], out: str) -> tuple[dict, list[dic
     summary["fca_steps"] = sum(r["fca_steps"] for r in steps)
     summary["decode_steps"] = sum(r["decode_steps"] for r in steps)
     summary["graph_captures"] = sum(r["graph_captures"] for r in steps)
-    summary["offload_freed_fraction"] = round(freed["freed_fraction"], 3) if freed else None
-    summary["trainer_offloads"] = offloads
-    summary["offload_trainer"] = str(driver.client_config.offload_trainer)
+    summary.update({k: base[k] for k in ("offload_freed_fraction", "trainer_offloads", "offload_trainer")})
     summary["reward"] = round(statistics.mean(r["reward_mean"] for r in steps), 3)
-    return summary, [dict(r, arm=summary["arm"]) for r in steps] + [
-        dict(r, arm=summary["arm"], direct=True) for r in direct]
+    return summary
+
+
+def compare(rows: list[dict]) -> None:
+    """Each ZoRRo+FCA arm against the naive+paged arm of its compile mode, each compiled arm
+    against its eager twin (ratios added to the rows)."""
+    for row in rows:
+        base = next((r for r in rows if not r["zorro_fca"] and r["compiled"] == row["compiled"]), None)
+        if row["zorro_fca"] and base is not None:
+            for key in ("step_ms", "generate_ms", "train_ms", "logprobs_ms"):
+                row[f"speedup_{key[:-3]}"] = round(base[key] / row[key], 3)
+        eager = next((r for r in rows if r["zorro_fca"] == row["zorro_fca"] and not r["compiled"]), None)
+        if row["compiled"] and eager is not None:
+            row["compiled_vs_eager_step"] = round(eager["step_ms"] / row["step_ms"], 3)
+
+
+def replot(path: str) -> None:
+    """Re-summarise a saved run's per-step rows (this script's current rules) into its JSON and
+    redraw its PNG next to it."""
+    import json
+
+    with open(path) as f:
+        saved = json.load(f)
+    rows = []
+    for old in saved["rows"]:
+        mine = [r for r in saved["per_step"] if r["arm"] == old["arm"]]
+        rows.append(summarize(old, [r for r in mine if not r.get("direct")], [r for r in mine if r.get("direct")]))
+    compare(rows)
+    saved.update(rows=rows, resummarized_by="bench_recipe.py --replot")
+    with open(path, "w") as f:
+        json.dump(saved, f, indent=2)
+    args = argparse.Namespace(**{k: saved[k] for k in ("task", "prompts", "group_size", "max_new_tokens", "model")})
+    plot(rows, saved["per_step"], args, saved, os.path.splitext(path)[0] + ".png")
+    report(rows)
+
+
+def report(rows: list[dict]) -> None:
+    print(markdown_table(rows, [("arm", "arm"), ("generate_ms", "generate ms"),
+                                ("direct_generate_ms", "direct generate ms"),
+                                ("generate_vs_direct", "generate / direct"), ("handover_ms", "hand-over ms"),
+                                ("decode_ms_per_step", "decode ms/step"), ("logprobs_ms", "logprobs ms"),
+                                ("train_ms", "train ms"), ("sync_ms", "sync ms"), ("step_ms", "step ms"),
+                                ("fca_steps", "FCA steps"), ("graph_captures", "captures"),
+                                ("trainer_offloads", "trainer offloads"),
+                                ("reward", "mean reward"), ("wall_s", "arm wall s")]))
+    for row in rows:
+        if "speedup_step" in row:
+            print(f"step speedup {row['arm']} vs naive+paged: {row['speedup_step']:.3f}x "
+                  f"(generate {row['speedup_generate']:.3f}x, train {row['speedup_train']:.3f}x, "
+                  f"logprobs {row['speedup_logprobs']:.3f}x; median of steps {row['median_of_steps']})")
+        if "compiled_vs_eager_step" in row:
+            print(f"{row['arm']}: compiled layers {row['compiled_vs_eager_step']:.3f}x its eager step")
 
 
 def plot(rows: list[dict], per_step: list[dict], args, env: dict, path: str) -> None:
@@ -221,7 +280,7 @@ def plot(rows: list[dict], per_step: list[dict], args, env: dict, path: str) -> 
     for i, r in enumerate(rows):
         ax.text(i, bottom[i], f"{r['step_ms']:.0f} ms", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), [r["arm"].replace(" ", "\n") for r in rows], fontsize=8)
-    ax.set_ylabel("median step (ms, steps after the first)")
+    ax.set_ylabel("median step (ms; steps after the first, unprofiled)")
     ax.set_ylim(0, 1.12 * max(bottom + direct))
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     for arm, marker in zip((r["arm"] for r in rows), "osD^"):
@@ -229,6 +288,10 @@ def plot(rows: list[dict], per_step: list[dict], args, env: dict, path: str) -> 
         ax2.plot([p["step"] for p in pts], [1e3 * p["step_s"] for p in pts], marker=marker, label=f"{arm} step")
         ax2.plot([p["step"] for p in pts], [1e3 * p["generate_s"] for p in pts], marker=marker,
                  linestyle="--", alpha=0.6, label=f"{arm} generate")
+        for p in pts:
+            if "train_profile" in p:
+                ax2.annotate("profiled", (p["step"], 1e3 * p["step_s"]), fontsize=7,
+                             textcoords="offset points", xytext=(4, 4))
     ax2.set_yscale("log")
     ax2.set_xlabel("step (new prompts and lengths every step)")
     ax2.set_ylabel("ms")
@@ -269,7 +332,10 @@ def main() -> None:
                     help="one more Hydra override for every arm, e.g. "
                          "client.sampling.fca_chunk_tokens=1024 (repeatable)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--replot", metavar="JSON", help="re-summarise a saved run and redraw its PNG; runs nothing")
     args = ap.parse_args()
+    if args.replot:
+        return replot(args.replot)
     register()
     arms = parse_arms(args.arms, args.compiled)
     start, rows, per_step = time.perf_counter(), [], []
@@ -282,31 +348,11 @@ def main() -> None:
         per_step += steps
         print(summary, flush=True)
     env = environment()
-    for row in rows:  # each ZoRRo+FCA arm against the naive+paged arm of the same compile mode
-        base = next((r for r in rows if not r["zorro_fca"] and r["compiled"] == row["compiled"]), None)
-        if row["zorro_fca"] and base is not None:
-            for key in ("step_ms", "generate_ms", "train_ms", "logprobs_ms"):
-                row[f"speedup_{key[:-3]}"] = round(base[key] / row[key], 3)
-        eager = next((r for r in rows if r["zorro_fca"] == row["zorro_fca"] and not r["compiled"]), None)
-        if row["compiled"] and eager is not None:
-            row["compiled_vs_eager_step"] = round(eager["step_ms"] / row["step_ms"], 3)
+    compare(rows)
     save(dict(env, **vars(args), rows=rows, per_step=per_step), args.out, f"bench_recipe_{args.task}")
     plot(rows, per_step, args, env, os.path.join(args.out, f"bench_recipe_{args.task}.png"))
-    print(markdown_table(rows, [("arm", "arm"), ("generate_ms", "generate ms"),
-                                ("direct_generate_ms", "direct generate ms"),
-                                ("generate_vs_direct", "generate / direct"), ("handover_ms", "hand-over ms"),
-                                ("decode_ms_per_step", "decode ms/step"), ("logprobs_ms", "logprobs ms"),
-                                ("train_ms", "train ms"), ("sync_ms", "sync ms"), ("step_ms", "step ms"),
-                                ("fca_steps", "FCA steps"), ("graph_captures", "captures"),
-                                ("trainer_offloads", "trainer offloads"),
-                                ("reward", "mean reward"), ("wall_s", "arm wall s")]))
-    for row in rows:
-        if "speedup_step" in row:
-            print(f"step speedup {row['arm']} vs naive+paged: {row['speedup_step']:.3f}x "
-                  f"(generate {row['speedup_generate']:.3f}x, train {row['speedup_train']:.3f}x, "
-                  f"logprobs {row['speedup_logprobs']:.3f}x)")
-        if "compiled_vs_eager_step" in row:
-            print(f"{row['arm']}: compiled layers {row['compiled_vs_eager_step']:.3f}x its eager step")
+    report(rows)
+
 
 if __name__ == "__main__":
     main()

@@ -15,8 +15,8 @@ Correctness on the device: the two layouts' log-probs and parameter gradients ag
 packed naive layout of the same batch (the bf16 rule of ``tests/core/test_logprobs_gpu.py``:
 no further from each other than bf16 noise, asserted loosely here and reported exactly).
 Each arm is also profiled once (``common.profile_call``: wall vs GPU-busy, kernels).
-Written on 2026-12-07 and smoke-run on the CPU only (``--model tiny:qwen3 --device cpu --shape
-40/4/2 --groups 3 --head 5``); it has not run on a GPU yet.
+Written on 2026-12-07 and smoke-run on the CPU (``--model tiny:qwen3 --device cpu --shape
+40/4/2 --groups 3 --head 5``); first GPU run: 2026-12-07 on an H100 (BENCHMARKS, recipe section).
 """
 import argparse
 import os

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15 goal 4, written 2026-12-07 (no device then; not yet run). One call; stages run
+# Issue 15 goal 4, written 2026-12-07; ran that day on an H100 (BENCHMARKS). One call; stages run
 # tests first (T_TESTS, T_GRAD, T_HEAD, T_RECIPE, T_PROBE), each skipped with its T_* = 0:
 # - T_HEAD: probe_shared_head.py — the long-context micro-batch (8 groups of 6400/128/8) with an
 #   11-token common head, shared (old layout) vs repeated (MIN_SHARED_TOKENS) vs no head, with
