@@ -52,8 +52,9 @@ def agree(engine, batch) -> dict:
     opt, cls, seen = engine.engine.optimizer, type(engine.engine.optimizer), {}
 
     def overflow():
-        seen["overflow"] = (bool(_has_overflow(opt)), bool(cls.has_overflow_partitioned_grads_serial(opt)))
-        return _has_overflow(opt)
+        ours = _has_overflow(opt)
+        seen["overflow"] = (bool(ours), bool(cls.has_overflow_partitioned_grads_serial(opt)))
+        return ours
 
     def norm(gradients, params, norm_type=2):
         ours = _grad_norm(opt, gradients, params, norm_type)

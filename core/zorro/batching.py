@@ -6,10 +6,11 @@ batch has no ``group_ids``, the samples with identical prompt tokens (a GRPO gro
 not tie groups together: when groups that share a prefix land in different parts, each part
 carries its own copy of that prefix (computed once per part, still never once per sample).
 
-What a part costs is measured on the whole batch's prefix forest (``tree.build_forest``, with
-the layout's ``MIN_SHARED_TOKENS``): every forest token is one distinct shared prefix, so the
-deduplicated tokens of any set of groups are the size of the union of their samples' token
-positions. With ``zorro=False`` a part costs every sample's prompt + response tokens. Parts are filled first-fit-decreasing under a token budget
+What a part costs is measured on the whole batch's prefix forest (``layout_forest``:
+``tree.build_forest`` with the layout's ``MIN_SHARED_TOKENS``): every forest token is one
+distinct shared prefix, so the deduplicated tokens of any set of groups are the size of the union
+of their samples' token positions. With ``zorro=False`` a part costs every sample's prompt +
+response tokens. Parts are filled first-fit-decreasing under a token budget
 (``split_batch(batch, max_tokens)``; a group over budget gets a part of its own) and then
 rebalanced over the same number of parts when that keeps every part within budget; exactly
 ``num_parts`` parts (data-parallel shards) are balanced largest-group-first, each group going
@@ -28,9 +29,10 @@ from ..types import RolloutBatch
 from . import tree
 
 
-def sequences(batch: RolloutBatch) -> list[np.ndarray]:
-    """Each sample's prompt + response tokens."""
-    return [np.concatenate([p, r]) for p, r in zip(batch.prompts, batch.responses)]
+def sequences(batch: RolloutBatch, rows: list[int] | None = None) -> list[np.ndarray]:
+    """Prompt + response token ids of ``rows`` (default: every sample), in that order."""
+    rows = range(len(batch)) if rows is None else rows
+    return [np.concatenate([batch.prompts[i], batch.responses[i]]) for i in rows]
 
 
 def layout_forest(batch: RolloutBatch, rows: list[int] | None = None) -> tree.Forest:
@@ -38,8 +40,8 @@ def layout_forest(batch: RolloutBatch, rows: list[int] | None = None) -> tree.Fo
     different prompts from ``tree.MIN_SHARED_TOKENS`` tokens (``pack_rows`` lays rows out from
     it, the planner costs parts on it)."""
     rows = range(len(batch)) if rows is None else rows
-    return tree.build_forest([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in rows],
-                             [batch.prompts[i].size for i in rows], tree.MIN_SHARED_TOKENS)
+    return tree.build_forest(sequences(batch, rows), [batch.prompts[i].size for i in rows],
+                             tree.MIN_SHARED_TOKENS)
 
 
 def prompt_groups(batch: RolloutBatch) -> list[list[int]]:

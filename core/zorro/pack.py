@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..types import RolloutBatch
-from .batching import layout_forest, split_batch
+from .batching import layout_forest, sequences, split_batch
 from .tree import Forest, separate_forest
 
 PAD_TIN = np.iinfo(np.int32).max  # padding tokens see only earlier padding (never real tokens)
@@ -96,9 +96,7 @@ def pack_rows(batch: RolloutBatch, *, max_tokens_per_row: int | None = None, pad
 
 
 def _forest(batch: RolloutBatch, part: list[int], share: bool) -> Forest:
-    if share:
-        return layout_forest(batch, part)
-    return separate_forest([np.concatenate([batch.prompts[i], batch.responses[i]]) for i in part])
+    return layout_forest(batch, part) if share else separate_forest(sequences(batch, part))
 
 
 def _node_table(forest: Forest, flat: np.ndarray) -> np.ndarray:

@@ -20,10 +20,11 @@ questions) only when its node has at least ``k`` tokens; a shorter one is repeat
 of each branch below it (``_unshare_short``). On the GPU's split path every shared span costs
 each token below it one more attention partial (one more call, one more term in the
 log-sum-exp merge, forward and backward): for a chat template's dozen tokens in front of several
-long prompt groups that is far more work than repeating the dozen tokens. Spans inside one prompt group (the prompt its G
-responses share, identical responses) are always shared. ZoRRo's layout and its micro-batch
-planner use ``MIN_SHARED_TOKENS``; the default, 1, is maximal sharing. Every sequence's tokens
-and positions are exact either way, so log-probs and gradients do not change.
+long prompt groups that is far more work than repeating the dozen tokens. Spans inside one
+prompt group (the prompt its G responses share, identical responses) are always shared. ZoRRo's
+layout and its micro-batch planner use ``MIN_SHARED_TOKENS``; the default, 1, is maximal
+sharing. Every sequence's tokens and positions are exact either way, so log-probs and gradients
+do not change.
 """
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# ZoRRo's layout shares no head of different prompts shorter than this (module docstring). An
-# estimate, not yet measured on a GPU: one more partial costs a token ~1/50 of its forward /
-# backward by bytes (~8 KB more per layer and pass against ~5 GFLOP) plus the extra call's
-# launches, so a head shared by c prompt groups over S tokens pays when (c - 1) * length
-# exceeds ~S / 50 plus ~100 tokens' worth of launches: ~50-200 tokens at the recipes' shapes.
-# 64 repeats every chat-template header and keeps a real system prompt shared.
+# ZoRRo's layout shares no head of different prompts shorter than this (module docstring).
+# Measured once (H100, 2026-12-07, BENCHMARKS recipe section): an 11-token head over 8 groups of
+# ~7.4k tokens cost 88 ms of a 1.05 s forward/backward shared, nothing measurable repeated. The
+# threshold itself is an estimate: a head shared by c prompt groups pays back its extra partial
+# only when (c - 1) * its length is a sizeable fraction of the tokens behind it; heads of 12-63
+# tokens are not measured. 64 repeats every chat-template header, keeps a real system prompt shared.
 MIN_SHARED_TOKENS = 64
 
 
