@@ -87,6 +87,9 @@ def build_forest(seqs: list[np.ndarray], prompt_lens: list[int] | None = None,
     ``min_shared`` tokens. ``ValueError`` when ``prompt_lens`` is missing or does not fit.
     """
     n = len(seqs)
+    if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 1:
+        raise ValueError(f"build_forest: min_shared must be an int >= 1 (1: share every prefix), "
+                         f"got {min_shared!r}")
     if min_shared > 1:
         if prompt_lens is None or len(prompt_lens) != n:
             raise ValueError(f"build_forest: min_shared={min_shared} needs prompt_lens, one per "

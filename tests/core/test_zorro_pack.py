@@ -164,6 +164,9 @@ def test_unsharing_short_heads_is_exact_and_keeps_the_planner_an_upper_bound(see
         build_forest(seqs, plens[:-1], MIN_SHARED_TOKENS)
     with pytest.raises(ValueError, match=r"prompt_lens\[0\] = .* not within"):
         build_forest(seqs, [seqs[0].size + 1] + plens[1:], MIN_SHARED_TOKENS)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="min_shared must be an int >= 1"):
+            build_forest(seqs, plens, bad)
     assert plens == [p.size for p in b.prompts]  # the caller's list is left as it was
 
 
