@@ -1,14 +1,20 @@
-"""The ZeRO-2 optimizer step with DeepSpeed's per-tensor gradient checks vs the multi-tensor ones
-(``polynya.engines._grad_checks``), one engine, arms interleaved per round (issue 15 goal 4)::
+"""The ZeRO-2 optimizer step in three arms, one engine, interleaved per round (issue 15 goal 4)::
 
     python benchmarks/bench_grad_checks.py --out $OUT
 
+- ``deepspeed``: DeepSpeed's per-tensor gradient checks, multi-tensor AdamW (the step before
+  2026-12-07);
+- ``fused``: the multi-tensor checks (``polynya.engines._grad_checks``), multi-tensor AdamW;
+- ``fused+adamw``: the multi-tensor checks and AdamW's fused kernel (``OptimConfig.fused``, the
+  default on CUDA since 2026-12-07, evening).
+
 The training engine with the recipes' settings (random Qwen3-0.6B shape, bf16, ZeRO-2, gradient
 clipping 1.0, checkpointing); each round runs ``forward_backward`` on the same small batch, then
-``step`` timed alone (wall, CUDA-synchronised), once with DeepSpeed's own methods and once with the
-fused ones. Before timing, one step computes both answers on the same reduced gradients (overflow
-flag and global norm, clean and with one NaN put into a gradient) and asserts they agree. Each arm's
-step is also profiled once (``common.profile_call``: wall vs GPU-busy, kernels). Writes
+``step`` timed alone (wall, CUDA-synchronised) in each arm. Before timing, one step computes both
+checks' answers on the same reduced gradients (overflow flag and global norm, clean and with one
+NaN put into a gradient) and asserts they agree, and both AdamW kernels update copies of the
+engine's fp32 master partition from the same state (their results compared). Each arm's step is
+also profiled once (``common.profile_call``: wall vs GPU-busy, kernels). Writes
 ``bench_grad_checks.json`` and ``.png``; ``--replot JSON`` redraws the PNG of a saved run.
 """
 import argparse
@@ -29,13 +35,58 @@ from polynya.engines._grad_checks import _grad_norm, _has_overflow, fuse_grad_ch
 from polynya.types import RolloutBatch
 
 METHODS = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct")
+ARMS = {"deepspeed": (False, False), "fused": (True, False), "fused+adamw": (True, True)}  # (checks, AdamW)
+LABELS = ["DeepSpeed's checks,\nmulti-tensor AdamW", "multi-tensor checks,\nmulti-tensor AdamW",
+          "multi-tensor checks,\nfused AdamW"]
 
 
-def set_arm(opt, fused: bool) -> None:
+def set_arm(opt, arm: str) -> None:
+    checks, adamw = ARMS[arm]
     for name in METHODS:
         vars(opt).pop(name, None)
-    if fused:
+    if checks:
         assert fuse_grad_checks(opt)
+    set_adamw(opt.optimizer, adamw)
+
+
+def set_adamw(adamw, fused: bool) -> None:
+    """Switch a built ``torch.optim.AdamW`` between its kernels: the fused one keeps the step
+    count on the parameters' device, the multi-tensor one on the host."""
+    for group in adamw.param_groups:
+        group["fused"], group["foreach"] = (True, False) if fused else (False, None)
+        for p in group["params"]:
+            st = adamw.state.get(p)
+            if st and "step" in st:
+                st["step"] = st["step"].to(p.device if fused else "cpu")
+
+
+def adamw_agree(opt) -> dict:
+    """Both AdamW kernels update copies of the engine's fp32 master partition from the same
+    gradient and moments; returns the largest differences (weights, both moments)."""
+    inner = opt.optimizer
+    group = inner.param_groups[0]
+    p0 = group["params"][0]
+    g = torch.randn_like(p0) * 1e-3
+    out = []
+    for fused in (False, True):
+        p = p0.detach().clone().requires_grad_(True)
+        p.grad = g.clone()
+        o = torch.optim.AdamW([p], lr=1e-3, betas=group["betas"], eps=group["eps"], weight_decay=0.01,
+                              fused=fused, foreach=None if fused else True)
+        st = inner.state[p0]
+        o.step()  # creates the state; then load the engine's moments and step again
+        o.state[p]["exp_avg"].copy_(st["exp_avg"])
+        o.state[p]["exp_avg_sq"].copy_(st["exp_avg_sq"])
+        with torch.no_grad():
+            p.copy_(p0)
+        o.step()
+        out.append((p.detach(), o.state[p]["exp_avg"], o.state[p]["exp_avg_sq"]))
+    (pa, ma, va), (pb, mb, vb) = out
+    diff = {k: float((a - b).abs().max()) for k, a, b in (("weights", pa, pb), ("exp_avg", ma, mb),
+                                                            ("exp_avg_sq", va, vb))}
+    diff["elements"] = p0.numel()
+    assert diff["weights"] <= 1e-5 and diff["exp_avg"] <= 1e-9 and diff["exp_avg_sq"] <= 1e-9, diff
+    return diff
 
 
 def batch_of(vocab: int, seed: int) -> RolloutBatch:
@@ -74,7 +125,7 @@ def agree(engine, batch) -> dict:
         engine.forward_backward(batch)
         skipped = engine.step()["skipped"]
         out[case] = {**seen, "skipped": skipped}
-    set_arm(opt, True)
+    set_arm(opt, "fused")
     clean, nan = out["clean"], out["nan"]
     assert clean["overflow"] == (False, False) and clean["skipped"] == 0.0, clean
     assert abs(clean["norm"][0] - clean["norm"][1]) <= 1e-6 * clean["norm"][1], clean
@@ -83,8 +134,8 @@ def agree(engine, batch) -> dict:
 
 
 def plot(res: dict, path: str) -> None:
-    arms = ("deepspeed", "fused")
-    paired_bars(path, ["DeepSpeed's per-tensor checks", "multi-tensor checks"],
+    arms = [a for a in ARMS if a in res["median_ms"]]  # runs before 2026-12-07 evening: two arms
+    paired_bars(path, [LABELS[list(ARMS).index(a)] for a in arms],
                 [res["median_ms"][a] for a in arms], "step wall, median (ms)",
                 [res["profile"][a]["gpu_busy_ms"] or 0.0 for a in arms], "step GPU busy, profiled (ms)",
                 "ms", title=f"ZeRO-2 optimizer step, Qwen3-0.6B shape ({res['grad_tensors']} tensors), "
@@ -110,12 +161,14 @@ def main() -> None:
     engine = TrainingEngine(cfg)
     opt = engine.engine.optimizer
     batch = batch_of(engine.module.config.vocab_size, 0)
+    set_arm(opt, "fused")
     checks = agree(engine, batch)
+    checks["adamw"] = adamw_agree(opt)
     tensors = sum(1 for p in engine.module.parameters() if p.requires_grad)
-    times = {"deepspeed": [], "fused": []}
+    times = {arm: [] for arm in ARMS}
     for r in range(args.rounds + 1):
-        for arm in (("deepspeed", "fused") if r % 2 == 0 else ("fused", "deepspeed")):
-            set_arm(opt, arm == "fused")
+        for arm in (list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]):
+            set_arm(opt, arm)
             engine.forward_backward(batch)
             torch.cuda.synchronize() if args.device == "cuda" else None
             t0 = time.perf_counter()
@@ -124,8 +177,8 @@ def main() -> None:
             if r > 0:  # round 0 warms both arms up
                 times[arm].append((time.perf_counter() - t0) * 1e3)
     profiles = {}
-    for arm in ("deepspeed", "fused"):
-        set_arm(opt, arm == "fused")
+    for arm in ARMS:
+        set_arm(opt, arm)
         engine.forward_backward(batch)
         profiles[arm] = profile_call(engine.step)[1]
     med = {arm: statistics.median(ts) for arm, ts in times.items()}
@@ -133,8 +186,11 @@ def main() -> None:
            "grad_tensors": tensors, "step_ms": {k: [round(x, 2) for x in v] for k, v in times.items()},
            "median_ms": {k: round(v, 2) for k, v in med.items()},
            "saved_ms": round(med["deepspeed"] - med["fused"], 2),
-           "ratio": round(med["deepspeed"] / med["fused"], 3), "profile": profiles}
-    print({k: res[k] for k in ("gpu", "median_ms", "saved_ms", "ratio", "grad_tensors")})
+           "ratio": round(med["deepspeed"] / med["fused"], 3),
+           "adamw_saved_ms": round(med["fused"] - med["fused+adamw"], 2),
+           "adamw_ratio": round(med["fused"] / med["fused+adamw"], 3), "profile": profiles}
+    print({k: res[k] for k in ("gpu", "median_ms", "saved_ms", "ratio", "adamw_saved_ms", "adamw_ratio",
+                               "grad_tensors")})
     print({arm: {k: p[k] for k in ("wall_ms", "gpu_busy_ms", "kernels")} for arm, p in profiles.items()})
     print("checks", checks)
     print(save(res, args.out, "bench_grad_checks"))

@@ -9,13 +9,13 @@
 # - T_PROBE: probe_fresh_compiled.py's engine with the same budget, profiled, on the same machine,
 #   so that the recipe's forward/backward is compared with the bare engine's on one host;
 # - T_TESTS: the GPU tests whose batches changed (random_batch's system prompt, 2026-12-07) and the
-#   multi-tensor gradient checks' GPU tests;
+#   multi-tensor gradient checks' GPU tests (or TESTS="...");
 # - T_GRAD: bench_grad_checks.py — the ZeRO-2 step with DeepSpeed's per-tensor gradient checks vs
-#   the multi-tensor ones, interleaved, answers compared on the device first.
+#   the multi-tensor ones vs those and fused AdamW, interleaved, answers compared on the device first.
 # Carry .whl (../shared/gpu/carry-wheels.sh):  bash benchmarks/carry/gpu_shared_head.sh
 WHL=1 source benchmarks/carry/gpu_setup.sh
 [ "${T_TESTS:-0}" -gt 0 ] && timeout ${T_TESTS} python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/core/test_logprobs_gpu.py tests/kernels/test_zorro_split.py tests/engines/test_grad_checks.py 2>&1 | tail -4
+  ${TESTS:-tests/core/test_logprobs_gpu.py tests/kernels/test_zorro_split.py tests/engines/test_grad_checks.py} 2>&1 | tail -4
 [ "${T_GRAD:-0}" -gt 0 ] && timeout ${T_GRAD} python3 benchmarks/bench_grad_checks.py --out $OUT 2>&1 \
   | grep -E "^\{|^checks|rror" | cut -c1-600 | tail -5
 [ "${T_HEAD:-150}" -gt 0 ] && timeout ${T_HEAD:-150} python3 benchmarks/probe_shared_head.py \

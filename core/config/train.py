@@ -60,6 +60,10 @@ class OptimConfig:
         total_steps: length of the cosine; required for ``"warmup_cosine"``.
         min_lr_ratio: floor of the cosine as a fraction of ``lr``.
         grad_clip: clip the global gradient norm to this value (0 = no clipping).
+        fused: run AdamW's update as one kernel per tensor list (``torch.optim.AdamW(fused=True)``:
+            each fp32 master weight, gradient and moment read and written once, instead of the
+            ~10 passes of the multi-tensor update). ``None`` (default) = on CUDA, off elsewhere;
+            the same algorithm, equal up to floating-point rounding.
     """
 
     betas: tuple[float, float] = (0.9, 0.999)
@@ -70,8 +74,11 @@ class OptimConfig:
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
+    fused: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.fused is not None and not isinstance(self.fused, bool):
+            raise ValueError(f"OptimConfig.fused must be True, False or None (= on CUDA), got {self.fused!r}")
         betas = tuple(self.betas)
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"OptimConfig.betas must be two numbers in [0, 1), got {self.betas!r}")

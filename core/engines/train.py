@@ -122,8 +122,9 @@ class TrainingEngine:
             compiled_layers.compile_layers(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.optim.betas,
-                                eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        fused = self.device.type == "cuda" if cfg.optim.fused is None else cfg.optim.fused
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                                weight_decay=cfg.optim.weight_decay, fused=fused)
         sched = self._sched = torch.optim.lr_scheduler.LambdaLR(opt, cfg.optim.lr_factor)
         # Plain fp32 ZeRO-0 has no DeepSpeed optimizer wrapper that reports the norm (or skips a
         # non-finite one, as DeepSpeed's ZeRO-1/2/3 and bf16 wrappers do): clip and skip here.

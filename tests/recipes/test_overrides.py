@@ -75,6 +75,7 @@ VALUES = {
     "train.optim.total_steps": (100, [], {}),
     "train.optim.min_lr_ratio": (0.1, [], {}),
     "train.optim.grad_clip": (0.5, [], {}),
+    "train.optim.fused": (True, [], {}),
     "train.loss_config.clip_low": (0.1, [], {}),
     "train.loss_config.clip_high": (0.3, [], {}),
     "train.loss_config.norm": ("token", [], {}),
