@@ -15,8 +15,10 @@
    further ``;`` may follow, and that tail is dropped, never run; the statement itself must
    also be complete by ``sqlite3.complete_statement`` with no complete statement ending
    inside it (SQLite's own tokenizer, as a cross-check);
-4. limits: at most ``max_rows`` rows fetched, values at most ``max_value_bytes`` long, and a
-   hard wall-clock deadline: the checked statement runs in a worker process (:mod:`.sqlworker`,
+4. limits: at most ``max_rows`` rows fetched, values at most ``max_value_bytes`` long, SQLite's
+   memory (temporary tables included) at most ``WORKER_HEAP_BYTES`` and the worker's whole
+   address space at most ``WORKER_MAX_BYTES`` (what a query cannot get fails it; the worker goes
+   on), and a hard wall-clock deadline: the checked statement runs in a worker process (:mod:`.sqlworker`,
    which opens the connection of layers 1-2 and applies these limits) that is killed when it
    has not answered ``KILL_GRACE_S`` after its time limit.
    Inside, SQLite's progress handler stops most slow queries (a runaway recursive CTE) at the
@@ -52,12 +54,23 @@ import time
 import weakref
 from pathlib import Path
 
-from .sqlworker import HEADER, MAX_SQL_CHARS, READY, QueryError, connect_readonly, write_message
+from .sqlworker import (
+    HEADER,
+    HEAP_BYTES,
+    MAX_SQL_CHARS,
+    MAX_WORKER_BYTES,
+    READY,
+    QueryError,
+    connect_readonly,
+    write_message,
+)
 
 __all__ = ["MAX_SQL_CHARS", "QueryError", "connect_readonly", "parses_as_query", "run_query",
            "single_statement", "sql_lexemes"]
 KILL_GRACE_S = 0.25   # a worker silent this long past its query's time limit is killed
 START_TIMEOUT_S = 30.0
+WORKER_MAX_BYTES = MAX_WORKER_BYTES  # address space of each worker started from now on
+WORKER_HEAP_BYTES = HEAP_BYTES  # SQLite's heap in each worker started from now on
 _WORKER_SCRIPT = str(Path(__file__).with_name("sqlworker.py"))
 _FIRST_KEYWORD = re.compile(r"\s*(?:(?:--[^\n]*\n|/\*.*?\*/)\s*)*\(*\s*(\w+)", re.S)
 # One lexeme per match, named by its kind; whitespace is SQLite's (ASCII); an unterminated quote
@@ -167,7 +180,8 @@ class _Worker:
     def __init__(self) -> None:
         self.owner = os.getpid()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", _WORKER_SCRIPT],
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", _WORKER_SCRIPT, str(int(WORKER_MAX_BYTES)),
+                                          str(int(WORKER_HEAP_BYTES))],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         except OSError as e:
             raise RuntimeError(f"sqlsafe: cannot start the query worker: {e}") from e

@@ -17,11 +17,20 @@ Protocol, over the worker's stdin/stdout: each message is an 8-byte big-endian l
 ``("error", message)``. EOF on stdin ends it. As a backstop for a parent that died without
 killing it, the worker arms ``SIGALRM`` (default action: terminate) for each query at its time
 limit plus ``ORPHAN_SLACK_S``.
+
+Memory, capped when the worker starts (``sqlworker.py [address_bytes [heap_bytes]]``): SQLite's
+heap, page caches and temporary tables included (``temp_store=MEMORY``: a sort or ``UNION`` never
+spills to a file), by ``sqlite3_hard_heap_limit64`` (``HEAP_BYTES``; past it a query fails with
+SQLite's out-of-memory error and the worker goes on); the worker's whole address space by
+``RLIMIT_AS`` (``MAX_WORKER_BYTES``), which stops what SQLite's heap does not count: the rows
+fetched into Python (up to ``max_rows`` values of ``max_value_bytes`` each). SQLite lets a
+process lower its hard heap limit, never raise it, so the limits are the worker's, not a query's.
 """
 from __future__ import annotations
 
 import marshal
 import os
+import resource
 import signal
 import sqlite3
 import struct
@@ -38,6 +47,8 @@ _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_to
 MAX_SQL_CHARS = 10_000
 PROGRESS_OPCODES = 1000  # progress handler period (SQLite VM instructions)
 KEEP_CONNECTIONS = 8
+MAX_WORKER_BYTES = 2 << 30  # the worker's address space (RLIMIT_AS); it needs ~30 MB of its own
+HEAP_BYTES = 512 << 20      # SQLite's heap in the worker (all its connections together)
 _open: dict[str, tuple[tuple, sqlite3.Connection]] = {}  # db path -> (file identity, connection)
 
 
@@ -79,7 +90,9 @@ def execute(db_path: str, sql: str, timeout_s: float, max_rows: int,
     try:
         cursor.execute(sql)
         rows = cursor.fetchmany(max_rows + 1)
-    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as e:
+    except MemoryError:
+        raise QueryError(MEMORY_ERROR) from None
+    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as e:
         if time.monotonic() > deadline:
             raise QueryError(f"query exceeded the {timeout_s:g} s time limit") from None
         raise QueryError(f"{type(e).__name__}: {e}") from None
@@ -89,6 +102,26 @@ def execute(db_path: str, sql: str, timeout_s: float, max_rows: int,
     if len(rows) > max_rows:
         raise QueryError(f"query returned more than {max_rows} rows")
     return [tuple(row) for row in rows]
+
+
+MEMORY_ERROR = ("query ran out of memory (the query worker caps SQLite's heap and its own address "
+                "space: sqlsafe.WORKER_HEAP_BYTES / WORKER_MAX_BYTES)")
+
+
+def cap_memory(address_bytes: int, heap_bytes: int) -> None:
+    """Cap this process: its address space (``RLIMIT_AS``, never above the hard limit it already
+    has) and SQLite's heap (``PRAGMA hard_heap_limit``, process-wide, through a throwaway
+    in-memory connection: the sandbox connections' authorizer denies every PRAGMA)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (address_bytes if hard == resource.RLIM_INFINITY
+                                            else min(address_bytes, hard), hard))
+    conn = sqlite3.connect(":memory:")
+    try:
+        got = conn.execute(f"PRAGMA hard_heap_limit={int(heap_bytes)}").fetchone()[0]
+    finally:
+        conn.close()
+    if got != heap_bytes:
+        raise RuntimeError(f"SQLite kept a hard heap limit of {got} bytes, not {heap_bytes}")
 
 
 def _connection(db_path: str) -> sqlite3.Connection:
@@ -107,6 +140,7 @@ def _connection(db_path: str) -> sqlite3.Connection:
         if cached is not None:
             cached[1].close()
         conn = connect_readonly(db_path)
+        conn.execute("PRAGMA temp_store=MEMORY")  # temporary tables count against the heap limit
         conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS + 2)
         conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
         conn.set_authorizer(_authorize)
@@ -142,6 +176,8 @@ def _answer(request) -> tuple:
         return ("ok", execute(db_path, sql, timeout_s, max_rows, max_value_bytes))
     except QueryError as e:
         return ("error", str(e))
+    except MemoryError:  # outside SQLite: the fetched rows past the address-space cap
+        return ("error", MEMORY_ERROR)
     except Exception as e:  # noqa: BLE001 - e.g. a limit out of range: no request ends the worker
         return ("error", f"{type(e).__name__}: {e}")
 
@@ -159,7 +195,10 @@ def serve(fd_in: int = 0, fd_out: int = 1) -> None:
         if payload is None:
             return
         reply = _answer(marshal.loads(payload))
-        write_message(fd_out, reply)
+        try:
+            write_message(fd_out, reply)
+        except MemoryError:  # the rows fit, their message did not
+            write_message(fd_out, ("error", MEMORY_ERROR))
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
@@ -167,5 +206,7 @@ if __name__ == "__main__":
     # Protocol on a private copy of stdout; anything else printed goes to stderr.
     out = os.dup(1)
     os.dup2(2, 1)
+    limits = [int(x) for x in sys.argv[1:3]]
+    cap_memory(*limits, *(MAX_WORKER_BYTES, HEAP_BYTES)[len(limits):])
     serve(0, out)
     sys.exit(0)

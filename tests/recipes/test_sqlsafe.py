@@ -240,3 +240,72 @@ def test_worker_script_imports_only_the_standard_library():
                 if isinstance(node, ast.ImportFrom) and not node.level}
     assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
     assert imports <= set(sys.stdlib_module_names) | {"__future__"}, imports
+
+
+def _in_new_thread(fn):
+    """``fn()`` in a thread of its own: its own worker, started with the limits set now."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(_outcome(fn)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except BaseException as e:  # noqa: BLE001 - returned to the test's thread
+        return e
+
+
+# Memory-hungry SQL that the time limit alone lets run for seconds (audit, 2026-12-07): a UNION
+# recursion keeps every row in a temporary index; a sort of millions of rows; 1 MB blobs fetched
+# by the thousand (SQLite holds one at a time, the fetched rows hold them all).
+UNION_ROWS = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION SELECT x + 1 FROM c WHERE x < 50000000) "
+              "SELECT count(*) FROM c")
+BIG_SORT = ("SELECT count(*) FROM (SELECT x FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL "
+            "SELECT x + 1 FROM c WHERE x < 3000000) SELECT x FROM c) ORDER BY random())")
+BLOBS = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000) "
+         "SELECT zeroblob(900000) FROM c")
+
+
+@pytest.mark.parametrize("sql", [UNION_ROWS, BIG_SORT], ids=["union", "sort"])
+def test_sqlite_memory_is_capped_and_the_worker_goes_on(monkeypatch, sql):
+    """SQLite's heap (temporary tables kept in memory, not spilled to a file) stops the query
+    with a clear error; the same worker answers the next query exactly."""
+    monkeypatch.setattr(sqlsafe, "WORKER_HEAP_BYTES", 16 << 20)
+
+    def run():
+        pid = sqlsafe._worker().proc.pid
+        start = time.monotonic()
+        with pytest.raises(sqlsafe.QueryError, match="ran out of memory"):
+            sqlsafe.run_query(SCHOOL, sql, timeout_s=30)
+        elapsed = time.monotonic() - start
+        db, gold = _gold_pairs()[1]
+        assert sqlsafe.run_query(db, gold) == _reference(db, gold)
+        return elapsed, pid, sqlsafe._worker().proc.pid
+
+    got = _in_new_thread(run)
+    assert not isinstance(got, BaseException), got
+    elapsed, pid, after = got
+    assert pid == after and elapsed < 10  # stopped by the cap, long before the 30 s limit
+    # the default cap lets an ordinary large sort through
+    assert sqlsafe.run_query(SCHOOL, BIG_SORT.replace("3000000", "100000"), timeout_s=30) == [(100000,)]
+
+
+def test_fetched_rows_are_capped_by_the_worker_address_space(monkeypatch):
+    """~900 MB of rows that SQLite hands over one at a time: the worker's RLIMIT_AS stops them,
+    the error names the limits, and the worker answers the next query."""
+    monkeypatch.setattr(sqlsafe, "WORKER_MAX_BYTES", 512 << 20)
+
+    def run():
+        with pytest.raises(sqlsafe.QueryError, match="ran out of memory.*WORKER_MAX_BYTES"):
+            sqlsafe.run_query(SCHOOL, BLOBS, timeout_s=30, max_rows=10_000)
+        assert sqlsafe.run_query(SCHOOL, "SELECT length(zeroblob(900000))") == [(900000,)]
+        limit = Path(f"/proc/{sqlsafe._worker().proc.pid}/limits").read_text()
+        return next(line for line in limit.splitlines() if line.startswith("Max address space"))
+
+    got = _in_new_thread(run)
+    assert not isinstance(got, BaseException), got
+    assert str(512 << 20) in got
+    assert len(sqlsafe.run_query(SCHOOL, BLOBS.replace("1000", "20"), timeout_s=30)) == 20
