@@ -11,6 +11,8 @@ same numbers.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from polynya.config import SamplerConfig
 from polynya.engines import SamplingEngine
 from polynya.engines.sample.native import compiled
 from polynya.models import TINY_SLIDING_WINDOW
+from torch._dynamo.exc import Unsupported
 
 NEW = 6
 # compiles of a runner that decoded both attention paths (FCA, paged): one graph per path, and
@@ -162,19 +165,47 @@ def test_compile_failure_decodes_eagerly_with_a_warning(scope, monkeypatch):
 
     def broken(*args, **kwargs):
         calls_made.append(1)
-        raise RuntimeError("graph break in some model code\nmore detail")
+        raise Unsupported("graph break in some model code\nmore detail")
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
     prompts, params = calls(0)[0]
     want = make_engine("qwen3", False).generate(prompts, params)
     comp = make_engine("qwen3", True, scope, compile_prefill=False)  # the decode's failure alone
-    with pytest.warns(RuntimeWarning, match=r"cannot be compiled \(RuntimeError: graph break in "
+    with pytest.warns(RuntimeWarning, match=r"cannot be compiled \(Unsupported: graph break in "
                                             r"some model code\); decoding with the eager model"):
         got = comp.generate(prompts, params)
     assert [[s.token_ids for s in o] for o in got] == [[s.token_ids for s in o] for o in want]
     assert calls_made == [1]  # tried once, then eager for every later step
-    assert comp.backend.runner.compiled.error.startswith("RuntimeError: graph break")
+    assert comp.backend.runner.compiled.error.startswith("Unsupported: graph break")
     assert comp.stats()["compiles"] == 0
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
+                                   ValueError("the attention refused its inputs")])
+def test_other_errors_are_raised_and_the_compiled_step_stays_on(monkeypatch, error):
+    """Out of memory, or an error of the step's own in a call that compiled nothing, is not a
+    compile failure: it reaches the caller as the eager step would raise it, and later decodes
+    still run compiled, with the eager step's numbers."""
+    prompts, params = calls(0)[0]
+    comp = make_engine("qwen3", True, compile_prefill=False)
+    comp.generate(prompts, params)  # compiled once
+    runner = comp.backend.runner.compiled
+    compiled_step, compiles = runner._step, comp.stats()["compiles"]
+
+    def raising(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(runner, "_step", raising)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "cannot be compiled" warning
+        with pytest.raises(type(error), match=str(error)):
+            comp.generate(prompts, params)
+    assert runner.error is None
+    monkeypatch.setattr(runner, "_step", compiled_step)
+    want = make_engine("qwen3", False).generate(prompts, params)
+    got = comp.generate(prompts, params)
+    assert [[s.token_ids for s in o] for o in got] == [[s.token_ids for s in o] for o in want]
+    assert runner.error is None and comp.stats()["compiles"] == compiles  # no recompile either
 
 
 def test_compiled_steps_of_engines_in_threads_take_turns(monkeypatch):

@@ -39,9 +39,11 @@ Compiles are bounded:
   path (two), times the layer kinds in the ``"layers"`` scope (Gemma 2's windowed and full
   layers: four), plus whatever a guard failure costs, up to ``MAX_COMPILES`` per layer kind;
   past it, and while a CUDA graph is being captured, a recompile raises instead;
-* any failure to compile (a graph break, an unsupported op, a limit hit) makes the runner
-  decode eagerly from then on, with a ``RuntimeWarning`` saying why — never a crash and never
-  different numbers.
+* any failure to compile (a graph break, an unsupported op, a limit hit: a Dynamo / Inductor
+  error, or any error of a call that compiled) makes the runner decode eagerly from then on,
+  with a ``RuntimeWarning`` saying why — never a crash and never different numbers. Any other
+  error of a step — out of memory, the attention's own checks — is raised as the eager step
+  would raise it, and the compiled step stays on.
 
 Each runner compiles its own copy of the step (or layer) function (Dynamo keeps graphs and the
 recompile limit per code object), so its graphs and its budget go with it. ``compiles`` / ``compile_s``
@@ -62,6 +64,7 @@ from typing import Any
 
 import torch
 from polynya.model_features import attention_features, decoder_layers
+from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
 from . import attention
 
@@ -74,6 +77,9 @@ MAX_COMPILES = 8
 # capture stance or limits never apply to another's call nor are restored out of order. With
 # CUDA graphs the compiled step runs only while a graph is captured (replays skip it).
 _DYNAMO_SETTINGS = threading.RLock()
+# Errors that mean "this cannot be compiled" wherever they come from (Dynamo's and Inductor's,
+# and the recompile bound's, which is a plain Exception); any error of a call that compiled is one too.
+COMPILE_ERRORS = (TorchDynamoException, FailOnRecompileLimitHit)
 
 
 def _decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
@@ -267,14 +273,18 @@ class CompiledDecode:
             if self._step is None:
                 self._step = self.make_step()
             with _DYNAMO_SETTINGS, self._limits():
-                logits = self._step(self.model, args[0], args[1], ctx)
-        except Exception as exc:  # noqa: BLE001 - any compile failure: decode eagerly, say why
-            self._fail(exc)
-            return self.eager(ids, pos, slots, tables, lens, fca)
+                return self._step(self.model, args[0], args[1], ctx)[:batch]
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, COMPILE_ERRORS) and self.compiles == before:
+                raise  # the step's own error (the attention's checks, a kernel's), as eager raises it
+            failure = describe_failure(exc)  # the message only: the traceback's tensors are freed
         finally:
             if self.compiles != before:
                 self.compile_s += time.perf_counter() - start
-        return logits[:batch]
+        self._fail(failure)
+        return self.eager(ids, pos, slots, tables, lens, fca)  # this step again, eagerly
 
     def make_step(self) -> Callable:
         """The step ``(model, ids, pos, ctx) -> [B, V] logits``: this runner's compiled copy of
@@ -300,8 +310,8 @@ class CompiledDecode:
             automatic_dynamic_shapes=False))
         return stack
 
-    def _fail(self, exc: BaseException) -> None:
-        self.error = describe_failure(exc)
+    def _fail(self, failure: str) -> None:
+        self.error = failure
         warnings.warn(f"{self.name}: the decode step cannot be compiled ({self.error}); decoding "
                       "with the eager model from now on (set compile_decode=False to silence)",
                       RuntimeWarning, stacklevel=4)

@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 from polynya.compiled_layers import covered_kwargs, family_reason, layer_regions, run_regions
-from torch._dynamo.exc import TorchDynamoException
 
-from .compiled import _DYNAMO_SETTINGS, describe_failure
+from .compiled import _DYNAMO_SETTINGS, COMPILE_ERRORS, describe_failure
 
 
 def prefill_compile_reason(layers: torch.nn.ModuleList | None, why: str | None) -> str | None:
@@ -91,7 +90,7 @@ class CompiledPrefill:
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            if not isinstance(exc, TorchDynamoException) and self.compiles == before:
+            if not isinstance(exc, COMPILE_ERRORS) and self.compiles == before:
                 raise
             failure = describe_failure(exc)  # the message only: the traceback's tensors are freed
         finally:
