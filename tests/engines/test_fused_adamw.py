@@ -77,13 +77,17 @@ def test_checkpoint_and_offload_keep_training_exactly(tmp_path):
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
 def test_cuda_default_is_fused_and_matches(stage, dtype, device):
     """On CUDA the default engine runs the fused kernel, with the multi-tensor update's result:
-    bf16 weights within one rounding step of bf16, the fp32 moments within 1e-4."""
+    fp32 over three steps; bf16 over one (from equal gradients: after it, a master weight that
+    rounds to the other side of a bf16 step changes the next gradients, as any reordering of
+    the update's float ops does — measured 0.2 % on the next grad norm), bf16 weights within one
+    bf16 rounding step, the fp32 moments within 1e-4."""
     fused, plain = engine_for(stage, None, dtype=dtype, device=device), engine_for(stage, False, dtype=dtype, device=device)
     assert uses_fused(fused) and not uses_fused(plain)
-    a, b = train(fused, (40, 41, 42)), train(plain, (40, 41, 42))
+    seeds = (40, 41, 42) if dtype == "float32" else (40,)
+    a, b = train(fused, seeds), train(plain, seeds)
     for x, y in zip(a, b):
-        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-3) and x["skipped"] == y["skipped"] == 0.0
-    tol = {"float32": {"rtol": 1e-5, "atol": 1e-6}, "bfloat16": {"rtol": 1.6e-2, "atol": 1e-5}}[dtype]
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5) and x["skipped"] == y["skipped"] == 0.0
+    tol = {"float32": {"rtol": 1e-5, "atol": 1e-6}, "bfloat16": {"rtol": 7.9e-3, "atol": 1e-5}}[dtype]
     wa, wb = full_weights(fused.module), full_weights(plain.module)
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], **tol)
