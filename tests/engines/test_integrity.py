@@ -118,11 +118,14 @@ def poisoned(batch: RolloutBatch) -> RolloutBatch:
     return RolloutBatch(batch.prompts, batch.responses, advantages=adv, old_logprobs=batch.old_logprobs)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["multi-tensor-adamw", "fused-adamw"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_non_finite_grad_norm_skips_the_step(stage):
+def test_non_finite_grad_norm_skips_the_step(stage, fused):
+    """Both AdamW kernels (the fused one is the default on CUDA)."""
     engine = TrainingEngine(train_config(stage, optim={"eps": 1e-3, "grad_clip": 1.0,
                                                         "schedule": "warmup_cosine", "warmup_steps": 1,
-                                                        "total_steps": 10}))
+                                                        "total_steps": 10, "fused": fused}))
+    assert all(bool(g["fused"]) == fused for g in engine._sched.optimizer.param_groups)
     engine.forward_backward(make_batch(40))
     first = engine.step()
     assert first["skipped"] == 0.0 and first["skipped_steps"] == 0
