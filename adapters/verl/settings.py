@@ -100,9 +100,10 @@ def _optim(opt) -> tuple[float, OptimConfig]:
                          f"actor_rollout_ref.actor.optim.optimizer=AdamW (got {opt.optimizer!r})")
     extra = dict(getattr(opt, "override_optimizer_config", None) or {})  # verl passes it to AdamW(...)
     eps = float(extra.pop("eps", 1e-8))
+    fused = extra.pop("fused", None)  # AdamW's own switch; polynya's default: fused on CUDA
     if extra:
         raise ValueError(f"actor.optim.override_optimizer_config keys {sorted(extra)} are not supported by "
-                         "polynya's engine (only eps)")
+                         "polynya's engine (only eps and fused)")
     # polynya's schedule advances per optimizer step (mini-batch), verl's per training step; they
     # only agree for a constant rate without warm-up, so anything else is refused, not guessed.
     warmup = opt.lr_warmup_steps if opt.lr_warmup_steps is not None and opt.lr_warmup_steps >= 0 else 0
@@ -111,7 +112,7 @@ def _optim(opt) -> tuple[float, OptimConfig]:
         raise ValueError("polynya's deepspeed engine supports actor.optim.lr_scheduler_type=constant "
                          "without warm-up (lr_warmup_steps<=0, lr_warmup_steps_ratio=0) for now")
     return float(opt.lr), OptimConfig(betas=tuple(opt.betas), eps=eps, weight_decay=float(opt.weight_decay),
-                                      grad_clip=float(opt.clip_grad))
+                                      grad_clip=float(opt.clip_grad), fused=fused)
 
 
 def _changes(current, wanted: Mapping, prefix: str = "") -> list[str]:

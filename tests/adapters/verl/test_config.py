@@ -47,7 +47,7 @@ def worker_ref_config(cfg):
 
 def test_swap_composes_and_verl_validates_it():
     cfg = compose_verl("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.deepspeed.zero_stage=3",
-                       "actor_rollout_ref.actor.optim.override_optimizer_config={eps:1e-3}")
+                       "actor_rollout_ref.actor.optim.override_optimizer_config={eps:1e-3,fused:false}")
     validate_config(cfg, use_reference_policy=True, use_critic=False)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, DeepSpeedActorConfig) and actor.strategy == "deepspeed"
@@ -67,6 +67,7 @@ def test_swap_composes_and_verl_validates_it():
     assert (tc.model, tc.zero_stage, tc.zorro, tc.dtype, tc.seed) == ("/models/qwen3", 3, True, "bfloat16", 42)
     assert tc.lr == pytest.approx(cfg.actor_rollout_ref.actor.optim.lr)
     assert tc.optim.grad_clip == 1.0 and tc.optim.weight_decay == pytest.approx(0.01) and tc.optim.eps == 1e-3
+    assert tc.optim.fused is False  # verl's AdamW switch, passed on (default None: fused on CUDA)
     assert tc.micro_batch_tokens == 16384 and tc.gradient_checkpointing
     sc = sampler_config(rollout, "/models/qwen3")
     assert sc.model == "/models/qwen3" and sc.max_model_len == rollout.prompt_length + rollout.response_length
@@ -89,7 +90,8 @@ def test_bad_engine_settings_fail_at_config_time(override, message):
     ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "constant"),
     ("actor_rollout_ref.actor.optim.lr_warmup_steps=10", "warm-up"),
     ("actor_rollout_ref.actor.optim.optimizer=AdamW8bit", "AdamW"),
-    ("actor_rollout_ref.actor.optim.override_optimizer_config={foreach:false}", "only eps"),
+    ("actor_rollout_ref.actor.optim.override_optimizer_config={foreach:false}", "only eps and fused"),
+    ("actor_rollout_ref.actor.optim.override_optimizer_config={fused:1}", "OptimConfig.fused"),
     ("actor_rollout_ref.actor.use_dynamic_bsz=false", "use_dynamic_bsz"),
 ])
 def test_settings_polynya_cannot_honour_are_refused(override, message):
