@@ -54,23 +54,14 @@ import time
 import weakref
 from pathlib import Path
 
-from .sqlworker import (
-    HEADER,
-    HEAP_BYTES,
-    MAX_SQL_CHARS,
-    MAX_WORKER_BYTES,
-    READY,
-    QueryError,
-    connect_readonly,
-    write_message,
-)
+from .sqlworker import HEADER, MAX_SQL_CHARS, READY, QueryError, connect_readonly, write_message
 
 __all__ = ["MAX_SQL_CHARS", "QueryError", "connect_readonly", "parses_as_query", "run_query",
            "single_statement", "sql_lexemes"]
 KILL_GRACE_S = 0.25   # a worker silent this long past its query's time limit is killed
 START_TIMEOUT_S = 30.0
-WORKER_MAX_BYTES = MAX_WORKER_BYTES  # address space of each worker started from now on
-WORKER_HEAP_BYTES = HEAP_BYTES  # SQLite's heap in each worker started from now on
+WORKER_MAX_BYTES = 2 << 30  # address space (RLIMIT_AS) of each worker started from now on; ~30 MB its own
+WORKER_HEAP_BYTES = 512 << 20  # SQLite's heap (all its connections) in each worker started from now on
 _WORKER_SCRIPT = str(Path(__file__).with_name("sqlworker.py"))
 _FIRST_KEYWORD = re.compile(r"\s*(?:(?:--[^\n]*\n|/\*.*?\*/)\s*)*\(*\s*(\w+)", re.S)
 # One lexeme per match, named by its kind; whitespace is SQLite's (ASCII); an unterminated quote

@@ -18,12 +18,13 @@ Protocol, over the worker's stdin/stdout: each message is an 8-byte big-endian l
 killing it, the worker arms ``SIGALRM`` (default action: terminate) for each query at its time
 limit plus ``ORPHAN_SLACK_S``.
 
-Memory, capped when the worker starts (``sqlworker.py [address_bytes [heap_bytes]]``): SQLite's
-heap, page caches and temporary tables included (``temp_store=MEMORY``: a sort or ``UNION`` never
-spills to a file), by ``sqlite3_hard_heap_limit64`` (``HEAP_BYTES``; past it a query fails with
-SQLite's out-of-memory error and the worker goes on); the worker's whole address space by
-``RLIMIT_AS`` (``MAX_WORKER_BYTES``), which stops what SQLite's heap does not count: the rows
-fetched into Python (up to ``max_rows`` values of ``max_value_bytes`` each). SQLite lets a
+Memory, capped when the worker starts (``sqlworker.py <address_bytes> <heap_bytes>``, from
+:mod:`.sqlsafe`'s ``WORKER_MAX_BYTES`` / ``WORKER_HEAP_BYTES``): SQLite's heap, page caches and
+temporary tables included (``temp_store=MEMORY``: a sort or ``UNION`` never spills to a file), by
+``sqlite3_hard_heap_limit64`` (past it a query fails with SQLite's out-of-memory error and the
+worker goes on); the worker's whole address space by ``RLIMIT_AS``, which stops what SQLite's
+heap does not count: the rows fetched into Python (up to ``max_rows`` values of
+``max_value_bytes`` each). SQLite lets a
 process lower its hard heap limit, never raise it, so the limits are the worker's, not a query's.
 """
 from __future__ import annotations
@@ -47,8 +48,6 @@ _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_to
 MAX_SQL_CHARS = 10_000
 PROGRESS_OPCODES = 1000  # progress handler period (SQLite VM instructions)
 KEEP_CONNECTIONS = 8
-MAX_WORKER_BYTES = 2 << 30  # the worker's address space (RLIMIT_AS); it needs ~30 MB of its own
-HEAP_BYTES = 512 << 20      # SQLite's heap in the worker (all its connections together)
 _open: dict[str, tuple[tuple, sqlite3.Connection]] = {}  # db path -> (file identity, connection)
 
 
@@ -80,8 +79,9 @@ def connect_readonly(db_path: str | Path) -> sqlite3.Connection:
 def execute(db_path: str, sql: str, timeout_s: float, max_rows: int,
             max_value_bytes: int) -> list[tuple]:
     """Rows of ``sql`` (already checked to be one read statement) under the sandbox's
-    connection, authorizer and limits, in this process; :class:`QueryError` on any failure.
-    The deadline is only SQLite's progress handler: one long opcode overruns it."""
+    connection, authorizer and limits, in this process; :class:`QueryError` on any failure but
+    ``MemoryError`` (a memory cap: the worker's loop answers it). The deadline is only SQLite's
+    progress handler: one long opcode overruns it."""
     conn = _connection(db_path)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_value_bytes)
     deadline = time.monotonic() + timeout_s
@@ -90,8 +90,6 @@ def execute(db_path: str, sql: str, timeout_s: float, max_rows: int,
     try:
         cursor.execute(sql)
         rows = cursor.fetchmany(max_rows + 1)
-    except MemoryError:
-        raise QueryError(MEMORY_ERROR) from None
     except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as e:
         if time.monotonic() > deadline:
             raise QueryError(f"query exceeded the {timeout_s:g} s time limit") from None
@@ -176,7 +174,7 @@ def _answer(request) -> tuple:
         return ("ok", execute(db_path, sql, timeout_s, max_rows, max_value_bytes))
     except QueryError as e:
         return ("error", str(e))
-    except MemoryError:  # outside SQLite: the fetched rows past the address-space cap
+    except MemoryError:  # SQLite's heap cap, or the fetched rows past the address-space cap
         return ("error", MEMORY_ERROR)
     except Exception as e:  # noqa: BLE001 - e.g. a limit out of range: no request ends the worker
         return ("error", f"{type(e).__name__}: {e}")
@@ -206,7 +204,6 @@ if __name__ == "__main__":
     # Protocol on a private copy of stdout; anything else printed goes to stderr.
     out = os.dup(1)
     os.dup2(2, 1)
-    limits = [int(x) for x in sys.argv[1:3]]
-    cap_memory(*limits, *(MAX_WORKER_BYTES, HEAP_BYTES)[len(limits):])
+    cap_memory(int(sys.argv[1]), int(sys.argv[2]))
     serve(0, out)
     sys.exit(0)
