@@ -5,7 +5,10 @@
   included, and any route a module adds later, since the check wraps the whole app;
 - ``BodyGuard`` (ASGI): 413 for a body over ``limit`` bytes (declared or streamed), 408 when
   the client sends no body bytes for ``read_timeout_s`` (a body shorter than its
-  ``Content-Length`` would otherwise hold the request forever);
+  ``Content-Length`` would otherwise hold the request forever) or sends them slower than
+  ``min_rate`` bytes/s on average: the body's deadline is ``read_timeout_s`` plus one second
+  per ``min_rate`` bytes received (Apache ``mod_reqtimeout``'s ``MinRate``), so a body
+  trickled a byte at a time cannot hold a worker either;
 - ``RunDir``: the one directory file routes (``/rl/save``, ``/rl/load``) may touch; a path is
   resolved against it and refused (``PermissionError`` -> 403) when it names ``..``, lies
   outside it, or reaches outside it through a symlink; ``checkpoint_dir`` also refuses what
@@ -79,10 +82,22 @@ class TokenGuard:
 
 
 class BodyGuard:
-    """ASGI middleware: the body read in full (bounded in size and idle time), then replayed."""
+    """ASGI middleware: the body read in full (bounded in size, idle time and average rate),
+    then replayed."""
 
-    def __init__(self, app, limit: int, read_timeout_s: float):
-        self.app, self.limit, self.read_timeout_s = app, limit, read_timeout_s
+    def __init__(self, app, limit: int, read_timeout_s: float, min_rate: float = 1024.0):
+        if not read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0 seconds, got {read_timeout_s!r}")
+        if not min_rate >= 0:
+            raise ValueError(f"min_rate must be >= 0 bytes/s (0: no rate bound), got {min_rate!r}")
+        self.app, self.limit, self.read_timeout_s, self.min_rate = (
+            app, limit, read_timeout_s, min_rate)
+
+    def _deadline(self, start: float, received: int) -> float:
+        """When the body must be complete, given ``received`` bytes so far."""
+        if not self.min_rate:
+            return float("inf")
+        return start + self.read_timeout_s + received / self.min_rate
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -94,23 +109,31 @@ class BodyGuard:
                 413,
                 f"request body of {int(declared)} bytes exceeds the limit of {self.limit}",
             )
-        body, more = bytearray(), True
+        loop = asyncio.get_running_loop()
+        body, more, start = bytearray(), True, loop.time()
+        last = start  # when the last body bytes came
         while more:
+            left = self._deadline(start, len(body)) - loop.time()
+            wait = min(self.read_timeout_s, left)
             try:
-                msg = await asyncio.wait_for(receive(), self.read_timeout_s)
+                if wait <= 0:
+                    raise asyncio.TimeoutError
+                msg = await asyncio.wait_for(receive(), wait)
             except asyncio.TimeoutError:
-                return await reply(
-                    send,
-                    408,
-                    f"no request body data for {self.read_timeout_s:g} s "
-                    f"({len(body)} bytes received; is the body shorter than its "
-                    "Content-Length?)",
-                    [(b"connection", b"close")],
-                )
+                if loop.time() - last < self.read_timeout_s * 0.999:  # the rate bound
+                    why = (f"request body too slow: {len(body)} bytes in "
+                           f"{loop.time() - start:.1f} s, below the server's minimum of "
+                           f"{self.min_rate:g} bytes/s after the first "
+                           f"{self.read_timeout_s:g} s")
+                else:
+                    why = (f"no request body data for {self.read_timeout_s:g} s "
+                           f"({len(body)} bytes received; is the body shorter than its "
+                           "Content-Length?)")
+                return await reply(send, 408, why, [(b"connection", b"close")])
             if msg["type"] == "http.disconnect":
                 return
             body += msg.get("body", b"")
-            more = msg.get("more_body", False)
+            more, last = msg.get("more_body", False), loop.time()
             if len(body) > self.limit:
                 return await reply(
                     send, 413, f"request body exceeds the limit of {self.limit} bytes"

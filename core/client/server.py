@@ -53,6 +53,7 @@ def create_app(
     tokenizer=None,
     run_dir: str | os.PathLike = ".",
     read_timeout_s: float = 30.0,
+    min_body_rate: float = 1024.0,
     require_weight_checksum: bool = True,
 ):
     """The server's ASGI app: ``client`` (a ``LocalClient``) behind the guards of ``guard.py``.
@@ -63,6 +64,8 @@ def create_app(
         tokenizer: decodes ``/v1/completions`` text (None: empty text).
         run_dir: the only directory ``/rl/save`` and ``/rl/load`` may touch (created if missing).
         read_timeout_s: 408 when a client sends no body bytes for this long.
+        min_body_rate: 408 when a body arrives slower than this many bytes/s on average
+            after the first ``read_timeout_s`` (0: no rate bound; the idle bound stays).
         require_weight_checksum: ``/finish_weight_update`` needs the trainer's checksum.
     """
     _fastapi()
@@ -181,7 +184,7 @@ def create_app(
     add_ecosystem_routes(app, client, tokenizer, generations)
     add_skyrl_routes(app, client, tokenizer)
     add_weight_transfer_routes(app, client, require_checksum=require_weight_checksum)
-    return TokenGuard(BodyGuard(app, max_body_bytes, read_timeout_s), api_token)
+    return TokenGuard(BodyGuard(app, max_body_bytes, read_timeout_s, min_body_rate), api_token)
 
 
 # user mistakes -> 4xx; a failure of the server itself -> 500 with the same JSON shape
@@ -263,6 +266,14 @@ def parser() -> argparse.ArgumentParser:
         help="seconds without request-body bytes before a request gets 408 (default: %(default)s)",
     )
     ap.add_argument(
+        "--min-body-rate",
+        type=float,
+        default=1024.0,
+        help="request bodies slower than this many bytes/s on average after the first "
+        "--read-timeout seconds get 408, so a body trickled byte by byte cannot hold a worker "
+        "(0: no rate bound; default: %(default)s)",
+    )
+    ap.add_argument(
         "--no-weight-checksum",
         action="store_true",
         help="let /finish_weight_update apply weights without the trainer's checksum "
@@ -316,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer=load_tokenizer(cfg.model_name),
         run_dir=a.run_dir,
         read_timeout_s=a.read_timeout,
+        min_body_rate=a.min_body_rate,
         require_weight_checksum=not a.no_weight_checksum,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning"))
