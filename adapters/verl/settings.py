@@ -101,6 +101,9 @@ def _optim(opt) -> tuple[float, OptimConfig]:
     extra = dict(getattr(opt, "override_optimizer_config", None) or {})  # verl passes it to AdamW(...)
     eps = float(extra.pop("eps", 1e-8))
     fused = extra.pop("fused", None)  # AdamW's own switch; polynya's default: fused on CUDA
+    if fused is not None and not isinstance(fused, bool):
+        raise ValueError(f"actor.optim.override_optimizer_config.fused must be true or false "
+                         f"(or absent: fused on CUDA), got {fused!r}")
     if extra:
         raise ValueError(f"actor.optim.override_optimizer_config keys {sorted(extra)} are not supported by "
                          "polynya's engine (only eps and fused)")

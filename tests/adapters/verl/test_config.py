@@ -91,7 +91,8 @@ def test_bad_engine_settings_fail_at_config_time(override, message):
     ("actor_rollout_ref.actor.optim.lr_warmup_steps=10", "warm-up"),
     ("actor_rollout_ref.actor.optim.optimizer=AdamW8bit", "AdamW"),
     ("actor_rollout_ref.actor.optim.override_optimizer_config={foreach:false}", "only eps and fused"),
-    ("actor_rollout_ref.actor.optim.override_optimizer_config={fused:1}", "OptimConfig.fused"),
+    ("actor_rollout_ref.actor.optim.override_optimizer_config={fused:1}",
+     "override_optimizer_config.fused must be true or false"),
     ("actor_rollout_ref.actor.use_dynamic_bsz=false", "use_dynamic_bsz"),
 ])
 def test_settings_polynya_cannot_honour_are_refused(override, message):
