@@ -11,6 +11,8 @@
    target (issue 15): end-to-end >= 35% of the HBM copy bandwidth. Also the packed layout (``export_weights`` buckets) for comparison, the
    sampler's ``load_weights`` called directly, and ``spans_digest_at_step``: the trainer's
    digest launched by ``step()`` (``prepare_checksum``) right before the sync, not in it.
+   ``logprob_receive``: the same spans into a ZeRO-0 log-prob engine, its tensor-by-tensor
+   path against the verified plan (``sync_logprob.py``).
 3. *RL step*: the local client, colocated on one GPU (ZeRO-2 trainer offloaded while the sampler
    generates; sampler asleep while training): generate / logprobs / train / sync seconds.
 
@@ -38,6 +40,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cuda_median_ms, environment, markdown_table, median, save  # noqa: E402
 from sync_profile import profile_syncs, receiver_phases, top  # noqa: E402
+from sync_logprob import bench_logprob_receive  # noqa: E402
 from sync_receive import bench_receive, receive_table  # noqa: E402
 
 MODEL = "random:qwen3-0.6b"
@@ -291,6 +294,8 @@ def bench_ipc(iters: int, model: str, profile_out: str | None = None) -> dict:
             print(out["profile_error"], flush=True)
             version += 1000
     out["direct"] = bench_direct(trainer, model, iters, out["hbm_copy"]["GBps"])
+    out["logprob_receive"] = bench_logprob_receive(trainer, model, iters, DEVICE)
+    print("logprob_receive", out["logprob_receive"], flush=True)
     parent.send(("checksum",))
     after = parent.recv()
     out["checksum_changed"] = before != after

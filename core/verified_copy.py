@@ -14,6 +14,10 @@ buckets' dtype (``fits`` is False otherwise and the engine keeps its general pat
    raises ``ValueError`` here, *before* anything is written;
 3. one *copy* pass (one launch per bucket, the buckets' bytes into the parameters).
 
+Engines keep their plans in a dict and take them through ``verified_plan`` (the native
+sampler and the ZeRO-0 log-prob engine): one plan per engine, made again when the layout
+changes or the parameters move.
+
 Why two passes and not one copy that digests as it writes: the destination is the engine's
 live parameters (a native sampler's CUDA graphs are captured against their addresses, so
 they cannot be swapped for a staging copy), and a failed sync must leave them untouched. A
@@ -25,13 +29,13 @@ reads and writes them once: 3 weight-sizes of traffic against the 4 of the gener
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
 
 from .checksum import checksum_lines, signature_prefix
 from .kernels.digest.copy import CopyPlan
-from .weights import NO_WEIGHTS, check_known, checksum_error, non_finite_error
+from .weights import NO_WEIGHTS, FlatBuckets, check_known, checksum_error, non_finite_error
 
 
 class VerifiedBucketCopy:
@@ -110,3 +114,25 @@ class VerifiedBucketCopy:
         self.verify(flats, checksum)
         with torch.no_grad():
             self.plan.copy(flats)
+
+
+def verified_plan(plans: MutableMapping, weights: FlatBuckets,
+                  params: Callable[[], Mapping[str, torch.Tensor]]) -> VerifiedBucketCopy | None:
+    """The ``VerifiedBucketCopy`` for ``weights``' layout, kept in an engine's ``plans`` (one
+    at a time: a plan holds the parameters, so an older one is dropped); made again when the
+    layout or the buckets' dtype changes or ``current()`` is False. ``params()`` gives the
+    engine's ``{name: parameter}`` (tied aliases included). None when the buckets are not
+    tensors or the parameters cannot take the path (dtype, layout, tied names): the engine's
+    general path applies. ``ValueError`` (nothing copied) when the layout names an unknown
+    weight or a wrong shape."""
+    flats = weights.flats
+    if not flats or not isinstance(flats[0], torch.Tensor):
+        return None
+    key = ("verified", weights.key, flats[0].dtype)
+    plan = plans.get(key)
+    if plan is None or not plan.current():
+        plan = VerifiedBucketCopy(weights.specs, params(), flats[0].dtype)
+        for old in [k for k, p in plans.items() if isinstance(p, VerifiedBucketCopy)]:
+            del plans[old]
+        plans[key] = plan
+    return plan if plan.fits else None

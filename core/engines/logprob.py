@@ -26,6 +26,8 @@ from ..distributed import (
     local_device,
 )
 from ..types import RolloutBatch, TokenStats
+from ..verified_copy import verified_plan
+from ..weights import FlatBuckets
 from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
 
@@ -94,6 +96,7 @@ class LogProbEngine:
         self.module = self.engine.module.eval()
         self._version = 0
         self._asleep = False
+        self._copy_plans: dict = {}  # a sync's layout -> its VerifiedBucketCopy (ZeRO-0)
 
     def compute_logprobs(self, batch: RolloutBatch, *, entropy: bool = False,
                          temperature: float | None = None) -> TokenStats:
@@ -125,10 +128,22 @@ class LogProbEngine:
             checksum: the sender's ``polynya.checksum`` of the pieces, verified before loading.
         Every piece is checked first (names, shapes, dtypes, finite values, checksum): on
         ``ValueError`` nothing was copied and ``weight_version`` is unchanged.
+
+        Under ZeRO-0 a weight sync's ``FlatBuckets`` with a ``checksum`` take the native
+        sampler's path (``polynya.verified_copy``: one read checks checksum and finite values,
+        one launch per bucket copies; the plan is kept per layout) when the weights are in the
+        buckets' dtype; anything else is checked and copied tensor by tensor.
         """
         if version is not None and int(version) <= self._version:
             raise ValueError(f"weight version {version} is not newer than the served {self._version}")
-        dsu.load_pieces(self.module, weights, checksum=checksum)
+        plan = None
+        if self.config.zero_stage == 0 and isinstance(weights, FlatBuckets) and checksum is not None:
+            plan = verified_plan(self._copy_plans, weights,
+                                 lambda: dict(self.module.named_parameters(remove_duplicate=False)))
+        if plan is not None:
+            plan.load(weights.flats, checksum, checked=True)
+        else:
+            dsu.load_pieces(self.module, weights, checksum=checksum)
         self._version = self._version + 1 if version is None else int(version)
         return self._version
 
@@ -145,12 +160,14 @@ class LogProbEngine:
         if self.config.zero_stage != 0:
             raise NotImplementedError("sleep/wake of a ZeRO-3 log-prob engine is not supported")
         if not self._asleep:
+            self._copy_plans = {}  # its views would keep the device weights alive
             self.module.to("cpu")
             dsu.free_accelerator_cache()
             self._asleep = True
 
     def wake(self) -> None:
         if self._asleep:
+            self._copy_plans = {}
             self.module.to(self.device)
             self._asleep = False
 

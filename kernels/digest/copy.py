@@ -137,24 +137,27 @@ class CopyPlan:
         if kernel is None:
             kernel = self.kernel_ok(flats, copy=True)
         if not kernel:
-            out = self._reference(flats, copy=True)
-            return out if digest else None
+            return self._reference(flats, copy=True, digest=digest)
         out = self._run(flats, copy=True, digest=digest)
         return out if digest else None
 
     # ------------------------------------------------------------------ torch path
-    def _reference(self, flats, *, copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference(self, flats, *, copy: bool, digest: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         digests, bad = [], []
         for g, (flat, st, ln) in enumerate(zip(flats, self.starts, self.lengths)):
             flat = flat.reshape(-1)
             for k, (s, n) in enumerate(zip(st, ln)):
                 src = flat[s:s + n]
-                digests.append(ref.digest_reference(ref.bits_view(src)))
-                bad.append(non_finite_count(src))
+                if digest:
+                    digests.append(ref.digest_reference(ref.bits_view(src)))
+                    bad.append(non_finite_count(src))
                 if copy:
                     dst = self.dsts[g][k]
                     with torch.no_grad():
                         dst.view(-1).copy_(src)
+        if not digest:
+            return None
         return (torch.tensor(digests, dtype=torch.int64),
                 torch.tensor([int(b) for b in bad], dtype=torch.int64))
 

@@ -9,12 +9,15 @@ import sys
 
 import pytest
 import torch
-from polynya import SamplingParams
-from polynya.config import SamplerConfig
+from polynya import RolloutBatch, SamplingParams
 from polynya.checksum import checksum_named_tensors
+from polynya.config import SamplerConfig
+from polynya.config.logprob import LogProbConfig
 from polynya.engines import SamplingEngine
 from polynya.engines._deepspeed import export_buckets, weights_checksum
+from polynya.engines.logprob import LogProbEngine
 from polynya.models import load_model
+from polynya.spans import span_layout
 from polynya.sync import (
     SharedExport,
     StagedUpdate,
@@ -24,9 +27,9 @@ from polynya.sync import (
     build_manifest,
     open_shared,
 )
-from polynya.spans import span_layout
 from polynya.sync.layout import bucket_layout
 from polynya.sync.manifest import BucketSpec, flat_spans
+from polynya.verified_copy import VerifiedBucketCopy
 from torch.multiprocessing.reductions import StorageWeakRef
 
 MODEL = "tiny:qwen3"
@@ -233,6 +236,79 @@ def test_sampler_drops_copy_plans_when_weights_move():
     t.perturb()
     assert sync(t, sampler, 3) == 3 and exact(t, sampler)
     assert list(runner._copy_plans.values()) != [plan]
+
+
+def make_logprob(stage: int = 0) -> LogProbEngine:
+    return LogProbEngine(LogProbConfig(MODEL, dtype="float32", zero_stage=stage, device="cpu"))
+
+
+def same_weights(trainer, engine) -> bool:
+    theirs = dict(engine.module.named_parameters())
+    return all(torch.equal(p.to(theirs[n].dtype), theirs[n])
+               for n, p in trainer.module.named_parameters())
+
+
+LP_BATCH = RolloutBatch([[17, 3, 99, 250], [17, 3, 5]], [[8, 9, 10], [11, 12]])
+
+
+def test_logprob_engine_takes_the_verified_path_and_refuses_bad_buckets(monkeypatch):
+    import polynya.engines._deepspeed as dsu
+
+    t, lp = FlatTrainer(), make_logprob()
+    general = dsu.load_pieces
+    monkeypatch.setattr(dsu, "load_pieces", lambda *a, **k: pytest.fail("general path taken"))
+    assert sync(t, lp, 1) == 1 and same_weights(t, lp)
+    assert lp.weight_checksum() == t.weight_checksum()
+    (plan,) = lp._copy_plans.values()
+    assert isinstance(plan, VerifiedBucketCopy) and plan.fits
+    t.perturb()
+    assert sync(t, lp, 2) == 2 and same_weights(t, lp)
+    assert list(lp._copy_plans.values()) == [plan]  # kept for the layout
+    v2_sum, v2_lp = lp.weight_checksum(), lp.compute_logprobs(LP_BATCH).logprobs
+    t.perturb()
+
+    def flip(staged):
+        bad = staged.flats[0].clone()
+        bad[7] += 1.0
+        staged.put(0, bad)
+
+    def nan(staged):
+        bad = staged.flats[0].clone()
+        bad[3] = float("nan")
+        staged.put(0, bad)
+
+    with pytest.raises(SyncError, match="checksum mismatch"):
+        sync(t, lp, 3, corrupt=flip)
+    with pytest.raises(SyncError, match="NaN or inf"):
+        sync(t, lp, 3, corrupt=nan)
+    assert lp.weight_checksum() == v2_sum and lp.weight_version == 2
+    assert torch.equal(lp.compute_logprobs(LP_BATCH).logprobs, v2_lp)
+
+    lp.sleep()
+    assert not lp._copy_plans  # its views would pin the weights on the device
+    lp.wake()
+    assert sync(t, lp, 3) == 3 and same_weights(t, lp)
+
+    # the same sync through the general path (tensor by tensor) gives the same engine
+    monkeypatch.setattr(dsu, "load_pieces", general)
+    other = make_logprob()
+    with monkeypatch.context() as m:
+        m.setattr("polynya.engines.logprob.verified_plan", lambda *a: None)
+        assert sync(t, other, 3) == 3
+    assert other.weight_checksum() == lp.weight_checksum()
+    assert torch.equal(other.compute_logprobs(LP_BATCH).logprobs,
+                       lp.compute_logprobs(LP_BATCH).logprobs)
+
+
+def test_logprob_engine_general_path_where_the_plan_does_not_apply():
+    t = FlatTrainer(dtype=torch.bfloat16)  # bf16 buckets into an fp32 engine: cast per tensor
+    lp = make_logprob()
+    assert sync(t, lp, 1) == 1 and same_weights(t, lp)
+    assert not any(p.fits for p in lp._copy_plans.values())
+    t3 = FlatTrainer()
+    lp3 = make_logprob(stage=3)  # ZeRO-3: partitioned weights, gathered per bucket
+    assert sync(t3, lp3, 1) == 1 and not lp3._copy_plans
+    assert lp3.weight_checksum() == t3.weight_checksum()
 
 
 def test_bucket_layout_cached_by_value():

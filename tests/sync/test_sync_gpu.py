@@ -149,3 +149,69 @@ def test_trainer_digest_launched_by_step_is_the_checksum():
         m = build_manifest(engine, version=4, bucket_bytes=1 << 20, layout="spans")
         assert m.checksum == engine.weight_checksum() != seen[1], move
         assert (m.buckets[0].offsets is not None) == (move == "flat")
+
+
+def test_logprob_engine_takes_a_sync_through_the_fused_kernel():
+    """A ZeRO-2 bf16 trainer's span buckets into a ZeRO-0 bf16 log-prob engine on CUDA: the
+    verified plan's compiled check + copy kernels run (not the tensor-by-tensor path), the
+    engine's weights and log-probs equal the trainer's, and a one-bit corruption or a NaN is
+    refused with the weights and the version unchanged."""
+    from polynya import RolloutBatch
+    from polynya.config import TrainConfig
+    from polynya.config.logprob import LogProbConfig
+    from polynya.engines import TrainingEngine
+    from polynya.engines.logprob import LogProbEngine
+    from polynya.sync import StagedUpdate, SyncError, apply_update, build_manifest
+    from polynya.sync.manifest import flat_spans
+    from polynya.verified_copy import VerifiedBucketCopy
+
+    trainer = TrainingEngine(TrainConfig("tiny:qwen3", dtype="bfloat16", zero_stage=2, lr=1e-2,
+                                         device="cuda"))
+    engine = LogProbEngine(LogProbConfig("tiny:qwen3", dtype="bfloat16", zero_stage=0,
+                                         device="cuda"))
+    vocab = trainer.module.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    batch = RolloutBatch([torch.randint(0, vocab, (12,), generator=g).tolist()] * 2,
+                         [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(2)],
+                         advantages=torch.tensor([1.0, -1.0]))
+
+    def staged(version, corrupt=None):
+        m = build_manifest(trainer, version=version, bucket_bytes=1 << 20, layout="spans")
+        out = StagedUpdate(m)
+        for i, (span, _) in enumerate(flat_spans(trainer.module)):
+            out.put(i, span if corrupt is None else corrupt(span.clone()))
+        return out
+
+    for v in (1, 2):
+        trainer.forward_backward(batch)
+        trainer.step()
+        assert apply_update(engine, staged(v)) == v
+        assert engine.weight_checksum() == trainer.weight_checksum()
+    (plan,) = engine._copy_plans.values()
+    assert isinstance(plan, VerifiedBucketCopy) and plan.fits
+    assert plan.plan.kernel_ok(staged(3).flats, copy=True)
+    general = LogProbEngine(LogProbConfig("tiny:qwen3", dtype="bfloat16", zero_stage=0,
+                                          device="cuda"))
+    general.load_weights([(n, p.detach()) for n, p in trainer.module.named_parameters()])
+    assert not general._copy_plans  # (name, tensor) pairs: the tensor-by-tensor path
+    torch.testing.assert_close(engine.compute_logprobs(batch).logprobs,
+                               general.compute_logprobs(batch).logprobs, rtol=0, atol=0)
+    del general
+
+    def flip(span):
+        span.view(torch.int16)[5] ^= 1
+        return span
+
+    def nan(span):
+        span[9] = float("nan")
+        return span
+
+    trainer.forward_backward(batch)
+    trainer.step()
+    before = engine.weight_checksum()
+    for bad, needle in ((flip, "checksum mismatch"), (nan, "NaN or inf")):
+        with pytest.raises(SyncError, match=needle):
+            apply_update(engine, staged(3, bad))
+        assert engine.weight_checksum() == before and engine.weight_version == 2
+    assert apply_update(engine, staged(3)) == 3
+    assert engine.weight_checksum() == trainer.weight_checksum()

@@ -23,7 +23,7 @@ from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
 from polynya.model_features import attention_features, decoder_layers
 from polynya.models import load_model
-from polynya.verified_copy import VerifiedBucketCopy
+from polynya.verified_copy import VerifiedBucketCopy, verified_plan
 from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, check_tied, checked_pairs
 
 from ..scoring import PromptLogprobs, score_hidden
@@ -461,16 +461,8 @@ class ModelRunner:
 
     def _verified_plan(self, weights: FlatBuckets) -> VerifiedBucketCopy | None:
         """The layout's ``VerifiedBucketCopy`` (None when the parameters cannot take it)."""
-        flats = weights.flats
-        if not flats or not isinstance(flats[0], torch.Tensor):
-            return None
-        key = ("verified", weights.key, flats[0].dtype)
-        plan = self._copy_plans.get(key)
-        if plan is None or not plan.current():
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            plan = VerifiedBucketCopy(weights.specs, params, flats[0].dtype)  # ValueError: no fit
-            self._keep_plan(key, plan)
-        return plan if plan.fits else None
+        return verified_plan(self._copy_plans, weights,
+                             lambda: dict(self.model.named_parameters(remove_duplicate=False)))
 
     def _copy_plan(self, weights: FlatBuckets) -> BucketCopyPlan:
         plan = self._copy_plans.get(weights.key)
