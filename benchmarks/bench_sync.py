@@ -446,7 +446,8 @@ def _plot(results: dict, out: str) -> None:
     except ImportError:
         return
     ipc, step = results.get("ipc") or {}, results.get("rl_step") or {}
-    panels = ("runs" in ipc) + ("step_s" in step)
+    lp = ipc.get("logprob_receive") or {}
+    panels = ("runs" in ipc) + ("ms" in lp) + ("step_s" in step)
     if not panels:
         return
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 0.5, 4), squeeze=False)
@@ -464,6 +465,16 @@ def _plot(results: dict, out: str) -> None:
         axes[0].set_ylabel("ms")
         axes[0].legend(fontsize=7)
         axes[0].set_title(f"CUDA-IPC sync, Qwen3-0.6B bf16 — {(results.get('env') or {}).get('gpu', '')}", fontsize=9)
+        axes[0].tick_params(axis="x", labelrotation=20, labelsize=7)
+        axes = axes[1:]
+    if "ms" in lp:
+        names = list(lp["ms"])
+        axes[0].bar(names, [lp["ms"][n] for n in names], color=["#999999", "#4c72b0"])
+        axes[0].axhline(ipc["hbm_copy"]["ms"], color="k", ls="--", label="HBM copy")
+        axes[0].set_ylabel("ms (median)")
+        axes[0].legend(fontsize=7)
+        axes[0].set_title(f"log-prob engine receive, {lp['bytes'] / 1e9:.2f} GB "
+                          f"({lp['speedup']:.2f}x)", fontsize=9)
         axes = axes[1:]
     if "step_s" in step:
         parts = ["generate_s", "logprobs_s", "train_s", "sync_s"]

@@ -277,8 +277,9 @@ def _check_saved_by_same_kind(engine, state, path: str) -> None:
                               "engine of the same ZeRO stage, dtype and world size")
 
 
-def load_checkpoint(engine, path: str, tag: str, began=None) -> None:
-    """``engine.load_checkpoint`` with every pickle restricted to ``checkpoint_types``.
+def load_checkpoint(engine, path: str, tag: str, began=None) -> dict:
+    """``engine.load_checkpoint`` with every pickle restricted to ``checkpoint_types``; returns
+    the checkpoint's client state (what ``save_checkpoint(client_state=...)`` stored).
 
     Each file of the tag is unpickled (weights-only) once before DeepSpeed loads any of them,
     so a file holding anything else raises ``CheckpointError`` before the engine changes;
@@ -304,10 +305,11 @@ def load_checkpoint(engine, path: str, tag: str, began=None) -> None:
                     _check_saved_by_same_kind(engine, state, path)
         if began is not None:
             began()
-        load_path, _ = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        load_path, client_state = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                                         load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"no polynya checkpoint under {path!r}")
+    return client_state or {}
 
 
 def offload_engine(engine, *, pin_memory: bool, host: list | None = None) -> list | None:

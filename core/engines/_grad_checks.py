@@ -21,15 +21,27 @@ answers:
 
 Everything else keeps DeepSpeed's own methods: another DeepSpeed version, another optimizer class
 (ZeRO-0 / ZeRO-3 / BF16_Optimizer), CPU offload, MoE layers, sparse gradients, an infinity norm.
+
+``skip_fp32_overflow(optimizer)`` gives DeepSpeed's ZeRO-3 optimizer the overflow rule of the
+other stages. ZeRO-1/2 sum the squared norms and cast the sum to fp32 before the root, and
+torch's ``clip_grad_norm_`` (ZeRO-0 in fp32) works in fp32, so a global norm of
+``FP32_NORM_LIMIT`` = sqrt(fp32 max) ~ 1.8e19 or more is infinite there and the step is
+skipped; ZeRO-3 takes the root in fp64 and would apply such a step (and, without clipping,
+square a gradient of that size into Adam's fp32 second moment, which then holds inf for good).
+With the rule the ZeRO-3 step takes DeepSpeed's own overflow path: nothing is updated, the
+schedule does not advance, ``skipped_steps`` counts it.
 """
 from __future__ import annotations
 
+import math
 import types
 
 import torch
 
 #: The DeepSpeed release whose two methods these replace (pyproject pins it).
 DEEPSPEED_VERSION = "0.19.8"
+#: A global gradient norm at least this large overflows on ZeRO-0/1/2 (its square is not an fp32).
+FP32_NORM_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
 
 
 def fuse_grad_checks(optimizer) -> bool:
@@ -95,3 +107,29 @@ def _grad_norm(self, gradients, params, norm_type=2):
     total = total.pow(0.5)
     mask_nan_or_inf_with_val_inplace(total, device=self.device)
     return total
+
+
+def skip_fp32_overflow(optimizer) -> bool:
+    """Give ``optimizer`` (DeepSpeed's ZeRO-3 optimizer) the other stages' overflow rule (module
+    docstring); returns whether it did."""
+    import deepspeed
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if deepspeed.__version__ != DEEPSPEED_VERSION or not isinstance(
+            optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return False
+    optimizer._get_norm_groups = types.MethodType(_norm_groups_fp32, optimizer)
+    return True
+
+
+def _norm_groups_fp32(self) -> list:
+    """``DeepSpeedZeroOptimizer_Stage3._get_norm_groups``, with every group's norm made infinite
+    when the global norm (combined as ``step()`` combines it, loss scale removed) reaches
+    ``FP32_NORM_LIMIT``: ``step()`` then finds an invalid norm and skips the update."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+
+    groups = type(self)._get_norm_groups(self)
+    combined = combine_grad_norm_groups(groups)
+    if is_invalid_grad_norm(combined) or float(combined) / self.loss_scale < FP32_NORM_LIMIT:
+        return groups
+    return [torch.full_like(g, math.inf) if torch.is_tensor(g) else math.inf for g in groups]

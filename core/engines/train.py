@@ -47,9 +47,10 @@ from ..spans import cached_layout, span_layout
 from ..types import RolloutBatch, TokenStats
 from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
-from ._grad_checks import fuse_grad_checks
+from ._grad_checks import fuse_grad_checks, skip_fp32_overflow
 
 HF_EXPORT = "hf"  # sub-directory of a checkpoint holding its Hugging Face export
+OWN_SKIPPED = "polynya_own_skipped_steps"  # checkpoint client state: the steps ZeRO-0 skipped itself
 _METRICS = ("loss", "pg_loss", "clip_frac", "ratio", "kl", "entropy")
 
 
@@ -140,6 +141,7 @@ class TrainingEngine:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                config=ds_cfg, dist_init_required=False)
         fuse_grad_checks(engine.optimizer)  # ZeRO-1/2: the step's overflow check and norm, multi-tensor
+        skip_fp32_overflow(engine.optimizer)  # ZeRO-3: a norm past fp32 skips, as on ZeRO-0/1/2
         return engine
 
     def _clip_hook(self, optimizer, args, kwargs) -> None:
@@ -358,7 +360,9 @@ class TrainingEngine:
         every rank is done)."""
         self._check_onloaded()
         self._check_loaded()
-        self.engine.save_checkpoint(path, tag="polynya")
+        # the steps skipped here (plain fp32 ZeRO-0) are not in DeepSpeed's own count
+        self.engine.save_checkpoint(path, tag="polynya",
+                                    client_state={OWN_SKIPPED: self._own_skipped})
         if self.config.export_hf:
             self.save_pretrained(os.path.join(path, HF_EXPORT))
         dsu.barrier()
@@ -407,12 +411,14 @@ class TrainingEngine:
         self._drop_checksum()
         began: list[bool] = []
         try:
-            dsu.load_checkpoint(self.engine, path, tag="polynya", began=lambda: began.append(True))
+            client = dsu.load_checkpoint(self.engine, path, tag="polynya",
+                                         began=lambda: began.append(True))
         except BaseException as exc:
             if began:  # DeepSpeed had begun: part of the state may be the checkpoint's
                 self._half_loaded = f"a load({path!r}) failed part-way ({type(exc).__name__}: {exc})"
             raise
         self._half_loaded = None
+        self._own_skipped = int(client.get(OWN_SKIPPED, 0))  # (0 in checkpoints from before it)
 
     def offload(self) -> dict[str, float]:
         """Move weights, gradients, fp32 master weights and optimizer state to host memory (for a

@@ -1,10 +1,13 @@
 """Helpers shared by the engine tests and the torchrun worker: batches, engines, state snapshots."""
 from __future__ import annotations
 
+import pytest
 import torch
 from polynya import RolloutBatch
 from polynya.config.train import LossConfig, OptimConfig, TrainConfig
 from polynya.engines import _deepspeed as dsu
+
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 MODEL = "tiny:qwen3"
 VOCAB = 512

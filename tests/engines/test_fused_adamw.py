@@ -9,9 +9,7 @@ import torch
 from polynya.config.train import OptimConfig
 from polynya.engines.train import TrainingEngine
 
-from .common import assert_same_tensors, full_weights, make_batch, optimizer_state, train_config
-
-CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from .common import CUDA, assert_same_tensors, full_weights, make_batch, optimizer_state, train_config
 
 
 def engine_for(stage: int, fused: bool | None, *, dtype: str = "float32", device: str = "cpu") -> TrainingEngine:

@@ -20,7 +20,7 @@ from polynya.engines.sample import SamplingEngine
 from polynya.engines.train import TrainingEngine
 from polynya.files import CheckpointError, write_manifest
 
-from .common import MODEL, assert_same_tensors, full_weights, make_batch, optimizer_state, train_config
+from .common import CUDA, MODEL, assert_same_tensors, full_weights, make_batch, optimizer_state, train_config
 
 # ---------------------------------------------------------------- load_weights is all or nothing
 
@@ -144,6 +144,57 @@ def test_non_finite_grad_norm_skips_the_step(stage, fused):
     assert nxt["skipped"] == 0.0 and nxt["skipped_steps"] == 1 and nxt["lr"] == lr
     assert engine.weight_checksum() != sums
     assert all(torch.isfinite(t).all() for t in full_weights(engine.module).values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_norm_past_fp32_skips_on_every_stage(stage, clip, device):
+    """One finite gradient element of 1e30: the norm's square is not an fp32, so ZeRO-0/1/2
+    skip; ZeRO-3 (whose norm is taken in fp64) skips too, instead of applying the step and, unclipped,
+    leaving inf in Adam's second moment for good."""
+    engine = TrainingEngine(train_config(stage, optim={"grad_clip": clip}, device=device))
+    engine.forward_backward(make_batch(40))
+    assert engine.step()["skipped"] == 0.0
+    weights, opt, lr = full_weights(engine.module), optimizer_state(engine), engine._sched.get_last_lr()
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def huge(grad):
+        grad = grad.clone()
+        grad.view(-1)[37] = 1e30
+        return grad
+
+    hook = dict(engine.module.named_parameters())[name].register_hook(huge)
+    engine.forward_backward(make_batch(41))
+    hook.remove()
+    out = engine.step()
+    assert out["skipped"] == 1.0 and out["skipped_steps"] == 1, out
+    assert_same_tensors(full_weights(engine.module), weights)
+    assert_same_tensors(optimizer_state(engine), opt)
+    assert engine._sched.get_last_lr() == lr
+    engine.forward_backward(make_batch(42))
+    assert engine.step()["skipped"] == 0.0
+    assert all(torch.isfinite(t).all() for t in optimizer_state(engine))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_skipped_steps_survive_a_checkpoint(stage, tmp_path):
+    """ZeRO-0 in fp32 counts its own skips (DeepSpeed counts the others'): both kinds are in
+    the checkpoint, and a resumed engine reports the same count as an uninterrupted one."""
+    engine = TrainingEngine(train_config(stage))
+    for batch in (make_batch(40), poisoned(make_batch(41))):
+        engine.forward_backward(batch)
+        engine.step()
+    assert engine.skipped_steps == 1
+    engine.save(str(tmp_path / "ckpt"))
+    resumed = TrainingEngine(train_config(stage))
+    resumed.load(str(tmp_path / "ckpt"))
+    assert resumed.skipped_steps == 1
+    for e in (engine, resumed):
+        e.forward_backward(make_batch(42))
+    a, b = engine.step(), resumed.step()
+    assert a["skipped_steps"] == b["skipped_steps"] == 1 and a["step"] == b["step"]
+    assert a["grad_norm"] == b["grad_norm"]
 
 
 # ---------------------------------------------------------------- damaged checkpoints are refused
