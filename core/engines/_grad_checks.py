@@ -71,7 +71,7 @@ def _has_overflow(self) -> torch.Tensor:
         return type(self).has_overflow_partitioned_grads_serial(self)
     if not grads:
         return torch.zeros(1, dtype=torch.bool, device=device)
-    peaks = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
+    peaks = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
     return torch.isfinite(peaks).all().logical_not().reshape(1).to(device)
 
 
