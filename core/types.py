@@ -215,13 +215,16 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1), got {self.min_p!r}")
         if max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {max_tokens!r}")
+        for k, v in (("n", n), ("top_k", top_k), ("max_tokens", max_tokens)):
+            if v > INT32_MAX:  # the engines count tokens and samples in 32/64-bit integers
+                raise ValueError(f"SamplingParams.{k} must be at most {INT32_MAX}, got {v!r}")
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
             if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray, torch.Tensor)):
                 raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got {ids!r}")
             self.stop_token_ids = tuple(_int(t, "SamplingParams.stop_token_ids[]") for t in ids)
-            if any(t < 0 for t in self.stop_token_ids):
-                raise ValueError("SamplingParams.stop_token_ids must be >= 0")
+            if any(t < 0 or t > INT64_MAX for t in self.stop_token_ids):
+                raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {INT64_MAX}]")
         if self.seed is not None:
             self.seed = _int(self.seed, "SamplingParams.seed")
         if not isinstance(self.logprobs, bool):
@@ -237,6 +240,10 @@ class SamplingParams:
     def stop_ids(self, eos_ids) -> frozenset[int]:
         """The token ids that end a completion, given the model's EOS ids."""
         return frozenset(self.stop_token_ids or ()) | (frozenset(eos_ids) if self.stops_at_eos else frozenset())
+
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 def _int(v, what: str) -> int:

@@ -79,13 +79,14 @@ def _get(
 
 
 def _split(flat: torch.Tensor, lens: torch.Tensor, what: str) -> list[torch.Tensor]:
-    if (lens < 0).any():
+    sizes = lens.tolist()  # Python ints: their sum cannot wrap around as an int64 sum can
+    if any(n < 0 for n in sizes):
         raise ValueError(f"{what}_lens has negative entries")
-    if int(lens.sum()) != flat.numel():
+    if sum(sizes) != flat.numel():
         raise ValueError(
-            f"{what}_lens sum to {int(lens.sum())} but {what}_ids holds {flat.numel()} tokens"
+            f"{what}_lens sum to {sum(sizes)} but {what}_ids holds {flat.numel()} tokens"
         )
-    return list(flat.to(torch.int64).split(lens.tolist()))
+    return list(flat.to(torch.int64).split(sizes))
 
 
 def decode_batch(data: bytes) -> RolloutBatch:

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -160,9 +161,14 @@ class RunDir:
     def resolve(self, path: object, what: str = "path") -> Path:
         """``path`` (relative to the run directory, or absolute inside it) fully resolved.
 
-        Raises ``ValueError`` for a non-string or empty path, ``PermissionError`` for ``..``, a
-        path outside the run directory, the run directory itself, or a symlink leading out.
+        Raises ``ValueError`` for a non-string or empty path or one the OS cannot look up (a
+        name too long, ...), ``PermissionError`` for ``..``, a path outside the run directory,
+        the run directory itself, or a symlink leading out.
         """
+        with _os_errors_as_value_errors(what, path):
+            return self._resolve(path, what)
+
+    def _resolve(self, path: object, what: str) -> Path:
         if not isinstance(path, str) or not path or "\x00" in path:
             raise ValueError(
                 f"{what} must be a non-empty string without NUL characters, got {path!r}"
@@ -181,6 +187,10 @@ class RunDir:
                 "choose it); give a sub-directory of it"
             )
         self._no_links_out(real, what)
+        longest = max(len(part.encode()) for part in real.parts)
+        if longest > os.pathconf(self.root, "PC_NAME_MAX"):  # checked before /rl/save writes
+            raise ValueError(f"{what} {path[:200]!r}: a name of {longest} bytes is too long for "
+                             "the file system")
         return real
 
     def _no_links_out(self, real: Path, what: str) -> None:
@@ -200,6 +210,10 @@ class RunDir:
         ``FileNotFoundError`` (missing), ``ValueError`` (not a polynya checkpoint),
         ``PermissionError`` (outside the run directory)."""
         real = self.resolve(path, "checkpoint path")
+        with _os_errors_as_value_errors("checkpoint path", path):
+            return self._checkpoint_dir(real, path)
+
+    def _checkpoint_dir(self, real: Path, path: str) -> Path:
         if not real.exists():
             raise FileNotFoundError(f"no checkpoint at {path!r} (looked at {real})")
         if not real.is_dir():
@@ -218,3 +232,15 @@ class RunDir:
             if not entry.is_file():
                 raise ValueError(f"{entry} is not a regular file: refusing to load the checkpoint")
         return real
+
+
+@contextlib.contextmanager
+def _os_errors_as_value_errors(what: str, path: object):
+    """An ``OSError`` of a path lookup (name too long, not a directory, ...) as a
+    ``ValueError`` naming the path (a 400); ``PermissionError`` / ``FileNotFoundError`` pass."""
+    try:
+        yield
+    except (PermissionError, FileNotFoundError):
+        raise
+    except OSError as exc:
+        raise ValueError(f"{what} {str(path)[:200]!r} cannot be used: {exc.strerror or exc}") from None

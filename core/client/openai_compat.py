@@ -33,6 +33,7 @@ answers 501.
 """
 
 import asyncio
+import inspect
 import time
 import uuid
 from typing import Any
@@ -45,6 +46,8 @@ NEUTRAL_VALUES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency
             "echo": False, "stream": False, "ignore_eos": False}
 _COMMON = {"model", "top_k", "logprobs", "return_token_ids", "return_tokens_as_token_ids", "user",
            "skip_special_tokens", "stop", "prompt_logprobs", "structured_outputs", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
+BOOL_FIELDS = ("skip_special_tokens", "ignore_eos", "echo", "stream", "return_token_ids",
+               "return_tokens_as_token_ids", "add_generation_prompt")
 _COMPLETION_KEYS = _COMMON | {"prompt"}
 _CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "chat_template", "chat_template_kwargs",
                         "add_generation_prompt", "tools", "tool_choice"}
@@ -61,6 +64,9 @@ def sampling_params(body: dict[str, Any], keys: set[str], *, logprobs: bool = Tr
     for k in ("stop", "structured_outputs", "tools"):
         if body.get(k):
             raise ValueError(f"{k!r} is not supported by polynya's sampler")
+    for k in BOOL_FIELDS:
+        if body.get(k) is not None and not isinstance(body[k], bool):
+            raise ValueError(f"{k} must be true or false, got {body[k]!r}")
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     kw.setdefault("max_tokens", 16)  # the OpenAI / vLLM default
     top_k = body.get("top_k")
@@ -194,6 +200,11 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValueError("chat_template_kwargs must be an object")
+    reserved = sorted(set(kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+    if reserved:  # the template's variables only; these are the call's own arguments
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: they are arguments of the "
+                         "template call itself (use the request's own fields, e.g. "
+                         "add_generation_prompt)")
     out = tokenizer.apply_chat_template(messages, tokenize=True,
                                         add_generation_prompt=body.get("add_generation_prompt", True),
                                         **kwargs)

@@ -17,6 +17,8 @@ the optimizer step, the files on disk — is compared before and after.
 | finish after a refused update; stale version      | 409                          |
 | explicit ``weight_version``                       | served as given              |
 | string / NaN / inf / null params, bad stop ids    | 400 on all three gen routes  |
+| ints past int64, non-bool flags, template kwargs  | 400, not 500                 |
+| a save / load path with a name too long           | 400, nothing written         |
 | ``/sleep?level=9``, ``/rl/sleep`` level 9          | 400, sampler keeps serving   |
 | ``compute_logprobs(temperature=0)`` HTTP + engine | 400 / ValueError             |
 | sequence longer than the model's positions        | 400, no gradient accumulated |
@@ -392,6 +394,9 @@ BAD_PARAMS = [
     ({"n": True}, "n must"),
     ({"max_tokens": 2.5}, "max_tokens"),
     ({"seed": "1"}, "seed"),
+    ({"max_tokens": 2**64}, "max_tokens must be at most"),  # past int64: was a 500
+    ({"n": 2**40}, "n must be at most"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"),
 ]
 
 
@@ -408,6 +413,32 @@ def test_bad_sampling_params_get_400(raw, unchanged, route, params, needle):
     }[route]
     r = raw.post(route, content=json.dumps(body), headers={"Content-Type": "application/json"})
     _error(r, 400, needle)  # json.dumps writes NaN / Infinity as Python's json reads them
+
+
+@pytest.mark.parametrize("route, body, needle", [
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "skip_special_tokens": "x"},
+     "skip_special_tokens must be true or false"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "ignore_eos": "yes"},
+     "ignore_eos must be true or false"),
+    ("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": {
+        "max_tokens": 2, "skip_special_tokens": 0}}, "skip_special_tokens must be true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "chat_template_kwargs": {"tokenize": False}}, "may not set ['tokenize']"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "chat_template_kwargs": {"conversation": []}}, "conversation"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "add_generation_prompt": "no"}, "add_generation_prompt must be"),
+])
+def test_bad_flags_and_template_arguments_get_400(raw, unchanged, route, body, needle):
+    """Each was a 500 (a TypeError inside the tokenizer or the template call)."""
+    _error(raw.post(route, json=body), 400, needle)
+
+
+@pytest.mark.parametrize("route", ["/rl/save", "/rl/load"])
+def test_a_path_name_too_long_gets_400(raw, unchanged, route):
+    """An OSError of the lookup (ENAMETOOLONG) was a 500; nothing is written."""
+    _error(raw.post(route, json={"path": "a" * 300}), 400, "too long")
+    _error(raw.post(route, json={"path": "ok/" + "b" * 300}), 400, "too long")
 
 
 @pytest.mark.parametrize("call", ["ecosystem", "client"])

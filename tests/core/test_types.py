@@ -52,6 +52,10 @@ def test_sampling_params_validate(kwargs):
     (dict(temperature=1e-6), "pass 0 for greedy"),
     (dict(temperature=1e-39), "below 1e-05"),
     (dict(stop_at_eos=1), "stop_at_eos must be None, True or False"),
+    (dict(max_tokens=2**31), "max_tokens must be at most 2147483647"),
+    (dict(n=2**64), "n must be at most"),
+    (dict(top_k=2**40), "top_k must be at most"),
+    (dict(stop_token_ids=[2**63]), "stop_token_ids must be in [0, 9223372036854775807]"),
 ])
 def test_sampling_params_name_the_problem(kwargs, needle):
     with pytest.raises(ValueError) as e:
