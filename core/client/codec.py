@@ -7,13 +7,16 @@ Batch tensors (safetensors, metadata ``{"format": "polynya.batch.v1"}``): ``prom
 ``response_lens`` int64 ``[B]``; optional ``group_ids`` int64 ``[B]``, ``advantages`` float32
 ``[B]`` or ``[B, Rmax]``, ``old_logprobs`` / ``ref_logprobs`` float32 ``[B, Rmax]``.
 Token statistics: ``logprobs`` float32 ``[B, Rmax]``, ``mask`` bool ``[B, Rmax]``, optional
-``entropy`` float32 ``[B, Rmax]``.
+``entropy`` float32 ``[B, Rmax]``. Metrics (``/rl/forward_backward``, ``/rl/step``): a JSON
+object of numbers, with a non-finite one as the string ``"inf"``, ``"-inf"`` or ``"nan"`` (JSON
+has no such numbers; a skipped step's ``grad_norm`` is one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import torch
@@ -116,6 +119,20 @@ def decode_batch(data: bytes) -> RolloutBatch:
     for name in ("advantages", "old_logprobs", "ref_logprobs"):
         kw[name] = _get(t, name, _FLOAT, None, required=False)
     return RolloutBatch(prompts, responses, **kw)  # shapes of the optional fields checked here
+
+
+def encode_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` for JSON: non-finite floats as ``"inf"`` / ``"-inf"`` / ``"nan"``."""
+    return {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in metrics.items()}
+
+
+def decode_metrics(body: dict[str, Any]) -> dict[str, Any]:
+    """``encode_metrics`` undone (a string among ``inf``, ``-inf``, ``nan`` back to a float)."""
+    return {k: (float(v) if v in _NON_FINITE else v) for k, v in body.items()}
+
+
+_NON_FINITE = ("inf", "-inf", "nan")
 
 
 def encode_stats(stats: TokenStats) -> bytes:

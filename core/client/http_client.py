@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from ..sync import SyncError
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats, as_token_array
 from .api import ClientLifecycle, EngineError, check_engine, check_logprob_model
-from .codec import decode_stats, encode_batch, params_to_json, sample_from_json
+from .codec import decode_metrics, decode_stats, encode_batch, params_to_json, sample_from_json
 from .config import RLClientConfig
 
 
@@ -29,6 +29,10 @@ def _httpx():
     except ImportError as exc:
         raise ImportError("comm_protocol='http' needs httpx: pip install 'polynya[http]'") from exc
     return httpx
+
+
+def _metrics(resp) -> dict:
+    return decode_metrics(resp.json())
 
 
 @dataclasses.dataclass
@@ -189,10 +193,11 @@ class HTTPClient(ClientLifecycle):
         return self._send(self._logprobs_req(batch, model, entropy, temperature))
 
     def forward_backward(self, batch: RolloutBatch) -> dict[str, float]:
-        return self._send(_Req("POST", "/rl/forward_backward", content=encode_batch(batch)))
+        return self._send(_Req("POST", "/rl/forward_backward", content=encode_batch(batch),
+                               decode=_metrics))
 
     def step(self) -> dict[str, float]:
-        return self._send(_Req("POST", "/rl/step"))
+        return self._send(_Req("POST", "/rl/step", decode=_metrics))
 
     def sync_weights(self) -> dict[str, Any]:
         return self._send(_Req("POST", "/rl/sync_weights"))
@@ -227,10 +232,11 @@ class HTTPClient(ClientLifecycle):
         return await self._asend(self._logprobs_req(batch, model, entropy, temperature))
 
     async def forward_backward_async(self, batch) -> dict[str, float]:
-        return await self._asend(_Req("POST", "/rl/forward_backward", content=encode_batch(batch)))
+        return await self._asend(_Req("POST", "/rl/forward_backward", content=encode_batch(batch),
+                                      decode=_metrics))
 
     async def step_async(self) -> dict[str, float]:
-        return await self._asend(_Req("POST", "/rl/step"))
+        return await self._asend(_Req("POST", "/rl/step", decode=_metrics))
 
     async def sync_weights_async(self) -> dict[str, Any]:
         return await self._asend(_Req("POST", "/rl/sync_weights"))

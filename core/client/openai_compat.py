@@ -151,7 +151,8 @@ def _token_name(t: int, as_ids: bool, tokenizer) -> str:
 def _text(ids, tokenizer, body) -> str:
     if tokenizer is None:
         return ""
-    return tokenizer.decode(ids, skip_special_tokens=body.get("skip_special_tokens", True))
+    skip = body.get("skip_special_tokens")
+    return tokenizer.decode(ids, skip_special_tokens=True if skip is None else skip)
 
 
 def _usage(prompts, samples) -> dict:

@@ -129,6 +129,8 @@ def add_skyrl_routes(app, client, tokenizer) -> None:
     async def collective_rpc(request: Request):
         body = await read_json(request)
         method = body.get("method")
+        if not isinstance(method, str):
+            raise ValueError(f"/collective_rpc needs a method name (a string), got {method!r}")
         hint = _RPC_HINTS.get(method, "LoRA adapters are not supported (lora.rank=0)"
                               if isinstance(method, str) and "lora" in method else
                               "polynya's server runs no vLLM worker extension")

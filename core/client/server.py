@@ -27,6 +27,7 @@ from ..distributed import is_loopback
 from .api import EngineError, check_engine
 from .codec import (
     decode_batch,
+    encode_metrics,
     encode_stats,
     params_from_json,
     prompts_from_json,
@@ -134,11 +135,12 @@ def create_app(
 
     @app.post("/rl/forward_backward")
     async def forward_backward(request: Request) -> dict:
-        return await client.forward_backward_async(decode_batch(await request.body()))
+        batch = decode_batch(await request.body())
+        return encode_metrics(await client.forward_backward_async(batch))
 
     @app.post("/rl/step")
     async def step() -> dict:
-        return await client.step_async()
+        return encode_metrics(await client.step_async())  # a skipped step's grad_norm is inf
 
     @app.post("/rl/sync_weights")
     async def sync_weights() -> dict:

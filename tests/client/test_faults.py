@@ -428,10 +428,20 @@ def test_bad_sampling_params_get_400(raw, unchanged, route, params, needle):
                               "chat_template_kwargs": {"conversation": []}}, "conversation"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                               "add_generation_prompt": "no"}, "add_generation_prompt must be"),
+    ("/collective_rpc", {"method": ["x"]}, "needs a method name"),
 ])
 def test_bad_flags_and_template_arguments_get_400(raw, unchanged, route, body, needle):
-    """Each was a 500 (a TypeError inside the tokenizer or the template call)."""
+    """Each was a 500 (a TypeError inside the tokenizer, the template call or a lookup)."""
     _error(raw.post(route, json=body), 400, needle)
+
+
+def test_null_flags_take_their_defaults(raw):
+    """``"skip_special_tokens": null`` is the default (true), as vLLM reads it (was a 500 after
+    the generation had run)."""
+    r = raw.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "temperature": 0,
+                                          "skip_special_tokens": None, "ignore_eos": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["token_ids"]) <= 2
 
 
 @pytest.mark.parametrize("route", ["/rl/save", "/rl/load"])

@@ -1,6 +1,8 @@
 """The HTTP client and server: RL round trip (colocated and split), 4xx for malformed payloads
 with the server staying up, bearer token, body limit, and the vLLM-style ecosystem routes."""
 
+import json
+import math
 import threading
 import time
 
@@ -399,3 +401,22 @@ def test_http_save_load_inside_run_dir_only(client, run_dir, tmp_path):
         client.load(str(run_dir / "missing"))
     assert not (tmp_path / "elsewhere").exists()
 
+
+
+def test_a_skipped_step_reports_inf_over_http(client, raw):
+    """JSON has no inf: the step's metrics carry non-finite numbers as strings, and the HTTP
+    client gives back the float the local client returns (was ``None``)."""
+    bad = RolloutBatch([[5, 6, 7]] * 2, [[8, 9], [10]], advantages=torch.tensor([3e38, -3e38]))
+    client.forward_backward(bad)
+    out = client.step()
+    assert out["skipped"] == 1.0 and math.isinf(out["grad_norm"]), out
+    assert raw.get("/health").status_code == 200
+
+
+def test_metrics_codec_round_trip():
+    from polynya.client.codec import decode_metrics, encode_metrics
+
+    m = {"a": float("inf"), "b": float("-inf"), "c": float("nan"), "d": 1.5, "e": 3, "f": "x"}
+    got = decode_metrics(json.loads(json.dumps(encode_metrics(m))))
+    assert got["a"] == float("inf") and got["b"] == float("-inf") and math.isnan(got["c"])
+    assert (got["d"], got["e"], got["f"]) == (1.5, 3, "x")

@@ -115,3 +115,15 @@ def test_rows_are_independent_of_neighbours_filters():
     for i, p in enumerate(params):
         t1, lp1 = sample(rows[i:i + 1], SamplingTensors.build([p], u[i:i + 1], V, "cpu"))
         assert (tok[i].item(), lp[i].item()) == (t1.item(), lp1.item()), (i, p)
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 1e-30])
+def test_a_top_p_that_is_zero_in_float32_keeps_the_top_token(logits, top_p):
+    """``top_p`` below float32's smallest value rounds to 0 on the device: the filter still keeps
+    the most likely token (it dropped every token, and the sample came out as token 0 with a NaN
+    log-prob)."""
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    st = SamplingTensors.build([params] * 4, draws(4, seed=7), V, "cpu")
+    tokens, logprobs = sample(logits.expand(4, V), st)
+    assert tokens.tolist() == [int(logits.argmax())] * 4
+    assert torch.equal(logprobs, torch.zeros(4))  # the one token kept: probability 1

@@ -100,8 +100,9 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         ranks = torch.arange(xs.shape[-1], device=xs.device)
         drop = ranks[None, :] >= st.top_k[:, None]
         probs = xs.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # rank 0 always kept
-        drop |= (mass_before >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None]
+        mass_before = probs.cumsum(dim=-1) - probs
+        # rank 0 always kept, also when top_p is 0 in float32 (a positive top_p below ~1.4e-45)
+        drop |= (mass_before >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None] & (ranks > 0)
         x = x.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
     if st.needs_min_p:
         probs = x.softmax(dim=-1)
