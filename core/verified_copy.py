@@ -14,9 +14,9 @@ buckets' dtype (``fits`` is False otherwise and the engine keeps its general pat
    raises ``ValueError`` here, *before* anything is written;
 3. one *copy* pass (one launch per bucket, the buckets' bytes into the parameters).
 
-Engines keep their plans in a dict and take them through ``verified_plan`` (the native
-sampler and the ZeRO-0 log-prob engine): one plan per engine, made again when the layout
-changes or the parameters move.
+Engines keep their plans in a dict and load through ``load_verified`` (the native sampler
+and the ZeRO-0 log-prob engine): one plan per engine (``verified_plan``), made again when the
+layout changes or the parameters move.
 
 Why two passes and not one copy that digests as it writes: the destination is the engine's
 live parameters (a native sampler's CUDA graphs are captured against their addresses, so
@@ -136,3 +136,18 @@ def verified_plan(plans: MutableMapping, weights: FlatBuckets,
             del plans[old]
         plans[key] = plan
     return plan if plan.fits else None
+
+
+def load_verified(plans: MutableMapping, weights, checksum: str | None,
+                  params: Callable[[], Mapping[str, torch.Tensor]]) -> bool:
+    """Load ``weights`` through the layout's plan when they are a sync's ``FlatBuckets`` with a
+    ``checksum`` that the parameters can take (``verified_plan``); True when it did (checked,
+    then copied), False when the engine's general path applies (nothing was done).
+    ``ValueError`` with nothing written on a mismatch, NaN/inf or a layout that does not fit."""
+    if not isinstance(weights, FlatBuckets) or checksum is None:
+        return False
+    plan = verified_plan(plans, weights, params)
+    if plan is None:
+        return False
+    plan.load(weights.flats, checksum, checked=True)  # current(): checked by verified_plan
+    return True

@@ -121,6 +121,9 @@ def decode_batch(data: bytes) -> RolloutBatch:
     return RolloutBatch(prompts, responses, **kw)  # shapes of the optional fields checked here
 
 
+_NON_FINITE = ("inf", "-inf", "nan")  # how encode_metrics writes non-finite floats (repr)
+
+
 def encode_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """``metrics`` for JSON: non-finite floats as ``"inf"`` / ``"-inf"`` / ``"nan"``."""
     return {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v)
@@ -130,9 +133,6 @@ def encode_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
 def decode_metrics(body: dict[str, Any]) -> dict[str, Any]:
     """``encode_metrics`` undone (a string among ``inf``, ``-inf``, ``nan`` back to a float)."""
     return {k: (float(v) if v in _NON_FINITE else v) for k, v in body.items()}
-
-
-_NON_FINITE = ("inf", "-inf", "nan")
 
 
 def encode_stats(stats: TokenStats) -> bytes:

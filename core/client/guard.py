@@ -114,14 +114,11 @@ class BodyGuard:
         body, more, start = bytearray(), True, loop.time()
         last = start  # when the last body bytes came
         while more:
-            left = self._deadline(start, len(body)) - loop.time()
-            wait = min(self.read_timeout_s, left)
+            idle_end, rate_end = last + self.read_timeout_s, self._deadline(start, len(body))
             try:
-                if wait <= 0:
-                    raise asyncio.TimeoutError
-                msg = await asyncio.wait_for(receive(), wait)
+                msg = await asyncio.wait_for(receive(), max(0.0, min(idle_end, rate_end) - loop.time()))
             except asyncio.TimeoutError:
-                if loop.time() - last < self.read_timeout_s * 0.999:  # the rate bound
+                if rate_end < idle_end:
                     why = (f"request body too slow: {len(body)} bytes in "
                            f"{loop.time() - start:.1f} s, below the server's minimum of "
                            f"{self.min_rate:g} bytes/s after the first "

@@ -132,7 +132,7 @@ def add_skyrl_routes(app, client, tokenizer) -> None:
         if not isinstance(method, str):
             raise ValueError(f"/collective_rpc needs a method name (a string), got {method!r}")
         hint = _RPC_HINTS.get(method, "LoRA adapters are not supported (lora.rank=0)"
-                              if isinstance(method, str) and "lora" in method else
+                              if "lora" in method else
                               "polynya's server runs no vLLM worker extension")
         return _refusal(f"/collective_rpc method {method!r} is not supported: {hint}")
 

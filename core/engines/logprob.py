@@ -26,8 +26,7 @@ from ..distributed import (
     local_device,
 )
 from ..types import RolloutBatch, TokenStats
-from ..verified_copy import verified_plan
-from ..weights import FlatBuckets
+from ..verified_copy import load_verified
 from ..zorro.batching import plan_micro_batches
 from . import _deepspeed as dsu
 
@@ -136,13 +135,9 @@ class LogProbEngine:
         """
         if version is not None and int(version) <= self._version:
             raise ValueError(f"weight version {version} is not newer than the served {self._version}")
-        plan = None
-        if self.config.zero_stage == 0 and isinstance(weights, FlatBuckets) and checksum is not None:
-            plan = verified_plan(self._copy_plans, weights,
-                                 lambda: dict(self.module.named_parameters(remove_duplicate=False)))
-        if plan is not None:
-            plan.load(weights.flats, checksum, checked=True)
-        else:
+        params = lambda: dict(self.module.named_parameters(remove_duplicate=False))  # noqa: E731
+        if not (self.config.zero_stage == 0
+                and load_verified(self._copy_plans, weights, checksum, params)):
             dsu.load_pieces(self.module, weights, checksum=checksum)
         self._version = self._version + 1 if version is None else int(version)
         return self._version

@@ -293,7 +293,7 @@ def test_logprob_engine_takes_the_verified_path_and_refuses_bad_buckets(monkeypa
     monkeypatch.setattr(dsu, "load_pieces", general)
     other = make_logprob()
     with monkeypatch.context() as m:
-        m.setattr("polynya.engines.logprob.verified_plan", lambda *a: None)
+        m.setattr("polynya.engines.logprob.load_verified", lambda *a: False)
         assert sync(t, other, 3) == 3
     assert other.weight_checksum() == lp.weight_checksum()
     assert torch.equal(other.compute_logprobs(LP_BATCH).logprobs,

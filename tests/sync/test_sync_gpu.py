@@ -8,6 +8,16 @@ from polynya.checksum import checksum_named_tensors, checksum_views
 pytestmark = pytest.mark.gpu
 
 
+def one_group(vocab: int):
+    """Two random responses of 6 tokens behind one prompt of 12, advantages +1 / -1."""
+    from polynya import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    return RolloutBatch([torch.randint(0, vocab, (12,), generator=g).tolist()] * 2,
+                        [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(2)],
+                        advantages=torch.tensor([1.0, -1.0]))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_checksum_views_on_cuda(dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -95,18 +105,13 @@ def test_trainer_digest_launched_by_step_is_the_checksum():
     """A ZeRO-2 bf16 trainer on CUDA: ``step()`` launches the weight digest on a side stream;
     the next manifest takes it, and it equals ``weight_checksum()`` computed afresh, after
     every step; an offload drops it (the manifest then computes the checksum itself)."""
-    from polynya import RolloutBatch
     from polynya.config import TrainConfig
     from polynya.engines import TrainingEngine
     from polynya.sync import build_manifest
 
     engine = TrainingEngine(TrainConfig("tiny:qwen3", dtype="bfloat16", zero_stage=2, lr=1e-2,
                                         device="cuda"))
-    vocab = engine.module.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    batch = RolloutBatch([torch.randint(0, vocab, (12,), generator=g).tolist()] * 2,
-                         [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(2)],
-                         advantages=torch.tensor([1.0, -1.0]))
+    batch = one_group(engine.module.config.vocab_size)
     assert engine.ready_checksum() is None
     seen = []
     for v in range(2):
@@ -156,7 +161,6 @@ def test_logprob_engine_takes_a_sync_through_the_fused_kernel():
     verified plan's compiled check + copy kernels run (not the tensor-by-tensor path), the
     engine's weights and log-probs equal the trainer's, and a one-bit corruption or a NaN is
     refused with the weights and the version unchanged."""
-    from polynya import RolloutBatch
     from polynya.config import TrainConfig
     from polynya.config.logprob import LogProbConfig
     from polynya.engines import TrainingEngine
@@ -169,11 +173,7 @@ def test_logprob_engine_takes_a_sync_through_the_fused_kernel():
                                          device="cuda"))
     engine = LogProbEngine(LogProbConfig("tiny:qwen3", dtype="bfloat16", zero_stage=0,
                                          device="cuda"))
-    vocab = trainer.module.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    batch = RolloutBatch([torch.randint(0, vocab, (12,), generator=g).tolist()] * 2,
-                         [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(2)],
-                         advantages=torch.tensor([1.0, -1.0]))
+    batch = one_group(trainer.module.config.vocab_size)
 
     def staged(version, corrupt=None):
         m = build_manifest(trainer, version=version, bucket_bytes=1 << 20, layout="spans")

@@ -23,7 +23,7 @@ from polynya.config.sampler import SamplerConfig
 from polynya.kernels.fca import plan_forest
 from polynya.model_features import attention_features, decoder_layers
 from polynya.models import load_model
-from polynya.verified_copy import VerifiedBucketCopy, verified_plan
+from polynya.verified_copy import VerifiedBucketCopy, load_verified, verified_plan
 from polynya.weights import BucketCopyPlan, FlatBuckets, WeightPieces, check_tied, checked_pairs
 
 from ..scoring import PromptLogprobs, score_hidden
@@ -438,12 +438,9 @@ class ModelRunner:
         values, then one launch per bucket copies them (``polynya.verified_copy``); without a
         checksum, or when the parameters' dtype or layout differ from the buckets', through a
         ``BucketCopyPlan`` with one ``_foreach_copy_`` after ``checked_pairs``."""
-        if isinstance(weights, FlatBuckets) and checksum is not None:
-            plan = self._verified_plan(weights)
-            if plan is not None:  # current(): checked by _verified_plan a moment ago
-                plan.load(weights.flats, checksum, checked=True)
-                return
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        if load_verified(self._copy_plans, weights, checksum, self._all_params):
+            return
+        params = self._all_params()
         pairs = checked_pairs(weights, {n: p.shape for n, p in params.items()}, checksum=checksum)
         check_tied(pairs, params)
         if isinstance(weights, FlatBuckets):
@@ -459,15 +456,18 @@ class ModelRunner:
         """``polynya.checksum`` of the weights (in their dtype, wherever they are)."""
         return checksum_views(list(self.model.named_parameters()))
 
+    def _all_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter by name, tied aliases included."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
     def _verified_plan(self, weights: FlatBuckets) -> VerifiedBucketCopy | None:
         """The layout's ``VerifiedBucketCopy`` (None when the parameters cannot take it)."""
-        return verified_plan(self._copy_plans, weights,
-                             lambda: dict(self.model.named_parameters(remove_duplicate=False)))
+        return verified_plan(self._copy_plans, weights, self._all_params)
 
     def _copy_plan(self, weights: FlatBuckets) -> BucketCopyPlan:
         plan = self._copy_plans.get(weights.key)
         if plan is None or not plan.current():
-            params = dict(self.model.named_parameters(remove_duplicate=False))
+            params = self._all_params()
             plan = BucketCopyPlan(weights.specs, params)  # ValueError when it does not fit
             self._keep_plan(weights.key, plan)
         return plan

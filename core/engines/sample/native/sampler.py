@@ -23,6 +23,8 @@ from polynya.types import SamplingParams
 
 from .readback import PINNED_TURNS
 
+FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest top_p the device filter can keep a token with
+
 
 @dataclass
 class SamplingTensors:
@@ -50,7 +52,9 @@ class SamplingTensors:
         greedy = [p.temperature == 0 for p in params]
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
         top_k = [vocab_size if (g or p.top_k < 0) else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
-        top_p = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
+        # a positive top_p that is 0 in float32 (below ~1.4e-45) would drop the top token too:
+        # the smallest normal float32 keeps exactly it, as any top_p below its probability does
+        top_p = [1.0 if g else max(float(p.top_p), FP32_TINY) for p, g in zip(params, greedy)]
         min_p = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
         host = torch.tensor([temps, top_p, min_p, list(uniforms)], dtype=torch.float32)
         host_k = torch.tensor(top_k, dtype=torch.int64)
@@ -100,9 +104,8 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         ranks = torch.arange(xs.shape[-1], device=xs.device)
         drop = ranks[None, :] >= st.top_k[:, None]
         probs = xs.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # rank 0 always kept, also when top_p is 0 in float32 (a positive top_p below ~1.4e-45)
-        drop |= (mass_before >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None] & (ranks > 0)
+        mass_before = probs.cumsum(dim=-1) - probs  # rank 0 always kept (top_p > 0)
+        drop |= (mass_before >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None]
         x = x.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
     if st.needs_min_p:
         probs = x.softmax(dim=-1)
