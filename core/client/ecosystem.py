@@ -4,7 +4,9 @@ weight-transfer routes are in ``weight_transfer.py``:
 
 - ``/v1/models``, ``/server_info``, ``POST /v1/completions``, ``POST /v1/chat/completions``:
   ``openai_compat.py`` (vLLM's OpenAI-compatible answers, as TRL's ``VLLMClient`` reads them);
-- ``POST /inference/v1/generate`` — ``{"token_ids": [...], "sampling_params": {...}}``;
+- ``POST /inference/v1/generate`` — ``{"token_ids": [...], "sampling_params": {...},
+  "request_id": "..."}`` (``sampling_params`` absent or null: the defaults; ``request_id`` a
+  string, echoed, absent or null: a fresh one; any other type of either is a 400);
 - ``/sleep`` (``?level=`` 1 or 2), ``/wake_up``, ``/reset_prefix_cache``, ``/pause``
   (``?mode=keep|wait|abort``, ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
   ``GET /get_world_size`` (1: a server joins a weight-transfer group as one rank).
@@ -19,7 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from ..types import SamplingParams
 from .cancel import Generations
 from .gate import GenerationGate
-from .openai_compat import NEUTRAL_VALUES, SAMPLING_FIELDS, add_openai_routes, sampling_params
+from .openai_compat import (
+    NEUTRAL_VALUES,
+    SAMPLING_FIELDS,
+    add_openai_routes,
+    object_field,
+    sampling_params,
+)
 from .routes_skyrl import openai_error
 
 # what /inference/v1/generate's sampling_params may hold: vLLM's fields polynya's sampler
@@ -86,10 +94,11 @@ def add_ecosystem_routes(app, client, tokenizer, generations: Generations) -> No
     async def generate(request: Request) -> dict:
         body = await read_json(request)
         prompts = _prompt_lists(body.get("token_ids"))
-        sp = body.get("sampling_params") or {}
-        if not isinstance(sp, dict):
-            raise ValueError("sampling_params must be an object")
-        params = generate_params(sp)
+        params = generate_params(object_field(body, "sampling_params"))
+        request_id = body.get("request_id")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string (or null for a fresh one), got "
+                             f"{type(request_id).__name__} {request_id!r:.100}")
         want_lp = params.logprobs
         out = await gen(prompts, params, request)
         choices = [
@@ -110,7 +119,7 @@ def add_ecosystem_routes(app, client, tokenizer, generations: Generations) -> No
         ]
         n_prompt = sum(len(p) for p in prompts)
         return {
-            "request_id": body.get("request_id") or uuid.uuid4().hex,
+            "request_id": uuid.uuid4().hex if request_id is None else request_id,
             "choices": choices,
             "usage": {
                 "prompt_tokens": n_prompt,

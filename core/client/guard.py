@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import os
 import secrets
 from pathlib import Path
@@ -87,10 +88,13 @@ class BodyGuard:
     then replayed."""
 
     def __init__(self, app, limit: int, read_timeout_s: float, min_rate: float = 1024.0):
-        if not read_timeout_s > 0:
-            raise ValueError(f"read_timeout_s must be > 0 seconds, got {read_timeout_s!r}")
-        if not min_rate >= 0:
-            raise ValueError(f"min_rate must be >= 0 bytes/s (0: no rate bound), got {min_rate!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be a whole number of bytes >= 0, got {limit!r}")
+        if not 0 < read_timeout_s < math.inf:
+            raise ValueError(f"read_timeout_s must be > 0 seconds (finite), got {read_timeout_s!r}")
+        if not 0 <= min_rate < math.inf:
+            raise ValueError(f"min_rate must be >= 0 bytes/s (finite; 0: no rate bound), got "
+                             f"{min_rate!r}")
         self.app, self.limit, self.read_timeout_s, self.min_rate = (
             app, limit, read_timeout_s, min_rate)
 

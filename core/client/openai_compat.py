@@ -48,9 +48,23 @@ _COMMON = {"model", "top_k", "logprobs", "return_token_ids", "return_tokens_as_t
            "skip_special_tokens", "stop", "prompt_logprobs", "structured_outputs", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
 BOOL_FIELDS = ("skip_special_tokens", "ignore_eos", "echo", "stream", "return_token_ids",
                "return_tokens_as_token_ids", "add_generation_prompt")
+_UNSERVED = (("stop", (str, list), "a string or a list of strings"),
+             ("structured_outputs", dict, "an object"), ("tools", list, "a list"))
 _COMPLETION_KEYS = _COMMON | {"prompt"}
 _CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "chat_template", "chat_template_kwargs",
                         "add_generation_prompt", "tools", "tool_choice"}
+
+
+def object_field(body: dict[str, Any], key: str) -> dict[str, Any]:
+    """``body[key]``, an object; absent or null: ``{}`` (the defaults, as vLLM's request models
+    read a null); anything else, a falsy ``0`` / ``""`` / ``[]`` / ``false`` included: ``ValueError``."""
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be an object (or null for the defaults), got "
+                         f"{type(value).__name__} {value!r:.100}")
+    return value
 
 
 def sampling_params(body: dict[str, Any], keys: set[str], *, logprobs: bool = True) -> SamplingParams:
@@ -61,7 +75,10 @@ def sampling_params(body: dict[str, Any], keys: set[str], *, logprobs: bool = Tr
     for k, neutral in NEUTRAL_VALUES.items():
         if k in body and body[k] is not None and body[k] != neutral and k != "ignore_eos":
             raise ValueError(f"{k}={body[k]!r} is not supported by polynya's sampler (only {neutral!r})")
-    for k in ("stop", "structured_outputs", "tools"):
+    for k, kinds, what in _UNSERVED:  # null or empty: off; a falsy value of another type: 400
+        if body.get(k) is not None and not isinstance(body[k], kinds):
+            raise ValueError(f"{k} must be {what} or null, got {type(body[k]).__name__} "
+                             f"{body[k]!r:.100}")
         if body.get(k):
             raise ValueError(f"{k!r} is not supported by polynya's sampler")
     for k in BOOL_FIELDS:
@@ -198,9 +215,7 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
         raise ValueError("a request's chat_template is refused: a template runs on the server, with no "
                          "bound on its memory or time. Serve a model directory whose tokenizer has the "
                          "template you need")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ValueError("chat_template_kwargs must be an object")
+    kwargs = object_field(body, "chat_template_kwargs")
     reserved = sorted(set(kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
     if reserved:  # the template's variables only; these are the call's own arguments
         raise ValueError(f"chat_template_kwargs may not set {reserved}: they are arguments of the "

@@ -7,9 +7,10 @@ Binds ``127.0.0.1`` unless told otherwise; on another address without ``--token`
 one and prints it. With a token every route but ``/health`` needs ``Authorization: Bearer
 <token>`` (docs included); bodies over ``max_body_bytes`` get 413, a stalled body 408; file
 routes stay inside the run directory (``guard.py``). Malformed payloads get a 4xx with
-``{"error": ...}`` and never take the server down. A generation whose client disconnects (or
-whose handler is cancelled) is aborted in the engine at its next step, pages freed
-(``cancel.py``); the other requests of the batch are unaffected.
+``{"error": ...}`` and never take the server down; a wait on something outside the server that
+runs past its bound (a weight-transfer group that does not form) gets 504. A generation whose
+client disconnects (or whose handler is cancelled) is aborted in the engine at its next step,
+pages freed (``cancel.py``); the other requests of the batch are unaffected.
 
 Client API (``HTTPClient`` speaks it): ``POST /rl/generate`` (JSON), ``/rl/compute_logprobs`` and
 ``/rl/forward_backward`` (a batch as safetensors bytes, ``polynya.client.codec``), ``/rl/step``,
@@ -21,6 +22,7 @@ each module adds its routes with one ``add_*_routes(app, ...)`` call in ``create
 
 import argparse
 import json
+import math
 import os
 
 from ..distributed import is_loopback
@@ -35,6 +37,7 @@ from .codec import (
     sample_to_json,
 )
 from .guard import BodyGuard, RunDir, TokenGuard, new_token
+from .weight_transfer import INIT_TIMEOUT_S, MAX_INIT_TIMEOUT_S
 
 
 def _fastapi():
@@ -56,6 +59,7 @@ def create_app(
     read_timeout_s: float = 30.0,
     min_body_rate: float = 1024.0,
     require_weight_checksum: bool = True,
+    weight_transfer_timeout_s: float = INIT_TIMEOUT_S,
 ):
     """The server's ASGI app: ``client`` (a ``LocalClient``) behind the guards of ``guard.py``.
 
@@ -68,6 +72,9 @@ def create_app(
         min_body_rate: 408 when a body arrives slower than this many bytes/s on average
             after the first ``read_timeout_s`` (0: no rate bound; the idle bound stays).
         require_weight_checksum: ``/finish_weight_update`` needs the trainer's checksum.
+        weight_transfer_timeout_s: how long ``/init_weight_transfer_engine`` waits for the
+            trainer's group before it answers 504 (``weight_transfer.py``; at most
+            ``MAX_INIT_TIMEOUT_S``).
     """
     _fastapi()
     from fastapi import FastAPI, HTTPException, Request, Response
@@ -185,7 +192,8 @@ def create_app(
 
     add_ecosystem_routes(app, client, tokenizer, generations)
     add_skyrl_routes(app, client, tokenizer)
-    add_weight_transfer_routes(app, client, require_checksum=require_weight_checksum)
+    add_weight_transfer_routes(app, client, require_checksum=require_weight_checksum,
+                               init_timeout_s=weight_transfer_timeout_s)
     return TokenGuard(BodyGuard(app, max_body_bytes, read_timeout_s, min_body_rate), api_token)
 
 
@@ -196,6 +204,7 @@ _STATUS = {
     FileNotFoundError: 404,
     NotImplementedError: 501,
     RuntimeError: 409,
+    TimeoutError: 504,  # waited for something outside the server past its bound
     Exception: 500,
 }
 
@@ -211,6 +220,23 @@ def _float(v: str, name: str) -> float:
         return float(v)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {v!r}") from None
+
+
+def _number(kind: type, ok, bound: str):
+    """An argparse ``type``: ``kind`` (int or float) within ``ok``, else an argparse error that
+    names the option and ``bound`` (never a traceback from deep inside the server)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -240,7 +266,10 @@ def parser() -> argparse.ArgumentParser:
         help="address to bind; anything but loopback requires a token (default: %(default)s)",
     )
     ap.add_argument(
-        "--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)"
+        "--port",
+        type=_number(int, lambda v: 0 < v < 65536, "from 1 to 65535"),
+        default=8000,
+        help="TCP port to listen on (default: %(default)s)",
     )
     ap.add_argument(
         "--token",
@@ -257,19 +286,19 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_number(int, lambda v: v > 0, "> 0 bytes"),
         default=1 << 30,
         help="larger request bodies are refused with 413 (default: %(default)s)",
     )
     ap.add_argument(
         "--read-timeout",
-        type=float,
+        type=_number(float, lambda v: 0 < v < math.inf, "> 0 seconds (finite)"),
         default=30.0,
         help="seconds without request-body bytes before a request gets 408 (default: %(default)s)",
     )
     ap.add_argument(
         "--min-body-rate",
-        type=float,
+        type=_number(float, lambda v: 0 <= v < math.inf, ">= 0 bytes/s (finite; 0: no rate bound)"),
         default=1024.0,
         help="request bodies slower than this many bytes/s on average after the first "
         "--read-timeout seconds get 408, so a body trickled byte by byte cannot hold a worker "
@@ -283,7 +312,20 @@ def parser() -> argparse.ArgumentParser:
         "checked)",
     )
     ap.add_argument(
-        "--sampling-gpus", type=int, default=1, help="sampler replicas (default: %(default)s)"
+        "--weight-transfer-timeout",
+        type=_number(float, lambda v: 0 < v <= MAX_INIT_TIMEOUT_S,
+                     f"> 0 and at most {MAX_INIT_TIMEOUT_S:g} seconds"),
+        default=INIT_TIMEOUT_S,
+        help="seconds /init_weight_transfer_engine waits for the trainer's group to accept a "
+        "connection and form before it answers 504 naming the address; one init at a time, on "
+        "a thread of its own (default: %(default)s; at most "
+        f"{MAX_INIT_TIMEOUT_S:g})",
+    )
+    ap.add_argument(
+        "--sampling-gpus",
+        type=_number(int, lambda v: v > 0, ">= 1"),
+        default=1,
+        help="sampler replicas (default: %(default)s)",
     )
     ap.add_argument(
         "--no-colocate",
@@ -331,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         read_timeout_s=a.read_timeout,
         min_body_rate=a.min_body_rate,
         require_weight_checksum=not a.no_weight_checksum,
+        weight_transfer_timeout_s=a.weight_transfer_timeout,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning"))
     startup = server.startup

@@ -2,7 +2,8 @@
 receiving a trainer's broadcast into the native sampler:
 
 - ``POST /init_weight_transfer_engine`` ``{"init_info": {"master_address", "master_port",
-  "rank_offset", "world_size"}}`` joins a broadcast group in which the trainer is rank 0;
+  "rank_offset", "world_size"}}`` joins a broadcast group in which the trainer is rank 0 (see
+  "Joining" below);
 - ``POST /start_weight_update`` opens an update (staging is empty);
 - ``POST /update_weights`` ``{"update_info": {"names", "dtype_names", "shapes", "packed"}}``
   receives one broadcast (``packed``: one flat buffer) or one per tensor, into staging;
@@ -20,11 +21,29 @@ trainer's ``checksum`` (``polynya.checksum.checksum_named_tensors`` of the tenso
 an empty update, a stale version, and a finish after a refused update. The version moves only
 when weights were loaded. A refused ``/update_weights`` also drops the transfer group (the
 trainer's broadcast may have no receive to match): the trainer re-initialises it.
+
+Joining is bounded by the server's init timeout (``init_timeout_s``, ``--weight-transfer-timeout``,
+default 300 s = ``SyncGroup``'s own ``timeout_s``, at most ``MAX_INIT_TIMEOUT_S``; a server-level
+setting because vLLM refuses any other key in ``init_info``): the server waits that long for
+something to accept a connection at ``master_address:master_port`` (the trainer may start its
+store after sending the init) and for the group to form, then answers 504 naming the address.
+TCPStore's own client wait is not used for this: when its connect times out it starts a whole new
+one with a fresh timeout, so it gives up after 2 to 2.5 times its timeout (over 600 s at 300 s).
+One init runs at a time, on a thread of its own (a second init meanwhile gets 409; the threads of
+the other routes are never held by one); the group in use is replaced only once the new one has
+formed, so a failed init leaves the transfer state as it was. A group still forming when its
+caller got the 504 is closed once formed, never installed; it ends within ``SyncGroup``'s bounds,
+and until it has, a new init gets 409. Each receive of ``/update_weights`` is bounded by
+``SyncGroup``'s ``timeout_s`` (300 s), whatever the init timeout.
 """
 
 import asyncio
 import math
+import socket
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +51,42 @@ from ..sync import SyncError, SyncGroup
 from ..sync.manifest import dtype_from_name
 
 SLACK_BYTES = 64 << 20  # largest over-send a receive absorbs (and reports) instead of aborting
+INIT_TIMEOUT_S = 300.0  # default bound of one init: SyncGroup's own timeout_s
+MAX_INIT_TIMEOUT_S = 3600.0
+_ANSWER_GRACE_S = 1.0  # the join thread's own timeout error comes first; this late, give up on it
+_KEPT = "the transfer state is unchanged (the group in use, if any, is kept)"
+
+
+class TransferTimeout(TimeoutError):
+    """No weight-transfer group formed within the server's init timeout (HTTP 504)."""
+
+
+def init_timeout(value: float) -> float:
+    """A server's init timeout in seconds, in ``(0, MAX_INIT_TIMEOUT_S]``; ``ValueError`` else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        0 < value <= MAX_INIT_TIMEOUT_S
+    ):
+        raise ValueError(f"the weight-transfer init timeout (weight_transfer_timeout_s, "
+                         f"--weight-transfer-timeout) must be > 0 and at most "
+                         f"{MAX_INIT_TIMEOUT_S:g} seconds, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class _Join:
+    """One ``/init_weight_transfer_engine`` in progress."""
+
+    host: str
+    port: int
+    started: float
+    deadline: float
+    formed: bool = False  # the group formed (it may still wait for an update in flight)
+    abandoned: bool = False  # its caller got the 504: a group formed late is closed
+    installed: bool = False  # the group formed and is the one in use
+
+    @property
+    def where(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 def slack_elements(numel: int, element_size: int) -> int:
@@ -42,13 +97,18 @@ def slack_elements(numel: int, element_size: int) -> int:
 class WeightTransfer:
     """Receiver state of the weight-transfer routes (module docstring)."""
 
-    def __init__(self, samplers, *, require_checksum: bool = True):
+    def __init__(self, samplers, *, require_checksum: bool = True,
+                 init_timeout_s: float = INIT_TIMEOUT_S):
         self.samplers = samplers
         self.require_checksum = require_checksum
+        self.init_timeout_s = init_timeout(init_timeout_s)
         self.group: SyncGroup | None = None
         self.staged: dict[str, torch.Tensor] | None = None
         self.refused: str | None = None  # why the open update was refused (finish reports it)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the group and the staged update
+        self._join_lock = threading.Lock()  # the init in progress and its fate
+        self._joining: _Join | None = None
+        self._init_pool = ThreadPoolExecutor(1, thread_name_prefix="polynya-transfer-init")
         if samplers:
             self.expected = samplers[0].weight_specs()
             self.device = samplers[0].device
@@ -57,33 +117,73 @@ class WeightTransfer:
         if not self.samplers:
             raise NotImplementedError("this server has no native sampler to receive weights")
 
-    def init(self, info: dict) -> None:
+    async def init(self, info: dict) -> None:
+        """Join the trainer's group (module docstring: "Joining"): ``TransferTimeout`` when it
+        did not form within ``init_timeout_s``, ``RuntimeError`` while another init is pending,
+        ``ValueError`` for a bad ``init_info``; the group in use stays unless the join succeeds."""
         self._check_samplers()
-        try:
-            host, port = str(info["master_address"]), _int(info["master_port"], "master_port")
-            offset = _int(info.get("rank_offset", 1), "rank_offset")
-            world = _int(info["world_size"], "world_size")
-        except KeyError as exc:
-            raise ValueError(
-                f"init_info needs master_address, master_port, world_size: missing {exc}"
-            ) from None
-        if not (0 < port < 65536 and 0 < offset < world):
-            raise ValueError(
-                f"init_info: need 0 < master_port < 65536 and 0 < rank_offset < "
-                f"world_size, got port {port}, rank_offset {offset}, world_size {world}"
-            )
-        with self._lock:
-            if self.group is not None:
-                self.group.close()
-                self.group = None
-            try:
-                self.group = SyncGroup(host, port, rank=offset, world_size=world,
-                                       device=self.device, heartbeat=False)  # outside trainer
-            except Exception as exc:  # unreachable host, no trainer listening, timeout
+        host, port, rank, world = _init_args(info)
+        join = self._begin(host, port)
+        work = asyncio.get_running_loop().run_in_executor(
+            self._init_pool, self._join, join, rank, world
+        )
+        await asyncio.wait({work}, timeout=self.init_timeout_s + _ANSWER_GRACE_S)
+        if not work.done() and self._abandon(join):
+            why = ("it formed, but an update still receiving on the group in use held it "
+                   "back; the new group is closed" if join.formed else
+                   f"something accepts connections there, but not all {world} ranks joined "
+                   "(check world_size and rank_offset, and that the trainer creates its group)")
+            raise TransferTimeout(f"the weight-transfer group at {join.where} was not ready "
+                                  f"within {self.init_timeout_s:g} s: {why}; {_KEPT}")
+        await work
+
+    def _begin(self, host: str, port: int) -> _Join:
+        now = time.monotonic()
+        with self._join_lock:
+            pending = self._joining
+            if pending is not None:
+                state = ("is ending the rendezvous it timed out on (within SyncGroup's own "
+                         "timeout)" if pending.abandoned else "is waiting for its group")
                 raise RuntimeError(
-                    f"could not join the weight-transfer group at {host}:{port} as rank {offset} "
-                    f"of {world}: {type(exc).__name__}: {exc}"
+                    f"another /init_weight_transfer_engine (to {pending.where}, "
+                    f"{now - pending.started:.0f} s ago) {state}: one init at a time, retry "
+                    "once it has answered"
+                )
+            self._joining = _Join(host, port, now, now + self.init_timeout_s)
+            return self._joining
+
+    def _abandon(self, join: _Join) -> bool:
+        """The caller gives up on ``join``: True unless its group is already the one in use."""
+        with self._join_lock:
+            join.abandoned = not join.installed
+            return join.abandoned
+
+    def _join(self, join: _Join, rank: int, world: int) -> None:
+        """The blocking part of an init, on the init thread: wait for the trainer's store, form
+        the group, and make it the one in use unless its caller gave up on it meanwhile."""
+        try:
+            _wait_for_listener(join, self.init_timeout_s)
+            try:
+                group = SyncGroup(join.host, join.port, rank=rank, world_size=world,
+                                  device=self.device, heartbeat=False)  # outside trainer
+            except Exception as exc:  # not a store there, the trainer gave up, backend error
+                raise RuntimeError(
+                    f"could not join the weight-transfer group at {join.where} as rank {rank} "
+                    f"of {world}: {type(exc).__name__}: {exc}; {_KEPT}"
                 ) from exc
+            join.formed = True
+            with self._lock:  # waits for an update still receiving on the group in use
+                with self._join_lock:
+                    join.installed = not join.abandoned
+                old = self.group
+                if join.installed:
+                    self.group = group
+            dropped = old if join.installed else group  # (a late group: nobody asked for it)
+            if dropped is not None:
+                dropped.close()
+        finally:
+            with self._join_lock:
+                self._joining = None
 
     def start(self) -> None:
         self._check_samplers()
@@ -208,6 +308,51 @@ class WeightTransfer:
             return v
 
 
+def _init_args(info: dict) -> tuple[str, int, int, int]:
+    """``(host, port, rank, world_size)`` of an ``init_info``; ``ValueError`` naming a bad field."""
+    try:
+        host, port = info["master_address"], _int(info["master_port"], "master_port")
+        rank = _int(info.get("rank_offset", 1), "rank_offset")
+        world = _int(info["world_size"], "world_size")
+    except KeyError as exc:
+        raise ValueError(
+            f"init_info needs master_address, master_port, world_size: missing {exc}"
+        ) from None
+    if not isinstance(host, str) or not host.strip():
+        raise ValueError(f"init_info: master_address must be a host name or address (a "
+                         f"non-empty string), got {host!r:.100}")
+    if not (0 < port < 65536 and 0 < rank < world):
+        raise ValueError(
+            f"init_info: need 0 < master_port < 65536 and 0 < rank_offset < "
+            f"world_size, got port {port}, rank_offset {rank}, world_size {world}"
+        )
+    return host, port, rank, world
+
+
+def _wait_for_listener(join: _Join, timeout_s: float) -> None:
+    """Return once something accepts a TCP connection at ``join``'s address; ``TransferTimeout``
+    at its deadline, ``ValueError`` for a host name that does not resolve."""
+    delay = 0.05
+    while True:
+        left = join.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout(
+                f"nothing accepted a connection at {join.where} within {timeout_s:g} s (the "
+                "server's weight-transfer init timeout, --weight-transfer-timeout): start the "
+                "trainer's rank-0 group (its store) at that address, or correct master_address / "
+                f"master_port; {_KEPT}"
+            )
+        try:
+            socket.create_connection((join.host, join.port), timeout=min(left, 5.0)).close()
+            return
+        except socket.gaierror as exc:
+            raise ValueError(f"init_info: master_address {join.host!r:.100} does not resolve "
+                             f"({exc.strerror or exc}); {_KEPT}") from None
+        except OSError:  # refused, unreachable, timed out: the trainer's store may start yet
+            time.sleep(max(0.0, min(delay, join.deadline - time.monotonic())))
+            delay = min(2 * delay, 0.5)
+
+
 def _version(raw) -> int:
     """An explicit weight version: an int, or a string of one (SkyRL sends ``"3"``)."""
     if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
@@ -221,14 +366,16 @@ def _int(v, name: str) -> int:
     return v
 
 
-def add_weight_transfer_routes(app, client, *, require_checksum: bool = True) -> WeightTransfer:
+def add_weight_transfer_routes(app, client, *, require_checksum: bool = True,
+                               init_timeout_s: float = INIT_TIMEOUT_S) -> WeightTransfer:
     """Register the four weight-transfer routes on ``app``; returns the receiver state."""
     from fastapi import Request
 
     from .codec import read_json
 
     transfer = WeightTransfer(
-        list(getattr(client, "samplers", [])), require_checksum=require_checksum
+        list(getattr(client, "samplers", [])), require_checksum=require_checksum,
+        init_timeout_s=init_timeout_s,
     )
 
     async def section(request: Request, key: str) -> dict:
@@ -239,7 +386,7 @@ def add_weight_transfer_routes(app, client, *, require_checksum: bool = True) ->
 
     @app.post("/init_weight_transfer_engine")
     async def init_transfer(request: Request) -> dict:
-        await asyncio.to_thread(transfer.init, await section(request, "init_info"))
+        await transfer.init(await section(request, "init_info"))  # on its own thread
         return {"message": "Weight transfer initialized"}
 
     @app.post("/start_weight_update")

@@ -97,8 +97,13 @@ def test_oversized_bodies_get_413_declared_or_streamed():
 @pytest.mark.parametrize("kwargs, needle", [
     ({"read_timeout_s": 0}, "read_timeout_s"),
     ({"read_timeout_s": float("nan")}, "read_timeout_s"),
+    ({"read_timeout_s": float("inf")}, "read_timeout_s"),
     ({"read_timeout_s": 1.0, "min_rate": -1}, "min_rate"),
+    ({"read_timeout_s": 1.0, "min_rate": float("nan")}, "min_rate"),
+    ({"read_timeout_s": 1.0, "min_rate": float("inf")}, "min_rate"),
+    ({"read_timeout_s": 1.0, "limit": -1}, "limit"),
+    ({"read_timeout_s": 1.0, "limit": 1.5}, "limit"),
 ])
 def test_bad_bounds_refused(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        BodyGuard(App(), limit=100, **kwargs)
+        BodyGuard(App(), **{"limit": 100, **kwargs})

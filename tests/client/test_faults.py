@@ -18,6 +18,9 @@ the optimizer step, the files on disk — is compared before and after.
 | explicit ``weight_version``                       | served as given              |
 | string / NaN / inf / null params, bad stop ids    | 400 on all three gen routes  |
 | ints past int64, non-bool flags, template kwargs  | 400, not 500                 |
+| falsy non-object sampling_params / template kwargs| 400 (null: the defaults)     |
+| stop / tools / structured_outputs of a wrong type | 400 (was read as "off")      |
+| non-string request_id on /inference/v1/generate   | 400, nothing generated       |
 | a save / load path with a name too long           | 400, nothing written         |
 | ``/sleep?level=9``, ``/rl/sleep`` level 9          | 400, sampler keeps serving   |
 | ``compute_logprobs(temperature=0)`` HTTP + engine | 400 / ValueError             |
@@ -429,6 +432,19 @@ def test_bad_sampling_params_get_400(raw, unchanged, route, params, needle):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                               "add_generation_prompt": "no"}, "add_generation_prompt must be"),
     ("/collective_rpc", {"method": ["x"]}, "needs a method name"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "stop": 0},
+     "stop must be a string or a list of strings"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "structured_outputs": []},
+     "structured_outputs must be an object"),
+    ("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": {
+        "max_tokens": 2, "stop": False}}, "stop must be a string or a list of strings"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "tools": 0}, "tools must be a list"),
+    *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                "chat_template_kwargs": v}, "chat_template_kwargs must be an object")
+      for v in (0, "", [], False, "x")],
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": []},
+     "chat_template_kwargs must be an object"),
 ])
 def test_bad_flags_and_template_arguments_get_400(raw, unchanged, route, body, needle):
     """Each was a 500 (a TypeError inside the tokenizer, the template call or a lookup)."""
@@ -439,9 +455,67 @@ def test_null_flags_take_their_defaults(raw):
     """``"skip_special_tokens": null`` is the default (true), as vLLM reads it (was a 500 after
     the generation had run)."""
     r = raw.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "temperature": 0,
-                                          "skip_special_tokens": None, "ignore_eos": None})
+                                          "skip_special_tokens": None, "ignore_eos": None,
+                                          "stop": None, "structured_outputs": None})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) <= 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    plain = raw.post("/v1/chat/completions", json=chat)
+    null = raw.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": None})
+    assert plain.status_code == null.status_code == 200, null.text
+    assert null.json()["prompt_token_ids"] == plain.json()["prompt_token_ids"]
+    assert null.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
+
+
+def _generated(local) -> list[tuple[float, float]]:
+    """Every replica's prefill and decode token counters (a refused request moves neither)."""
+    return [(s.stats()["prefill_tokens"], s.stats()["decode_tokens"]) for s in local.samplers]
+
+
+@pytest.mark.parametrize("value", [0, "", [], False, 1, "x", [{"max_tokens": 2}]])
+def test_non_object_sampling_params_get_400(server, raw, unchanged, value):
+    """A falsy non-object (``0``, ``""``, ``[]``, ``false``) was read as ``{}``: the defaults."""
+    before = _generated(server["local"])
+    r = raw.post("/inference/v1/generate", json={"token_ids": [5, 6], "sampling_params": value})
+    _error(r, 400, "sampling_params must be an object")
+    assert _generated(server["local"]) == before
+
+
+@pytest.mark.parametrize("body", [{}, {"sampling_params": None}])
+def test_absent_or_null_sampling_params_take_the_defaults(raw, body):
+    r = raw.post("/inference/v1/generate", json={"token_ids": [5, 6], **body})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    n = len(choice["token_ids"])  # vLLM's default max_tokens: 16
+    assert n == 16 if choice["finish_reason"] == "length" else 1 <= n <= 16
+    assert choice["logprobs"] is None
+
+
+@pytest.mark.parametrize("request_id", [0, 1, 1.5, True, False, [], ["r"], {}, {"id": "r"}])
+def test_non_string_request_id_gets_400(server, raw, unchanged, request_id):
+    """It was echoed whatever its type; vLLM's request id is a string."""
+    before = _generated(server["local"])
+    r = raw.post("/inference/v1/generate", json={
+        "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}, "request_id": request_id})
+    _error(r, 400, "request_id must be a string")
+    assert _generated(server["local"]) == before
+
+
+@pytest.mark.parametrize("body, echoed", [
+    ({"request_id": "req-7"}, "req-7"),
+    ({"request_id": ""}, ""),
+    ({"request_id": None}, None),
+    ({}, None),
+])
+def test_string_request_id_echoed_else_a_fresh_one(raw, body, echoed):
+    r = raw.post("/inference/v1/generate", json={
+        "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}, **body})
+    assert r.status_code == 200, r.text
+    got = r.json()["request_id"]
+    if echoed is None:
+        assert isinstance(got, str) and len(got) == 32 and int(got, 16) >= 0
+    else:
+        assert got == echoed
 
 
 @pytest.mark.parametrize("route", ["/rl/save", "/rl/load"])

@@ -23,6 +23,53 @@ def test_help_names_program_and_every_flag():
     assert "Serve polynya's engines" in text and "Example:" in text
 
 
+BAD_NUMBERS = [
+    ("--port", "0"), ("--port", "65536"), ("--port", "-1"), ("--port", "80.5"),
+    ("--max-body-bytes", "0"), ("--max-body-bytes", "-5"), ("--max-body-bytes", "1e3"),
+    ("--read-timeout", "0"), ("--read-timeout", "-1"), ("--read-timeout", "nan"),
+    ("--read-timeout", "inf"), ("--read-timeout", "soon"),
+    ("--min-body-rate", "-1"), ("--min-body-rate", "nan"), ("--min-body-rate", "inf"),
+    ("--min-body-rate", "1e999"),
+    ("--sampling-gpus", "0"), ("--sampling-gpus", "-2"), ("--sampling-gpus", "1.5"),
+    ("--weight-transfer-timeout", "0"), ("--weight-transfer-timeout", "-3"),
+    ("--weight-transfer-timeout", "3601"), ("--weight-transfer-timeout", "nan"),
+]
+
+
+@pytest.mark.parametrize("flag, value", BAD_NUMBERS)
+def test_bad_numbers_are_argparse_errors(capsys, flag, value):
+    """Each was a ValueError traceback once the engines were built (or was taken as given)."""
+    with pytest.raises(SystemExit) as exit_:
+        parser().parse_args(["--model", "tiny:qwen3", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: must be" in err and value in err, err
+
+
+def test_good_numbers_parse():
+    a = parser().parse_args(["--model", "m", "--port", "65535", "--max-body-bytes", "1",
+                             "--read-timeout", "0.5", "--min-body-rate", "0",
+                             "--sampling-gpus", "2", "--weight-transfer-timeout", "3600"])
+    assert (a.port, a.max_body_bytes, a.read_timeout, a.min_body_rate, a.sampling_gpus,
+            a.weight_transfer_timeout) == (65535, 1, 0.5, 0.0, 2, 3600.0)
+    d = parser().parse_args(["--model", "m"])
+    assert (d.port, d.max_body_bytes, d.read_timeout, d.min_body_rate, d.sampling_gpus,
+            d.weight_transfer_timeout) == (8000, 1 << 30, 30.0, 1024.0, 1, 300.0)
+
+
+def test_cli_refuses_a_negative_rate_before_loading_anything():
+    """``--min-body-rate -1``: exit status 2 with the usage line, no traceback, no model built."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "polynya.client.server", "--model", "tiny:qwen3",
+         "--min-body-rate", "-1"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "usage: python -m polynya.client.server" in proc.stderr
+    assert "error: argument --min-body-rate: must be >= 0 bytes/s" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
 @pytest.mark.parametrize(
     "host, given, token, generated",
     [
