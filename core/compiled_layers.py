@@ -49,13 +49,13 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .dynamo import fresh_function
 from .model_features import decoder_layers
 
 _T = "transformers.models."
@@ -113,12 +113,6 @@ def _after_attention(layer, residual, attn_output):
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def _fresh(fn: Callable) -> Callable:
-    """A copy of ``fn`` with its own code object (Dynamo keeps graphs and its recompile budget
-    per code object, so layer classes do not evict each other's graphs)."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-
-
 def family_reason(cls: type) -> str | None:
     """Why decoder layers of class ``cls`` cannot run as compiled regions, or None."""
     import transformers
@@ -153,7 +147,7 @@ def layer_regions(cls: type, backend: str | Callable = "inductor", dynamic: bool
 
             qk_norm, window = _FAMILIES[_class_name(cls)]
             family = sys.modules[cls.__module__]
-            compiled = (torch.compile(_fresh(f), backend=backend, dynamic=dynamic)
+            compiled = (torch.compile(fresh_function(f), backend=backend, dynamic=dynamic)
                         for f in (_before_attention, _after_attention))
             regions = _Regions(*compiled, family.apply_rotary_pos_emb,
                                family.eager_attention_forward, ALL_ATTENTION_FUNCTIONS, qk_norm,

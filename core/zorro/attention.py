@@ -50,6 +50,9 @@ the switch once, at the process's first cuDNN attention call (so import polynya 
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +62,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..config.common import check_zorro_attention
+from ..dynamo import fresh_function
 from ..eager_attention import causal_mask, eager_attention
 from ..kernels.zorro import MAX_INNER, split_attention, varlen_attention
 from ..model_features import SOFTCAP, WINDOWS, AttentionFeatures
@@ -71,18 +75,58 @@ __all__ = ["FLEX_BLOCK", "MAX_INNER", "NAME", "ZORRO_SUPPORTS", "ZorroMask", "_l
 NAME = "polynya"
 ZORRO_SUPPORTS = frozenset({WINDOWS, SOFTCAP})  # model features ZoRRo Train implements
 
-_compiled_flex = None
+# compiled FlexAttention per configuration (flex_key), most recently used last
+_COMPILED_FLEX: OrderedDict[tuple, Callable] = OrderedDict()
+_FLEX_CONFIGS = 32
+_FLEX_LOCK = threading.Lock()
+
+
+def flex_key(query, key, block_mask, scale, softcap) -> tuple:
+    """What Dynamo specialises a FlexAttention call on, besides lengths (which turn dynamic
+    after the first new one): device, dtype, heads, head dim, scale, soft-cap, grad mode, the
+    mask function's code and its non-tensor captures (a layer's window)."""
+    mod = block_mask.mask_mod
+    cells = tuple(_capture_key(c.cell_contents) for c in (getattr(mod, "__closure__", None) or ())
+                  if not isinstance(c.cell_contents, torch.Tensor))
+    return (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1],
+            float(scale), softcap, torch.is_grad_enabled(), getattr(mod, "__code__", mod), cells,
+            block_mask.BLOCK_SIZE)
+
+
+def _capture_key(value):
+    """A captured value as a key: functions by their code (a new closure of the same code per
+    call must not compile anew), other hashable values as they are, the rest by type."""
+    if callable(value) and hasattr(value, "__code__"):
+        return value.__code__
+    try:
+        hash(value)
+    except TypeError:
+        return type(value)
+    return value
+
+
+def compiled_flex(config: tuple) -> Callable:
+    """``torch.compile(flex_attention)`` for one ``flex_key``: each configuration compiles its own
+    copy of the function (``fresh_function``), so a process that meets many configurations
+    (several models, dtypes or window sizes) never spends one shared recompile budget, past which
+    Dynamo would run FlexAttention eagerly — its unfused reference that materialises every score
+    — without an error. The ``_FLEX_CONFIGS`` most recently used stay compiled."""
+    with _FLEX_LOCK:
+        fn = _COMPILED_FLEX.get(config)
+        if fn is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            fn = _COMPILED_FLEX[config] = torch.compile(fresh_function(flex_attention))
+            if len(_COMPILED_FLEX) > _FLEX_CONFIGS:
+                _COMPILED_FLEX.popitem(last=False)
+        _COMPILED_FLEX.move_to_end(config)
+        return fn
 
 
 def _flex(query, key, value, block_mask, scale, softcap=None):
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex(query, key, value, score_mod=softcap_score_mod(softcap),
-                          block_mask=block_mask, scale=scale,
-                          enable_gqa=query.shape[1] != key.shape[1])
+    fn = compiled_flex(flex_key(query, key, block_mask, scale, softcap))
+    return fn(query, key, value, score_mod=softcap_score_mod(softcap), block_mask=block_mask,
+              scale=scale, enable_gqa=query.shape[1] != key.shape[1])
 
 
 @functools.lru_cache(maxsize=16)

@@ -100,3 +100,33 @@ def test_flex_path_with_window_and_softcap_equals_dense_on_cpu(window, softcap):
     torch.testing.assert_close(got[:, :, real], ref[:, :, real], atol=1e-5, rtol=1e-5)
     plain = eager_attention(q, k, v, mask.dense(), 0.3)
     assert (ref - plain)[:, :, real].abs().max() > 1e-3
+
+
+def test_compiled_flex_is_one_copy_per_configuration(monkeypatch):
+    """Each FlexAttention configuration gets its own compiled copy (its own recompile budget;
+    tests/core/test_dynamo.py shows why), keyed on what Dynamo specialises on: a new batch's
+    mask (new tensors, same rule) reuses the copy, a new window, dtype or grad mode does not;
+    the least recently used copy goes past ``_FLEX_CONFIGS``."""
+    import polynya.zorro.attention as att
+    from polynya.zorro import pack_rows
+
+    monkeypatch.setattr(att, "_COMPILED_FLEX", type(att._COMPILED_FLEX)())
+    monkeypatch.setattr(att, "_FLEX_CONFIGS", 3)
+
+    def key(seed, window=None, dtype=torch.float32, softcap=None):
+        batch = random_batch(random.Random(seed), 50, groups=2, max_group=3, max_prompt=20,
+                             max_response=12)
+        rows = pack_rows(batch, pad_multiple=att.FLEX_BLOCK)
+        mask = ZorroMask(rows.tin, rows.tout, rows.nodes, "flex", rows.position_ids)
+        q, k = torch.zeros(1, 4, 8, 16, dtype=dtype), torch.zeros(1, 2, 8, 16, dtype=dtype)
+        return att.flex_key(q, k, mask.flex_mask(window), 0.25, softcap)
+
+    base = att.compiled_flex(key(1))
+    assert att.compiled_flex(key(2)) is base  # another batch: same code, captures are tensors
+    others = [att.compiled_flex(key(1, window=6)), att.compiled_flex(key(1, dtype=torch.bfloat16))]
+    with torch.no_grad():
+        others.append(att.compiled_flex(key(1)))
+    assert len({id(f) for f in [base, *others]}) == 4
+    assert key(1, window=6) != key(1, window=9) and key(1, softcap=0.5) != key(1)
+    assert len(att._COMPILED_FLEX) == 3 and key(1) not in att._COMPILED_FLEX  # least recent out
+    assert att.compiled_flex(key(1, window=6)) is others[0]
