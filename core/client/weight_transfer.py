@@ -3,10 +3,16 @@ receiving a trainer's broadcast into the native sampler:
 
 - ``POST /init_weight_transfer_engine`` ``{"init_info": {"master_address", "master_port",
   "rank_offset", "world_size"}}`` joins a broadcast group in which the trainer is rank 0 (see
-  "Joining" below);
+  "Joining" below); newer vLLM trainers also agree on packing here (``"packed"``,
+  ``"packed_buffer_size_bytes"``, ``"packed_num_buffers"``), the defaults of every update;
 - ``POST /start_weight_update`` opens an update (staging is empty);
-- ``POST /update_weights`` ``{"update_info": {"names", "dtype_names", "shapes", "packed"}}``
-  receives one broadcast (``packed``: one flat buffer) or one per tensor, into staging;
+- ``POST /update_weights`` ``{"update_info": {"names", "dtype_names", "shapes", "packed",
+  "packed_buffer_size_bytes", "packed_num_buffers"}}`` receives one broadcast per tensor, or,
+  ``packed``, the buffers of vLLM's ``packed_broadcast_producer`` (``packed_chunks``: tensors as
+  raw bytes in order, a buffer closed as soon as it holds more than ``packed_buffer_size_bytes``,
+  1 GiB unless announced), into staging. Any other key of ``init_info`` or ``update_info`` is
+  refused (vLLM refuses them too), so a trainer speaking a protocol this server does not
+  implement (``nccl_unique_id_b64``, CUDA-IPC handles) gets a 400 instead of a receive out of step;
 - ``POST /finish_weight_update`` ``{"checksum": ..., "weight_version" | "version": ...}``
   verifies the staged weights and applies them in one go under the new version.
 
@@ -51,6 +57,10 @@ from ..sync import SyncError, SyncGroup
 from ..sync.manifest import dtype_from_name
 
 SLACK_BYTES = 64 << 20  # largest over-send a receive absorbs (and reports) instead of aborting
+PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
+_RENDEZVOUS = ("master_address", "master_port", "rank_offset", "world_size")
+_PACKING = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+_UPDATE = ("names", "dtype_names", "shapes")
 INIT_TIMEOUT_S = 300.0  # default bound of one init: SyncGroup's own timeout_s
 MAX_INIT_TIMEOUT_S = 3600.0
 _ANSWER_GRACE_S = 1.0  # the join thread's own timeout error comes first; this late, give up on it
@@ -72,6 +82,54 @@ def init_timeout(value: float) -> float:
     return float(value)
 
 
+@dataclass(frozen=True)
+class Packing:
+    """How updates arrive: ``packed`` (vLLM's packed buffers of ``buffer_bytes``) or one
+    broadcast per tensor. Agreed at init (newer vLLM), overridable per update."""
+
+    packed: bool = False
+    buffer_bytes: int = PACKED_BUFFER_BYTES
+
+    def override(self, info: dict, where: str) -> "Packing":
+        """These settings with ``info``'s packing keys applied (``ValueError`` naming a bad one)."""
+        packed = info.get("packed", self.packed)
+        if not isinstance(packed, bool):
+            raise ValueError(f"{where}: packed must be true or false, got {packed!r:.50}")
+        size = info.get("packed_buffer_size_bytes", self.buffer_bytes)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{where}: packed_buffer_size_bytes must be an integer >= 1, got "
+                             f"{size!r:.50}")
+        buffers = info.get("packed_num_buffers", 1)  # the trainer's overlap only: not on the wire
+        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
+            raise ValueError(f"{where}: packed_num_buffers must be an integer >= 1, got "
+                             f"{buffers!r:.50}")
+        return Packing(packed, size)
+
+
+def packed_chunks(nbytes: list[int], buffer_bytes: int) -> list[range]:
+    """The buffers of vLLM's ``packed_broadcast_producer``: indices of the tensors (bytes each in
+    ``nbytes``, in update order) that go into each broadcast — a buffer is closed as soon as its
+    bytes exceed ``buffer_bytes``; the rest goes into a last one."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(nbytes):
+        total += n
+        if total > buffer_bytes:
+            out.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(nbytes):
+        out.append(range(start, len(nbytes)))
+    return out
+
+
+def _refuse_unknown(info: dict, known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(str(k) for k in info if k not in known)
+    if unknown:
+        extra = (" (nccl_unique_id_b64: this server joins the trainer's group by "
+                 "master_address / master_port only)" if "nccl_unique_id_b64" in unknown else "")
+        raise ValueError(f"{where}: unsupported key(s) {', '.join(repr(k)[:60] for k in unknown[:5])}"
+                         f"{extra}; this server takes {', '.join(known)}")
+
+
 @dataclass
 class _Join:
     """One ``/init_weight_transfer_engine`` in progress."""
@@ -80,6 +138,7 @@ class _Join:
     port: int
     started: float
     deadline: float
+    packing: Packing = Packing()
     formed: bool = False  # the group formed (it may still wait for an update in flight)
     abandoned: bool = False  # its caller got the 504: a group formed late is closed
     installed: bool = False  # the group formed and is the one in use
@@ -103,6 +162,7 @@ class WeightTransfer:
         self.require_checksum = require_checksum
         self.init_timeout_s = init_timeout(init_timeout_s)
         self.group: SyncGroup | None = None
+        self.packing = Packing()  # agreed with the group in use
         self.staged: dict[str, torch.Tensor] | None = None
         self.refused: str | None = None  # why the open update was refused (finish reports it)
         self._lock = threading.Lock()  # the group and the staged update
@@ -123,7 +183,8 @@ class WeightTransfer:
         ``ValueError`` for a bad ``init_info``; the group in use stays unless the join succeeds."""
         self._check_samplers()
         host, port, rank, world = _init_args(info)
-        join = self._begin(host, port)
+        packing = Packing().override(info, "init_info")
+        join = self._begin(host, port, packing)
         work = asyncio.get_running_loop().run_in_executor(
             self._init_pool, self._join, join, rank, world
         )
@@ -137,7 +198,7 @@ class WeightTransfer:
                                   f"within {self.init_timeout_s:g} s: {why}; {_KEPT}")
         await work
 
-    def _begin(self, host: str, port: int) -> _Join:
+    def _begin(self, host: str, port: int, packing: Packing) -> _Join:
         now = time.monotonic()
         with self._join_lock:
             pending = self._joining
@@ -149,7 +210,7 @@ class WeightTransfer:
                     f"{now - pending.started:.0f} s ago) {state}: one init at a time, retry "
                     "once it has answered"
                 )
-            self._joining = _Join(host, port, now, now + self.init_timeout_s)
+            self._joining = _Join(host, port, now, now + self.init_timeout_s, packing)
             return self._joining
 
     def _abandon(self, join: _Join) -> bool:
@@ -177,7 +238,7 @@ class WeightTransfer:
                     join.installed = not join.abandoned
                 old = self.group
                 if join.installed:
-                    self.group = group
+                    self.group, self.packing = group, join.packing
             dropped = old if join.installed else group  # (a late group: nobody asked for it)
             if dropped is not None:
                 dropped.close()
@@ -204,7 +265,7 @@ class WeightTransfer:
                 )
             try:
                 names, shapes, dtypes = self._check_info(info)
-                self._receive(names, shapes, dtypes, packed=bool(info.get("packed")))
+                self._receive(names, shapes, dtypes, self.packing.override(info, "update_info"))
             except Exception as exc:  # the whole update is void: finish must not apply a part,
                 self.staged, self.refused = None, str(exc)  # and the group may be out of step
                 self.group.close()
@@ -212,6 +273,7 @@ class WeightTransfer:
                 raise
 
     def _check_info(self, info: dict):
+        _refuse_unknown(info, _UPDATE + _PACKING, "update_info")
         try:
             names, raw_shapes, raw_dtypes = info["names"], info["shapes"], info["dtype_names"]
         except KeyError as exc:
@@ -243,16 +305,18 @@ class WeightTransfer:
                 )
             shapes.append(tuple(s))
             dtypes.append(dtype_from_name(str(d)))  # float32 / bfloat16 / float16 only
-        if info.get("packed") and len(set(dtypes)) != 1:
-            raise ValueError("packed update_info needs one dtype for all tensors")
         return names, shapes, dtypes
 
-    def _receive(self, names, shapes, dtypes, *, packed: bool) -> None:
+    def _receive(self, names, shapes, dtypes, packing: Packing) -> None:
         sizes = [math.prod(s) for s in shapes]
-        if packed:
-            flat = self._broadcast(sum(sizes), dtypes[0], "the packed buffer")
-            for n, s, piece in zip(names, shapes, flat.split(sizes)):
-                self.staged[n] = piece.view(s)
+        if packing.packed:  # raw bytes, dtypes mixed as they come (vLLM's packed buffers)
+            nbytes = [n * torch.empty((), dtype=d).element_size() for n, d in zip(sizes, dtypes)]
+            chunks = packed_chunks(nbytes, packing.buffer_bytes)
+            for c, idx in enumerate(chunks):
+                what = f"packed buffer {c + 1} of {len(chunks)}"
+                flat = self._broadcast(sum(nbytes[i] for i in idx), torch.uint8, what)
+                for i, piece in zip(idx, flat.split([nbytes[i] for i in idx])):
+                    self.staged[names[i]] = _as_tensor(piece, dtypes[i], shapes[i])
         else:
             for n, s, size, d in zip(names, shapes, sizes, dtypes):
                 self.staged[n] = self._broadcast(size, d, repr(n)).view(s)
@@ -308,8 +372,16 @@ class WeightTransfer:
             return v
 
 
+def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """Bytes of a packed buffer as a tensor (a copy where the offset does not suit ``dtype``)."""
+    if raw.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        raw = raw.clone()
+    return raw.view(dtype).view(shape)
+
+
 def _init_args(info: dict) -> tuple[str, int, int, int]:
     """``(host, port, rank, world_size)`` of an ``init_info``; ``ValueError`` naming a bad field."""
+    _refuse_unknown(info, _RENDEZVOUS + _PACKING, "init_info")
     try:
         host, port = info["master_address"], _int(info["master_port"], "master_port")
         rank = _int(info.get("rank_offset", 1), "rank_offset")

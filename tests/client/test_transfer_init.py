@@ -79,9 +79,9 @@ def _error(r, status: int, needle: str) -> str:
     return r.json()["error"]
 
 
-def _init_body(port: int, world: int = 2, host="127.0.0.1") -> dict:
+def _init_body(port: int, world: int = 2, host="127.0.0.1", extra: dict | None = None) -> dict:
     return {"init_info": {"master_address": host, "master_port": port, "rank_offset": 1,
-                          "world_size": world}}
+                          "world_size": world, **(extra or {})}}
 
 
 def _in_thread(fn) -> tuple[threading.Thread, dict]:
@@ -91,10 +91,11 @@ def _in_thread(fn) -> tuple[threading.Thread, dict]:
     return t, out
 
 
-def _join(http) -> SyncGroup:
-    """A trainer's group (rank 0) that the server joins as rank 1."""
+def _join(http, extra: dict | None = None) -> SyncGroup:
+    """A trainer's group (rank 0) that the server joins as rank 1 (``extra``: more init keys)."""
     port = free_port()
-    t, out = _in_thread(lambda: http.post("/init_weight_transfer_engine", json=_init_body(port)))
+    t, out = _in_thread(lambda: http.post("/init_weight_transfer_engine",
+                                          json=_init_body(port, extra=extra)))
     group = SyncGroup("127.0.0.1", port, rank=0, world_size=2, device="cpu", timeout_s=30,
                       heartbeat=False)
     t.join(60)
