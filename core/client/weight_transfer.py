@@ -122,7 +122,9 @@ def packed_chunks(nbytes: list[int], buffer_bytes: int) -> list[range]:
 
 
 def _refuse_unknown(info: dict, known: tuple[str, ...], where: str) -> None:
-    unknown = sorted(str(k) for k in info if k not in known)
+    # some vLLM versions send an ``extras`` field (per-tensor loader hints); empty, it says nothing
+    unknown = sorted(str(k) for k, v in info.items()
+                     if k not in known and not (k == "extras" and v in ({}, [], None)))
     if unknown:
         extra = (" (nccl_unique_id_b64: this server joins the trainer's group by "
                  "master_address / master_port only)" if "nccl_unique_id_b64" in unknown else "")
