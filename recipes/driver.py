@@ -15,11 +15,23 @@ overwritten: with ``run.resume`` (default) and a checkpoint the run continues fr
 that already reached ``run.steps`` only reports its model); otherwise the run refuses before
 building anything, unless ``run.overwrite=true`` (which deletes the old metrics, checkpoints
 and TensorBoard logs first).
+
+Rewards and advantages, per step: each completion is decoded without special tokens and scored
+by the task's ``reward`` with ``task.reward`` options; a truncated one (``finish_reason ==
+"length"``: no EOS within ``run.max_new_tokens``) is scored like any other, as verl and TRL do
+by default, and counted in ``truncated_frac``. A completion the reward cannot judge (it raised,
+or returned NaN/inf) is never scored: it trains with advantage 0, stays out of its group's mean
+and std, is counted in ``reward_errors`` and named in a warning; a step where no completion can
+be judged stops the run (the reward itself is broken). ``reward_mean`` / ``reward_std`` /
+``reward_max`` are over the judged completions. Advantages: :func:`group_advantages`
+(population std; groups with equal rewards get exactly 0).
 """
 from __future__ import annotations
 
+import math
 import os
 import random
+import textwrap
 import time
 
 import torch
@@ -32,19 +44,69 @@ from .metrics import MetricsLogger
 from .schema import to_client_config
 from .seeds import per_prompt
 from .tasks import Example, get_task
-from .tasks.common import judge
+from .tasks.common import describe, judge
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool, eps: float) -> torch.Tensor:
-    """GRPO advantages: reward minus its group's mean, divided by the group's std if ``scale``.
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool, eps: float,
+                     judged: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, divided by the group's std plus
+    ``eps`` if ``scale``.
 
-    Args: rewards ``[num_prompts * group_size]`` laid out group by group. Returns the same shape.
+    The std is the population std (``unbiased=False``, divisor G), polynya's choice: verl's
+    ``compute_grpo_outcome_advantage`` and TRL's ``GRPOTrainer`` divide by the sample std
+    (divisor G - 1), so these are ``sqrt(G / (G - 1))`` times theirs (1.069x at G = 8, 1.41x at
+    G = 2) up to ``eps``; only the effective step size differs. The statistics are computed in
+    float64. A group whose judged rewards are all equal (std 0), or that has fewer than two
+    judged rewards, gets advantage exactly 0 (a float32 mean of eight 0.3s is not 0.3: divided
+    by ``0 + eps`` that rounding became +-0.03 for every sample). Unlike verl, a group of one
+    sample is not given its raw reward as advantage (verl's mean 0, std 1): it gets 0.
+
+    Args:
+        rewards: ``[num_prompts * group_size]``, laid out group by group; entries where
+            ``judged`` is False are ignored (any value, NaN included).
+        group_size: samples per group (G), >= 1.
+        scale: divide by the group's std (``run.scale_advantages``).
+        eps: added to the std, finite and >= 0 (``run.advantage_eps``; verl's 1e-6 by default,
+            TRL's is 1e-4).
+        judged: ``[num_prompts * group_size]`` bool, False for a completion the reward could not
+            judge: it is left out of its group's mean and std and gets advantage 0 (TRL 1.16
+            does the same for a completion every reward function returned None for).
+    Returns:
+        ``[num_prompts * group_size]`` float32 advantages.
+    Raises:
+        ValueError: a shape that does not split into groups, a judged reward that is not
+            finite, or a bad ``eps``.
     """
-    r = rewards.view(-1, group_size)
-    adv = r - r.mean(dim=1, keepdim=True)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    if rewards.dim() != 1 or rewards.numel() == 0 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got shape {tuple(rewards.shape)}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if judged is None:
+        judged = torch.ones(rewards.shape, dtype=torch.bool)
+    if judged.shape != rewards.shape or judged.dtype != torch.bool:
+        raise ValueError(f"judged must be a bool tensor of shape {tuple(rewards.shape)}")
+    r = rewards.detach().to(torch.float64).view(-1, group_size)
+    ok = judged.to(r.device).view(-1, group_size)
+    bad = ok & ~torch.isfinite(r)
+    if bad.any():
+        i = int(bad.flatten().nonzero()[0])
+        raise ValueError(f"reward {r.flatten()[i].item()} of sample {i} (group {i // group_size}) "
+                         "is not finite: mark it unjudged instead")
+    r = torch.where(ok, r, 0.0)
+    n = ok.sum(dim=1, keepdim=True)
+    mean = r.sum(dim=1, keepdim=True) / n.clamp(min=1)
+    dev = torch.where(ok, r - mean, 0.0)
+    high = torch.where(ok, r, -math.inf).amax(dim=1, keepdim=True)
+    low = torch.where(ok, r, math.inf).amin(dim=1, keepdim=True)
+    flat = (n < 2) | (high == low)
     if scale:
-        adv = adv / (r.std(dim=1, keepdim=True, unbiased=False) + eps)
-    return adv.flatten()
+        std = ((dev * dev).sum(dim=1, keepdim=True) / n.clamp(min=1)).sqrt()
+        flat |= std + eps == 0  # eps 0 and deviations that underflow when squared
+        dev = dev / torch.where(flat, 1.0, std + eps)
+    return torch.where(flat, 0.0, dev).to(torch.float32).flatten()
 
 
 def check_run(rc) -> None:
@@ -55,6 +117,12 @@ def check_run(rc) -> None:
     for name in ("prompts_per_step", "group_size", "max_new_tokens", "keep_checkpoints"):
         if isinstance(rc[name], bool) or not isinstance(rc[name], int) or rc[name] < 1:
             raise ValueError(f"run.{name} must be an integer >= 1, got {rc[name]!r}")
+    if rc.group_size < 2:
+        raise ValueError("run.group_size must be >= 2: a GRPO advantage is a reward minus its "
+                         "group's mean, so a group of one sample has advantage 0 and trains nothing")
+    eps = rc.advantage_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"run.advantage_eps must be a finite number >= 0, got {eps!r}")
 
 
 class GRPODriver:
@@ -69,7 +137,6 @@ class GRPODriver:
         self.out_dir = cfg.run.out_dir
         self.reward_kwargs = dict(cfg.task.reward)
         self.evaluator = self._evaluator() if cfg.run.eval_every else None
-        self._warned = False
         if self.client_config.comm_protocol == "http" and self.client_config.server_url is None \
                 and self.client_config.run_dir is None:  # the embedded server saves under out_dir
             self.client_config = self.client_config.replace(run_dir=os.path.abspath(self.out_dir))
@@ -126,16 +193,9 @@ class GRPODriver:
         groups = client.generate(prompts, params)
         times["generate_s"] = time.perf_counter() - t
 
-        responses, rewards, truncated, reward_errors = [], [], 0, 0
-        for i, samples in zip(idx, groups):
-            for s in samples:
-                reward = self._reward(s.token_ids, self.examples[i])
-                reward_errors += reward is None
-                rewards.append(0.0 if reward is None else reward)
-                responses.append(s.token_ids)
-                truncated += s.finish_reason == "length"
-        rewards_t = torch.tensor(rewards)
-        adv = group_advantages(rewards_t, rc.group_size, scale=rc.scale_advantages, eps=rc.advantage_eps)
+        responses, rewards_t, judged_t, failures, truncated = self._score(step, idx, groups)
+        adv = group_advantages(rewards_t, rc.group_size, scale=rc.scale_advantages, eps=rc.advantage_eps,
+                               judged=judged_t)
         batch = RolloutBatch([p for p in prompts for _ in range(rc.group_size)], responses,
                              group_ids=[g for g in range(len(prompts)) for _ in range(rc.group_size)],
                              advantages=adv)
@@ -154,23 +214,57 @@ class GRPODriver:
         t = time.perf_counter()
         client.sync_weights()
         times["sync_s"] = time.perf_counter() - t
-        return dict(reward_mean=rewards_t.mean().item(), reward_std=rewards_t.std(unbiased=False).item(),
-                    reward_max=rewards_t.max().item(),
+        scored = rewards_t[judged_t]  # never empty: _report_unjudged raised
+        return dict(reward_mean=scored.mean().item(), reward_std=scored.std(unbiased=False).item(),
+                    reward_max=scored.max().item(),
                     response_len=sum(map(len, responses)) / len(responses),
-                    truncated_frac=truncated / len(responses), reward_errors=reward_errors,
+                    truncated_frac=truncated / len(responses), reward_errors=len(failures),
                     **{k: v for k, v in train.items() if isinstance(v, (int, float))},
                     **times, step_s=sum(times.values()))
 
-    def _reward(self, token_ids: list[int], example: Example) -> float | None:
-        """The task's reward of one completion; None (scored 0, counted in ``reward_errors``)
-        when it cannot be judged: one odd completion must never end a run."""
+    def _score(self, step: int, idx: list[int], groups) -> tuple:
+        """``(responses, rewards [N] float64, judged [N] bool, failures, truncated count)`` of the
+        step's sample groups (``groups[k]`` samples train example ``idx[k]``); unjudged rewards
+        are NaN."""
+        responses, rewards, judged, failures, truncated = [], [], [], [], 0
+        for i, samples in zip(idx, groups, strict=True):
+            if len(samples) != self.run_cfg.group_size:
+                raise RuntimeError(f"generate returned {len(samples)} samples for train example {i}, "
+                                   f"not run.group_size={self.run_cfg.group_size}")
+            for s in samples:
+                reward, why = self._reward(s.token_ids, self.examples[i])
+                if why is not None:
+                    failures.append((i, why))
+                rewards.append(reward)
+                judged.append(why is None)
+                responses.append(s.token_ids)
+                truncated += s.finish_reason == "length"
+        self._report_unjudged(step, failures, len(rewards))
+        return (responses, torch.tensor(rewards, dtype=torch.float64), torch.tensor(judged, dtype=torch.bool),
+                failures, truncated)
+
+    def _reward(self, token_ids: list[int], example: Example) -> tuple[float, str | None]:
+        """``(reward, None)``, or ``(nan, why)`` when the task's reward raised or was not finite:
+        one odd completion must never end a run, nor be scored as if it had been judged."""
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         r, why = judge(self.task, text, example, self.reward_kwargs)
-        if why is not None and not self._warned:
-            print(f"warning: reward failed ({why}); scored 0 and counted in reward_errors",
-                  flush=True)
-            self._warned = True
-        return None if why is not None else r
+        return (r, None) if why is None else (math.nan, why)
+
+    def _report_unjudged(self, step: int, failures: list[tuple[int, str]], total: int) -> None:
+        """Warn, naming the first prompt, when some completions of the step could not be judged
+        (they train with advantage 0 and stay out of their groups' statistics); ``RuntimeError``
+        when none could: the reward function itself is broken."""
+        if not failures:
+            return
+        i, why = failures[0]
+        first = (f"train example {i} ({describe(self.examples[i])}): "
+                 + textwrap.shorten(why, 300, placeholder=" ..."))
+        if len(failures) == total:
+            raise RuntimeError(f"step {step}: the {self.cfg.task.name} reward could judge none of the "
+                               f"{total} completions; first: {first}")
+        print(f"warning: step {step}: {len(failures)} of {total} completions could not be judged "
+              f"(advantage 0, left out of their groups' mean and std; counted in reward_errors); "
+              f"first: {first}", flush=True)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:

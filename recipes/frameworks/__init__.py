@@ -36,6 +36,17 @@ def reject_builtin_only(cfg: DictConfig, framework: str) -> None:
                              "framework=builtin")
 
 
+def reject_fixed_eps(cfg: DictConfig, framework: str, fixed: float) -> None:
+    """``ValueError`` when ``run.advantage_eps`` is changed for a framework whose GRPO adds a
+    fixed constant to the group std (verl 0.9.1: 1e-6, TRL: 1e-4): it would be ignored."""
+    from ..schema import RunSection
+
+    if cfg.run.advantage_eps != RunSection.advantage_eps:
+        raise ValueError(f"framework={framework} does not translate run.advantage_eps="
+                         f"{cfg.run.advantage_eps}: {framework}'s GRPO adds a fixed {fixed:g} to the "
+                         "group std; leave it at its default or use framework=builtin")
+
+
 def _folder():
     from pathlib import Path
 

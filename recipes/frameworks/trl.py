@@ -23,7 +23,8 @@ from omegaconf import DictConfig
 from ...losses import resolve_loss
 from ...models import is_synthetic, load_model, load_tokenizer
 from ..driver import GRPODriver
-from . import reject_builtin_only
+from ..tasks.common import describe, judge
+from . import reject_builtin_only, reject_fixed_eps
 from ..metrics import MetricsLogger
 
 # polynya loss -> (TRL loss_type, importance_sampling_level)
@@ -45,17 +46,14 @@ def run(cfg: DictConfig) -> None:
         raise ImportError(f"framework=trl needs TRL: pip install 'polynya[trl]' ({exc})") from exc
 
     reject_builtin_only(cfg, "trl")
+    reject_fixed_eps(cfg, "trl", 1e-4)
     data = GRPODriver(cfg)  # the built-in driver's task, filtered prompts, reward options, config
     client, task, examples, tokenizer = data.client_config, data.task, data.examples, data.tokenizer
     rc, out_dir, reward_kwargs = cfg.run, cfg.run.out_dir, data.reward_kwargs
     os.makedirs(out_dir, exist_ok=True)
     model_path = _model_path(client, out_dir)
 
-    def task_reward(completions, example_index, **kwargs):
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(task.reward(t, examples[i], **reward_kwargs)) for t, i in zip(texts, example_index)]
-
-    task_reward.__name__ = f"{cfg.task.name}_reward"  # TRL logs rewards/<name>/mean
+    task_reward = reward_function(task, examples, reward_kwargs)
     dataset = Dataset.from_list([{"prompt": _prompt(ex.prompt, cfg.task.chat_template, tokenizer),
                                   "example_index": i} for i, ex in enumerate(examples)])
     cuda = torch.cuda.is_available() and client.train.device != "cpu"
@@ -80,6 +78,30 @@ def run(cfg: DictConfig) -> None:
     finally:
         logger.close()
     print(f"metrics: {os.path.abspath(logger.path)}", flush=True)
+
+
+def reward_function(task, examples: list, reward_kwargs: dict):
+    """The task's ``reward`` as a TRL reward function (``rewards/<task>_reward/mean`` in TRL's
+    logs). A completion the reward cannot judge (it raised, or returned NaN/inf) gets ``None``,
+    which TRL (>= 1.16) leaves out of its group's mean and std and trains with advantage 0, as
+    the built-in driver does; a warning names the first such prompt of each batch."""
+    def reward(completions, example_index, **kwargs):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        out, failures = [], []
+        for text, i in zip(texts, example_index, strict=True):
+            r, why = judge(task, text, examples[i], reward_kwargs)
+            out.append(None if why is not None else r)
+            if why is not None:
+                failures.append((i, why))
+        if failures:
+            i, why = failures[0]
+            print(f"warning: {len(failures)} of {len(out)} completions could not be judged (scored None: "
+                  f"left out of their groups); first: train example {i} ({describe(examples[i])}): {why}",
+                  flush=True)
+        return out
+
+    reward.__name__ = f"{task.NAME}_reward"
+    return reward
 
 
 def _resumed_step(out_dir: str, resume: bool) -> int:

@@ -9,8 +9,12 @@ format: chat ``prompt``, ``data_source`` = task, ``reward_model.ground_truth``),
 (``python -m verl.trainer.main_ppo`` with them). The overrides are a translation of the recipe —
 the same data, reward (``polynya.adapters.verl.reward`` calls the task's own ``reward`` with
 ``task.reward``), sampling, batch shape, learning rate and loss as ``framework=builtin`` — plus
-``polynya.adapters.verl.overrides.SWAP``. Known difference: verl's GRPO divides by the unbiased
-group std, the builtin driver by the biased one.
+``polynya.adapters.verl.overrides.SWAP``. Known differences: verl's GRPO divides by the unbiased
+group std, the builtin driver by the biased one; verl adds a fixed 1e-6 to it (a changed
+``run.advantage_eps`` is refused); a group of one sample gets its raw reward as advantage in
+verl, where the builtin driver refuses ``run.group_size=1`` (its advantage would be 0);
+and a completion the reward cannot judge (it raises, or returns NaN) is verl's to handle, not
+left out of its group as the builtin driver and ``framework=trl`` do.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ...adapters.verl.overrides import SWAP, engine_overrides
-from . import reject_builtin_only
+from . import reject_builtin_only, reject_fixed_eps
 from ..schema import to_client_config
 from ..tasks import get_task
 
@@ -43,6 +47,7 @@ def run(cfg: DictConfig) -> None:
 def write_run(cfg: DictConfig, out: Path) -> list[str]:
     """Write the data, the overrides and ``run.sh``; return the overrides."""
     reject_builtin_only(cfg, "verl")
+    reject_fixed_eps(cfg, "verl", 1e-6)
     client = to_client_config(cfg.client)
     _check(cfg, client)
     out.mkdir(parents=True, exist_ok=True)

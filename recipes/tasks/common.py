@@ -4,12 +4,14 @@ Every task turns its source (bundled sample, local file or directory, or a Huggi
 dataset id) into a list of plain dict records with :func:`load_records`, validates the fields
 it needs with :func:`field`, and builds :class:`Example` objects from them. Mistakes in the
 input (unknown split, missing file, malformed record) raise ``ValueError`` naming the file,
-the record index and the field. :func:`judge` scores a completion without ever raising.
+the record index and the field. :func:`judge` scores a completion without ever raising;
+:func:`describe` names an example in messages.
 """
 from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
@@ -138,6 +140,13 @@ def load_records(task: str, split: str, source: str | None, bundled: Path,
         return read_records(path)
     name, _, config = source.partition(":")
     return load_hf(name, split, config or hf_config)
+
+
+def describe(example: Example, width: int = 100) -> str:
+    """A short quoted excerpt naming ``example`` in messages: its question (``meta["question"]``)
+    when it has one, else its prompt."""
+    text = example.meta.get("question") if isinstance(example.meta.get("question"), str) else None
+    return repr(textwrap.shorten(text or example.prompt, width, placeholder=" ..."))
 
 
 def judge(task, text: str, example: Example, reward_kwargs: dict) -> tuple[float, str | None]:

@@ -17,11 +17,19 @@ conventions:
   keeps it as is; the result is compared *as a string* with the ground truth. So
   ``3.50``, ``072``, ``.5`` and ``72.`` are wrong for ``3.5`` / ``72`` / ``0.5`` / ``72``;
   ``####18``, ``#### $18`` and an answer followed by more than 300 characters find nothing.
-- ``"value"``: the whole completion is searched; ``#### `` with any spacing, an optional ``$``
-  after the sign, a trailing period ignored; numbers compared by value (``Decimal``).
+- ``"value"`` (polynya's own, deliberately more lenient in format and stricter in reading
+  numbers): the whole completion is searched; ``####`` with any spacing, an optional ``$``
+  after the sign; numbers compared by value (``Decimal``: ``3.50`` = ``3.5``, ``072`` = ``72``).
+  A number is a maximal run of digits, ``,`` and ``.`` (not glued to another such run): commas
+  must group thousands (``1,000``, ``12,345.5``), a trailing ``.`` or ``,`` ends the sentence
+  (``72.``). A run that is no number (``4,5``, ``1,2345``, ``1000,50``, ``1.2.3``) is no
+  answer: it is never read as ``45`` or ``.3``. The *last* candidate decides (the last
+  ``#### N`` for ``strict``, the last number for ``flexible``): a malformed last candidate gives
+  no answer rather than an earlier number. Fractions (``1/2``) and words are not evaluated.
 
 Both give ``score`` (1.0) when correct, ``format_score`` (0.0, as in verl) when an answer was
-extracted but is wrong, and 0 when none was found.
+extracted but is wrong, and 0 when none was found. A truncated completion (no EOS within the
+token budget) is scored the same way, as verl and TRL do by default.
 """
 from __future__ import annotations
 
@@ -32,9 +40,12 @@ from .common import DATA_DIR, Example, field, load_records
 
 NAME = "gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-_NUMBER = r"-?(?:\$\s*)?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+# A candidate: an optional sign and $, then a maximal run of digits, commas and periods that
+# starts with a digit (or .digit) and is not glued to a run before it; _VALID says if it is a number.
+_NUMBER = r"(?<![\d.,])-?(?:\$\s*)?(?:\d|\.\d)[\d.,]*"
 _STRICT = re.compile(r"####\s*(" + _NUMBER + ")")
 _FLEXIBLE = re.compile(_NUMBER)
+_VALID = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
 
 
 def make_prompt(question: str) -> str:
@@ -94,11 +105,8 @@ def extract_answer(text: str, method: str = "strict", convention: str = "verl") 
         return valid[-1] if valid else (found[0] if found else None)
     if convention != "value":
         raise ValueError(f"unknown gsm8k reward convention {convention!r}; use one of {CONVENTIONS}")
-    for match in reversed((_STRICT if method == "strict" else _FLEXIBLE).findall(text)):
-        cleaned = _clean(match)
-        if cleaned is not None:
-            return cleaned
-    return None
+    found = (_STRICT if method == "strict" else _FLEXIBLE).findall(text)
+    return _clean(found[-1]) if found else None
 
 
 def reward(completion: str, example: Example, *, convention: str = "verl", method: str = "strict",
@@ -114,9 +122,10 @@ def reward(completion: str, example: Example, *, convention: str = "verl", metho
 
 
 def _clean(number: str) -> str | None:
-    cleaned = number.replace(",", "").replace("$", "").replace(" ", "").strip()
-    cleaned = cleaned.rstrip(".")
-    return cleaned if re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", cleaned) else None
+    """``number`` without ``$``, spaces, thousands commas and a trailing ``.``/``,``; ``None``
+    when what is left is no number (commas that do not group thousands, two periods)."""
+    cleaned = re.sub(r"[$\s]", "", number).rstrip(".,")
+    return cleaned.replace(",", "") if _VALID.fullmatch(cleaned) else None
 
 
 def _same_number(a: str, b: str) -> bool:

@@ -17,12 +17,20 @@ distractors. The prompt lists every passage and asks for the answer in ``\\boxed
 
 ``reward(completion, example, mode="em")`` takes the last ``\\boxed{...}`` of the completion and
 scores it against every accepted answer after SQuAD normalisation (lower case, no punctuation,
-no articles, single spaces): exact match (1/0) or, with ``mode="f1"``, the best token F1.
+no articles ``a``/``an``/``the``, single spaces): exact match (1/0) or, with ``mode="f1"``, the
+best token F1. One deliberate difference from SQuAD's script: punctuation is every Unicode
+punctuation character (``–``, ``“”``, ``’``, ``。``), not ASCII only, so ``1939–1945`` matches
+``1939-1945`` and ``“Oslo”`` matches ``Oslo``. An accepted answer that normalises to nothing
+(``""``, ``"the"``, ``"..."``) would let an empty box match: ``load`` drops such answers
+(``ValueError`` when none is left) and ``reward`` never matches them. No box or an empty box
+scores 0; a last box that never closed (a truncated completion) is skipped for the last closed
+box before it, if any.
 """
 from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from collections import Counter
 
 from .common import DATA_DIR, Example, field, load_records
@@ -43,6 +51,7 @@ def load(split: str, source: str | None = None) -> list[Example]:
     examples = []
     for i, record in enumerate(records):
         question, answers, passages = _normalise(record, i)
+        answers = _scorable(answers, i)
         examples.append(Example(make_prompt(question, passages), answers[0],
                                 {"answers": answers, "question": question,
                                  "num_passages": len(passages)}))
@@ -89,6 +98,16 @@ def _answers(record: dict, i: int, name: str) -> list[str]:
     return answers
 
 
+def _scorable(answers: list[str], i: int) -> list[str]:
+    """``answers`` without those that normalise to nothing (an empty box would match them);
+    ``ValueError`` naming the record when none is left."""
+    kept = [a for a in answers if normalize_answer(a)]
+    if not kept:
+        raise ValueError(f"{NAME} record {i}: no answer has any text left after normalisation "
+                         f"(lower case, no punctuation or articles): {answers!r}")
+    return kept
+
+
 def _item(p, i: int, container: str, key: str) -> str:
     if not isinstance(p, dict) or not isinstance(p.get(key), str):
         raise ValueError(f"{NAME} record {i}: field {container!r}: every item needs a text "
@@ -129,10 +148,18 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+_ASCII_PUNCT = frozenset(string.punctuation)
+
+
+def _is_punct(ch: str) -> bool:
+    return ch in _ASCII_PUNCT or unicodedata.category(ch).startswith("P")
+
+
 def normalize_answer(s: str) -> str:
-    """SQuAD normalisation: lower case, drop punctuation and articles, collapse whitespace."""
+    """SQuAD normalisation: lower case, drop punctuation (ASCII and every Unicode ``P*``
+    character; SQuAD drops ASCII only) and articles, collapse whitespace."""
     s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = "".join(ch for ch in s if not _is_punct(ch))
     s = re.sub(r"\b(a|an|the)\b", " ", s)
     return " ".join(s.split())
 
@@ -148,14 +175,19 @@ def f1_score(prediction: str, truth: str) -> float:
 
 def reward(completion: str, example: Example, *, mode: str = "em") -> float:
     """Exact match (``mode="em"``) or best token F1 (``mode="f1"``) of the last ``\\boxed{}``
-    answer against ``example.meta["answers"]`` (or ``example.answer``); 0.0 without a box."""
+    answer against ``example.meta["answers"]`` (or ``example.answer``), both normalised by
+    :func:`normalize_answer`; 0.0 without a box. Answers that normalise to nothing are ignored
+    (``ValueError`` when no other is left: the example cannot be scored)."""
     if mode not in ("em", "f1"):
         raise ValueError(f"unknown longqa reward mode {mode!r}; use 'em' or 'f1'")
     predicted = extract_boxed(completion)
     if predicted is None:
         return 0.0
     predicted = re.sub(r"\\text\{([^{}]*)\}", r"\1", predicted)  # \boxed{\text{Paris}}
-    answers = example.meta.get("answers") or [example.answer]
+    answers = [a for a in example.meta.get("answers") or [example.answer] if normalize_answer(a)]
+    if not answers:
+        raise ValueError(f"{NAME}: no accepted answer has text left after normalisation: "
+                         f"{example.meta.get('answers') or [example.answer]!r}")
     if mode == "em":
         return float(any(normalize_answer(predicted) == normalize_answer(a) for a in answers))
     return max(f1_score(predicted, a) for a in answers)

@@ -18,6 +18,7 @@ same SQLite library version writes them (its version number is part of the file 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sqlite3
@@ -289,8 +290,9 @@ def _library(rng: random.Random) -> tuple[dict, list[tuple[str, str]]]:
             f"SELECT name FROM authors WHERE country = '{a[1][2]}' ORDER BY born"),
            ("Which authors have no books in the library?",
             "SELECT name FROM authors WHERE id NOT IN (SELECT author_id FROM books)"),
-           ("List the titles of the books published before 1970, oldest first.",
-            "SELECT title FROM books WHERE year < 1970 ORDER BY year"),
+           (("List the titles of the books published before 1970, oldest first (books of the same "
+             "year in alphabetical order)."),
+            "SELECT title FROM books WHERE year < 1970 ORDER BY year, title"),
            ("How many books are there in each genre?",
             "SELECT genre, COUNT(*) FROM books GROUP BY genre"),
            ("Which member has borrowed the most books?",
@@ -304,17 +306,22 @@ def _library(rng: random.Random) -> tuple[dict, list[tuple[str, str]]]:
 
 
 def _check_gold(conn: sqlite3.Connection, db_id: str, sql: str) -> None:
-    """Gold queries must return rows, and ``LIMIT n`` queries must not cut through a tie."""
+    """Gold queries must return rows, and an ordered one must order totally: with ``LIMIT n``
+    no tie across the cut, without it no tie at all (the reward compares an ordered gold
+    result as a list, so the order of tied rows, which SQLite leaves open, would decide it)."""
     rows = conn.execute(sql).fetchall()
     if not rows or rows[0][0] is None:
         raise RuntimeError(f"{db_id}: empty gold result for {sql}")
-    if " LIMIT " in sql and "ORDER BY" in sql:
-        head, _, n = sql.rpartition(" LIMIT ")
-        key = head.split("ORDER BY")[1].replace(" DESC", "").replace(" ASC", "")
-        select = head.split(" FROM ", 1)
-        keys = conn.execute(f"SELECT {key} FROM {select[1]}").fetchall()
+    if "ORDER BY" not in sql:
+        return
+    head, _, n = sql.rpartition(" LIMIT ") if " LIMIT " in sql else (sql, "", "")
+    key = head.split("ORDER BY")[1].replace(" DESC", "").replace(" ASC", "")
+    keys = conn.execute(f"SELECT {key} FROM {head.split(' FROM ', 1)[1]}").fetchall()
+    if n:
         if len(keys) > int(n) and keys[int(n) - 1] == keys[int(n)]:
             raise RuntimeError(f"{db_id}: LIMIT {n} cuts through a tie in {sql}")
+    elif any(a == b for a, b in itertools.pairwise(keys)):
+        raise RuntimeError(f"{db_id}: ORDER BY{key} has ties, so the order is not defined: {sql}")
 
 
 def make_txt2sql(out: Path) -> list[Path]:

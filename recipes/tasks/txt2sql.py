@@ -12,9 +12,24 @@ school, library) with questions and gold SQL under ``recipes/data/txt2sql``.
 The prompt holds the schema DDL (from ``sqlite_master``), the first rows of every table and
 the question, and asks for one query in a ```` ```sql ```` block. ``reward`` runs the query that
 :func:`extract_sql` finds in the completion in the sandbox of :mod:`.sqlsafe` (model SQL is
-untrusted) and compares result sets with the gold query's (:func:`same_result`): 1.0 on a match
-(as multisets, or as lists when the gold query's outermost statement has ``ORDER BY``),
-``partial`` (0.1) when the query runs but differs, 0.0 otherwise.
+untrusted: one read-only statement, bounded in time, rows and memory) and compares its rows with
+the gold query's (:func:`same_result`): 1.0 on a match, ``partial`` (0.1) when the query runs
+but differs, 0.0 when there is no query or it is rejected, fails, times out or returns more than
+``max(max_rows, len(gold rows))`` rows. The comparison (execution match, as Spider's and BIRD's
+evaluations; the differences are deliberate):
+
+- rows as a multiset (order ignored, duplicates counted), or as a list when the gold query's
+  outermost statement has ``ORDER BY`` (Spider's rule; BIRD compares sets). A gold ``ORDER BY``
+  whose key ties leaves the tied rows' order to SQLite, so gold queries should order totally
+  (``make_data`` checks its own);
+- columns by position: the same columns in another order do not match (BIRD's rule; Spider's
+  test-suite evaluation also tries column permutations);
+- values: ``NULL`` matches only ``NULL``; text and blobs exactly (``'1'`` is not ``1``);
+  numbers by value (``1`` = ``1.0``), a float within 1e-6 absolute or 1e-9 relative;
+- an empty gold result is matched by any empty result.
+
+A gold query that fails is a data error: ``ValueError`` naming it (the driver counts the
+completion as unjudged, it never scores it).
 """
 from __future__ import annotations
 
@@ -170,16 +185,22 @@ def is_ordered(sql: str) -> bool:
 def reward(completion: str, example: Example, *, partial: float = 0.1, timeout_s: float = 0.5,
            max_rows: int = 10_000) -> float:
     """1.0 if the completion's query returns the gold result set, ``partial`` if it runs but
-    differs, 0.0 if there is no query or it is rejected/fails/times out."""
+    differs, 0.0 if there is no query or it is rejected/fails/times out (module docstring).
+
+    ``max_rows`` bounds the rows fetched, raised to the gold result's row count when that is
+    larger: a correct query is never refused for returning as many rows as the gold one.
+    ``ValueError`` when the gold query itself fails.
+    """
     sql = extract_sql(completion)
     if sql is None:
         return 0.0
     db_path = example.meta["db_path"]
+    gold = gold_result(db_path, example.answer)
     try:
-        predicted = run_query(db_path, sql, timeout_s=timeout_s, max_rows=max_rows)
+        predicted = run_query(db_path, sql, timeout_s=timeout_s,
+                              max_rows=max(int(max_rows), len(gold)))
     except QueryError:
         return 0.0
-    gold = gold_result(db_path, example.answer)
     ordered = example.meta.get("ordered", is_ordered(example.answer))
     return 1.0 if same_result(predicted, gold, ordered) else partial
 
@@ -194,9 +215,11 @@ def gold_result(db_path: str, gold_sql: str) -> tuple[tuple, ...]:
 
 
 def same_result(predicted, gold, ordered: bool) -> bool:
-    """Result-set equality: as lists when ``ordered``, else as multisets.
+    """Result-set equality: as lists when ``ordered``, else as multisets (duplicates count);
+    columns by position.
 
-    Values match when equal, or, when one is a float and the other a number, within
+    Values match when equal (``None`` only ``None``; ``1`` equals ``1.0``; ``'1'`` is not
+    ``1``), or, when one is a float and the other a number, within
     ``math.isclose(abs_tol=ABS_TOL, rel_tol=REL_TOL)``: 1e-6 absolute, or 1e-9 relative for
     large values (a sum near 1e12 computed in another order); integers compare exactly.
     """

@@ -1,7 +1,9 @@
 """GSM8K task: loaders (bundled, local files, mocked HF id), answer extraction and scoring."""
 import json
+import random
 import sys
 import types
+from decimal import Decimal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -52,6 +54,25 @@ CASES = [
     ("####", "72", 0, 0),
     ("#### seventy-two", "72", 0, 0),
     ("", "72", 0, 0),
+    # commas: verl deletes every comma of a strict match; "value" takes commas only as
+    # thousands separators, so a run that is no number is no answer (never 45, 12345, 100050)
+    ("#### 4,5", "45", 1, 0),
+    ("#### 1,2345", "12345", 1, 0),
+    ("#### 1000,50", "100050", 1, 0),
+    ("#### 1,000,00", "100000", 1, 0),
+    ("#### 1,000,000", "1000000", 1, 1),
+    ("#### 12,345.5", "12345.5", 1, 1),
+    ("#### 1,000.", "1000", 0, 1),
+    ("#### 72, done", "72", 1, 1),
+    ("#### 7.0", "7", 0, 1),
+    ("#### -0.5", "-0.5", 1, 1),
+    ("#### -.5", "-0.5", 0, 1),
+    ("#### 72 apples", "72", 1, 1),
+    ("#### 1.2.3", "72", 0, 0),
+    ("#### 1e3", "1000", 0, 0),
+    ("#### 1/2", "0.5", 0, 0),                  # fractions are not evaluated
+    ("#### 72\nno: #### 1,2", "72", 0, 0),     # the last #### decides, even when malformed
+    ("#### 72\nso #### 7,2", "72", 1, 0),
 ]
 
 
@@ -70,6 +91,11 @@ def test_strict_scores_in_both_conventions(completion, truth, verl, value):
     ("72 apples, minus 3", 0, 0),  # last number is 3
     ("no numbers here", 0, 0),
     ("so 72" + LONG_TAIL, 0, 1),
+    ("72, done.", 0, 1),                 # verl compares "72," as a string
+    ("paid 1,000 then 72.", 0, 1),
+    ("72 or 1.2.3", 0, 0),               # the last number decides; "1.2.3" is none
+    ("72 then 7,2", 0, 0),               # verl keeps "7,2" as is; "value": no number
+    ("wait...72", 0, 0),                 # glued to the periods before it: not a number
 ])
 def test_flexible_scores(completion, verl, value):
     assert gsm8k.reward(completion, EX, method="flexible") == verl
@@ -82,6 +108,52 @@ def test_verl_flexible_quirk_only_periods_earn_format_score():
     assert gsm8k.reward("no number at all", EX, method="flexible", format_score=0.1) == 0.0
     assert gsm8k.reward("no number at all. really.", EX, method="flexible", format_score=0.1,
                         convention="value") == 0.0
+
+
+def test_value_malformed_last_answer_is_no_answer_not_an_earlier_one():
+    for completion in ("#### 72\n#### 7,2", "72 then 4,5"):
+        method = "strict" if "####" in completion else "flexible"
+        assert gsm8k.extract_answer(completion, method, "value") is None
+        assert gsm8k.reward(completion, EX, convention="value", method=method,
+                            format_score=0.1) == 0.0  # nothing extracted: not even format_score
+
+
+def _spell(value: Decimal, rng: random.Random) -> str:
+    """``value`` written as a person might: thousands commas or not, trailing zeros, ``$``."""
+    sign, text = ("-" if value < 0 else ""), f"{abs(value):f}"
+    whole, _, frac = text.partition(".")
+    if rng.random() < 0.5 and len(whole) > 3:
+        whole = f"{int(whole):,}"
+    if frac or rng.random() < 0.3:
+        frac = (frac or "") + "0" * rng.randint(0, 2)
+    number = whole + ("." + frac if frac else "")
+    dollar = "$" if rng.random() < 0.3 else ""
+    return f"{sign}{dollar}{number}" + rng.choice(["", ".", ",", " apples"])
+
+
+def test_value_convention_reads_random_numbers_by_value():
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for _ in range(500):
+        value = Decimal(rng.randint(-10**7, 10**7)) / rng.choice([1, 1, 10, 100])
+        truth = gsm8k.ground_truth(f"#### {value:f}")
+        assert Decimal(truth) == value, (seed, value)
+        spelled = _spell(value, rng)
+        ex = Example("q", truth)
+        assert gsm8k.reward(f"steps 3 + 4 = 7\n#### {spelled}", ex, convention="value") == 1.0, \
+            (seed, spelled)
+        assert gsm8k.reward(f"so it is {spelled}", ex, convention="value", method="flexible") \
+            == 1.0, (seed, spelled)
+        other = Example("q", str(value + 1))
+        assert gsm8k.reward(f"#### {spelled}", other, convention="value") == 0.0, (seed, spelled)
+
+
+@pytest.mark.parametrize("run", ["4,5", "1,2345", "12,34,567", "1000,50", "1.2.3", "1,000,00",
+                                 "1,,000", "1.,5"])
+def test_value_convention_refuses_runs_that_are_no_number(run):
+    for text in (f"#### {run}", f"#### -{run}", f"#### ${run}."):
+        assert gsm8k.extract_answer(text, "strict", "value") is None, text
+        assert gsm8k.extract_answer(f"the answer: {run}", "flexible", "value") is None, text
 
 
 def test_commas_and_dollars_stripped_on_both_sides():
@@ -154,6 +226,9 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
     bad.write_text(json.dumps({"question": "q", "answer": "no final number"}) + "\n")
     with pytest.raises(ValueError, match="record 0: field 'answer' has no '#### <number>'"):
         gsm8k.load("train", source=str(bad))
+    bad.write_text(json.dumps({"question": "q", "answer": "so\n#### 1,2"}) + "\n")
+    with pytest.raises(ValueError, match="record 0: field 'answer' has no '#### <number>'"):
+        gsm8k.load("train", source=str(bad))   # a malformed number is refused, not read as 12
     bad.write_text(json.dumps(RECORDS[0]) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
         gsm8k.load("train", source=str(bad))

@@ -1,5 +1,8 @@
 """Long-context QA task: loaders for the bundled and public formats, boxed-answer scoring."""
 import json
+import random
+import re
+import string
 import sys
 import types
 
@@ -46,6 +49,84 @@ def test_f1_mode_and_helpers():
     assert longqa.normalize_answer("The  Eiffel-Tower, a tower!") == "eiffeltower tower"
     with pytest.raises(ValueError, match="unknown longqa reward mode"):
         longqa.reward("\\boxed{x}", RIVER, mode="rouge")
+
+
+@pytest.mark.parametrize("prediction,truth,same", [
+    ("Paris", "paris", True),
+    ("  The   Paris\n", "Paris", True),          # article and whitespace
+    ("An Apple a day", "apple day", True),       # every article, anywhere
+    ("Theatre", "atre", False),                  # "the" only as a word
+    ("Saint-Denis", "SaintDenis", True),         # SQuAD drops punctuation without a space
+    ("1939\u20131945", "1939-1945", True),        # en dash: Unicode punctuation (not in SQuAD)
+    ("\u201cOslo\u201d", "Oslo", True),            # curly quotes
+    ("don\u2019t", "don't", True),
+    ("Z\u00fcrich", "Zurich", False),              # letters are kept as they are
+    ("1,990", "1990", True),
+    ("3.5", "35", True),                         # as in SQuAD: "." is punctuation
+    ("Oslo Norway", "Oslo", False),
+])
+def test_normalisation(prediction, truth, same):
+    ex = Example("q", truth, {"answers": [truth]})
+    assert longqa.reward(f"\\boxed{{{prediction}}}", ex) == float(same)
+
+
+def _squad_normalize(s: str) -> str:
+    """SQuAD v1.1's ``normalize_answer``, verbatim."""
+    def remove_articles(text):
+        return re.sub(r"\b(a|an|the)\b", " ", text)
+
+    def white_space_fix(text):
+        return " ".join(text.split())
+
+    def remove_punc(text):
+        exclude = set(string.punctuation)
+        return "".join(ch for ch in text if ch not in exclude)
+
+    return white_space_fix(remove_articles(remove_punc(s.lower())))
+
+
+def test_normalisation_equals_squads_on_random_ascii():
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    alphabet = string.ascii_letters + string.digits + string.punctuation + " \t\n"
+    words = ["a", "an", "the", "The", "AN", "then", "anna", "oslo"]
+    for _ in range(2000):
+        s = "".join(rng.choice(words) + rng.choice(" .,-") if rng.random() < 0.3
+                    else rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        assert longqa.normalize_answer(s) == _squad_normalize(s), (seed, s)
+
+
+@pytest.mark.parametrize("box", ["\\boxed{}", "\\boxed{The}", "\\boxed{...}", "\\boxed{ an }",
+                                 "\\boxed{\u2014}"])
+def test_an_empty_box_never_matches(box):
+    for answers in (["Oslo"], ["", "Oslo"], ["the", "Oslo"], ["...", "Oslo"]):
+        ex = Example("q", answers[0], {"answers": answers})
+        assert longqa.reward(f"So {box}", ex) == 0.0, answers
+        assert longqa.reward(f"So {box}", ex, mode="f1") == 0.0, answers
+    assert longqa.reward("\\boxed{Oslo}", Example("q", "", {"answers": ["", "Oslo"]})) == 1.0
+
+
+def test_an_example_with_no_scorable_answer_is_refused():
+    with pytest.raises(ValueError, match="no accepted answer has text left"):
+        longqa.reward("\\boxed{}", Example("q", "the", {"answers": ["the", ""]}))
+
+
+def test_loader_drops_answers_that_normalise_to_nothing(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"question": "q", "answers": ["", "The", "Oslo"],
+                                "passages": [{"title": "t", "text": "x"}]}) + "\n")
+    [ex] = longqa.load("train", source=str(path))
+    assert ex.answer == "Oslo" and ex.meta["answers"] == ["Oslo"]
+    assert longqa.reward("\\boxed{}", ex) == 0.0
+    path.write_text(json.dumps({"question": "q", "answer": "the", "answer_aliases": ["?"],
+                                "paragraphs": [{"title": "t", "paragraph_text": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="record 0: no answer has any text left"):
+        longqa.load("train", source=str(path))
+
+
+def test_truncated_box_scores_zero_and_an_earlier_closed_box_counts():
+    assert longqa.reward("\\boxed{Eful River} hmm, or \\boxed{Gorbel Ri", RIVER) == 1.0
+    assert longqa.reward("\\boxed{Eful Ri", RIVER) == 0.0
 
 
 HOTPOT = {"_id": "h1", "question": "Where was Ann born?", "answer": "Oslo",

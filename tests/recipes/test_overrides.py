@@ -231,6 +231,16 @@ def test_builtin_only_run_settings_are_rejected_by_other_frameworks(key, tmp_pat
     assert not (tmp_path / "verl").exists()
 
 
+def test_a_changed_advantage_eps_is_refused_by_verl_whose_eps_is_fixed(tmp_path):
+    from polynya.recipes.frameworks import verl
+
+    cfg = _compose(["framework=verl", "model=qwen3-0.6b", "run.advantage_eps=1e-4", f"run.out_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="framework=verl does not translate run.advantage_eps=0.0001: "
+                                         "verl's GRPO adds a fixed 1e-06"):
+        verl.write_run(cfg, tmp_path / "verl")
+    assert not (tmp_path / "verl").exists()
+
+
 @pytest.mark.parametrize("value, want", [("true", True), ("false", False), ("auto", "auto")])
 def test_offload_trainer_takes_a_bool_or_auto(value, want):
     assert to_client_config(_compose([]).client).offload_trainer == "auto"

@@ -1,6 +1,7 @@
-"""A reward never ends a run: a completion that cannot be judged scores 0 and is counted in the
-step's ``reward_errors`` (issue 16: one sampled token decoding to NUL made
-``sqlite3.complete_statement`` raise inside the Txt2SQL reward and killed the GRPO run)."""
+"""A reward never ends a run: a completion that cannot be judged is counted in the step's
+``reward_errors`` and trains with advantage 0, left out of its group's statistics (issue 16: one
+sampled token decoding to NUL made ``sqlite3.complete_statement`` raise inside the Txt2SQL reward
+and killed the GRPO run); in evaluation it scores 0."""
 
 import math
 
@@ -46,7 +47,7 @@ class _Flaky:
         return 1.0 + 0.1 * (self.calls % 2)
 
 
-def test_failing_reward_scores_zero_and_is_counted(tmp_path):
+def test_failing_reward_is_left_out_and_counted(tmp_path):
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         cfg = compose(
             "config",
@@ -66,9 +67,9 @@ def test_failing_reward_scores_zero_and_is_counted(tmp_path):
     assert driver.task.calls == 8 and driver.task.failed == 3  # calls 3, 5, 6
     assert metrics["reward_errors"] == 3
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
-    # judged: calls 1, 7 -> 1.1; 2, 4, 8 -> 1.0; calls 3, 5, 6 score 0
+    # judged: calls 1, 7 -> 1.1; 2, 4, 8 -> 1.0; calls 3, 5, 6 are left out (not scored 0)
     assert metrics["reward_max"] == pytest.approx(1.1)
-    assert metrics["reward_mean"] == pytest.approx((2 * 1.1 + 3 * 1.0) / 8, rel=1e-6)
+    assert metrics["reward_mean"] == pytest.approx((2 * 1.1 + 3 * 1.0) / 5, rel=1e-6)
 
 
 def test_evaluator_scores_unjudgeable_completions_zero():

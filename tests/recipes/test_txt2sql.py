@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from polynya.recipes.tasks import Example, sqlsafe, txt2sql
+from polynya.recipes.tasks import Example, make_data, sqlsafe, txt2sql
 from polynya.recipes.tasks.common import DATA_DIR
 
 
@@ -123,6 +123,21 @@ ADVERSARIAL = [
     "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c",
     "SELECT zeroblob(2000000000)",
     "SELECT * FROM pragma_table_info('customers')",
+    # audit 2026-12-07: writing PRAGMAs, CLI-only file functions, transactions, a runaway cross
+    # join (60^5 rows: the time limit) and a wide one (216,000 rows: the row limit), memory
+    "PRAGMA query_only = OFF",
+    "SELECT 1; PRAGMA query_only = OFF; DELETE FROM orders",
+    "SELECT writefile('{dir}/evil.txt', 'x')",
+    "SELECT readfile('{dir}/shop.sqlite')",
+    "DETACH DATABASE main",
+    "SAVEPOINT s",
+    "ANALYZE",
+    "REINDEX",
+    "SELECT count(*) FROM orders a, orders b, orders c, orders d, orders e",
+    "SELECT a.id, b.id, c.id FROM orders a, orders b, orders c",
+    ("WITH RECURSIVE c(x) AS (SELECT randomblob(1000000) UNION ALL SELECT randomblob(1000000) "
+     "FROM c) SELECT count(*) FROM c"),
+    "SELECT printf('%.*c', 2000000000, 'x')",
 ]
 
 
@@ -217,11 +232,92 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         txt2sql.load("test", source=str(tmp_path))
 
 
+def _rows_db(path: Path, n: int) -> str:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (x INTEGER)")
+    conn.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(n)])
+    conn.commit()
+    conn.close()
+    return str(path)
+
+
+def test_a_gold_result_larger_than_max_rows_can_still_be_matched(tmp_path):
+    """Audit 2026-12-07: a gold query returning more than ``max_rows`` (10,000) rows made every
+    correct completion score 0 (the prediction was refused for its row count)."""
+    db = _rows_db(tmp_path / "big.sqlite", 12_000)
+    ex = Example("q", "SELECT x FROM t", {"db_path": db, "ordered": False})
+    assert txt2sql.reward(_block("SELECT x FROM t ORDER BY x DESC"), ex) == 1.0
+    assert txt2sql.reward(_block("SELECT x FROM t WHERE x > 0"), ex) == pytest.approx(0.1)
+    assert txt2sql.reward(_block("SELECT x FROM t UNION ALL SELECT 1"), ex) == 0.0  # > both
+    small = Example("q", "SELECT x FROM t WHERE x < 5", {"db_path": db, "ordered": False})
+    assert txt2sql.reward(_block("SELECT x FROM t"), small) == 0.0               # > max_rows
+    assert txt2sql.reward(_block("SELECT x FROM t"), small, max_rows=20_000) == pytest.approx(0.1)
+
+
+def _script_db(path: Path, script: str) -> str:
+    conn = sqlite3.connect(path)
+    conn.executescript(script)
+    conn.commit()
+    conn.close()
+    return str(path)
+
+
+def _values_db(path: Path) -> str:
+    return _script_db(path, "CREATE TABLE v (k INTEGER, a, b); INSERT INTO v VALUES "
+                            "(1, NULL, 'x'), (2, 1, 'y'), (3, 1.5, NULL), (4, '1', 'z'), (5, 1, 'y');")
+
+
+@pytest.mark.parametrize("gold,pred,score", [
+    ("SELECT a FROM v WHERE k < 3", "SELECT a FROM v WHERE k IN (2, 1)", 1.0),
+    ("SELECT a FROM v WHERE k = 1", "SELECT '' FROM v WHERE k = 1", 0.1),     # NULL is not ''
+    ("SELECT a FROM v WHERE k = 1", "SELECT 0 FROM v WHERE k = 1", 0.1),      # nor 0
+    ("SELECT a FROM v WHERE k = 1", "SELECT NULL", 1.0),
+    ("SELECT a FROM v WHERE k = 2", "SELECT 1.0", 1.0),                       # 1 = 1.0
+    ("SELECT a FROM v WHERE k = 2", "SELECT '1'", 0.1),                       # '1' is text
+    ("SELECT a FROM v WHERE k = 4", "SELECT 1", 0.1),
+    ("SELECT k, b FROM v WHERE k < 3", "SELECT k, b FROM v WHERE k < 3 ORDER BY k DESC", 1.0),
+    ("SELECT k, b FROM v WHERE k < 3", "SELECT b, k FROM v WHERE k < 3", 0.1),  # columns by position
+    ("SELECT b FROM v WHERE k IN (2, 5)", "SELECT DISTINCT b FROM v WHERE k IN (2, 5)", 0.1),
+    ("SELECT b FROM v WHERE k IN (2, 5) ORDER BY b", "SELECT 'y' UNION ALL SELECT 'y'", 1.0),
+    ("SELECT b FROM v WHERE k IN (2, 5) ORDER BY b", "SELECT 'y'", 0.1),      # duplicates count
+    ("SELECT a FROM v WHERE k > 9", "SELECT b, k FROM v WHERE 0", 1.0),       # empty = empty
+    ("SELECT a FROM v WHERE k = 3", "SELECT 1.5000001", 1.0),                 # float tolerance
+    ("SELECT a FROM v WHERE k = 3", "SELECT 1.50001", 0.1),
+])
+def test_comparison_rules(tmp_path, gold, pred, score):
+    db = _values_db(tmp_path / "v.sqlite")
+    ex = Example("q", gold, {"db_path": db, "ordered": txt2sql.is_ordered(gold)})
+    assert txt2sql.reward(_block(pred), ex) == pytest.approx(score)
+
+
+def test_ordered_bundled_gold_queries_order_totally():
+    """Audit 2026-12-07: "books before 1970, oldest first" ordered by year alone, which ties
+    (1957, 1963), so a correct query breaking ties otherwise scored 0.1. Every ordered gold
+    query's rows must be the only order its question allows."""
+    for e in txt2sql.load("train") + txt2sql.load("test"):
+        if not e.meta["ordered"]:
+            continue
+        conn = sqlite3.connect(e.meta["db_path"])
+        try:
+            make_data._check_gold(conn, e.meta["db_id"], e.answer)  # raises on a tie
+        finally:
+            conn.close()
+    [ex] = [e for e in txt2sql.load("test") if "before 1970" in e.meta["question"]]
+    for pred in ("SELECT title FROM books WHERE year < 1970 ORDER BY year ASC, title ASC",
+                 ("SELECT title FROM (SELECT * FROM books ORDER BY id DESC) WHERE year < 1970 "
+                  "ORDER BY year, title COLLATE BINARY")):
+        assert txt2sql.reward(_block(pred), ex) == 1.0
+    assert txt2sql.reward(_block("SELECT title FROM books WHERE year < 1970 ORDER BY year, "
+                                 "id DESC"), ex) == pytest.approx(0.1)
+
+
 def test_broken_gold_query_is_reported_not_scored():
     db = str(DATA_DIR / "txt2sql" / "database" / "shop" / "shop.sqlite")
     ex = Example("q", "SELECT no_such_column FROM customers", {"db_path": db})
     with pytest.raises(ValueError, match="gold query failed"):
         txt2sql.reward(_block("SELECT 1"), ex)
+    with pytest.raises(ValueError, match="gold query failed"):      # rejected or not
+        txt2sql.reward(_block("DROP TABLE customers"), ex)
 
 
 @pytest.mark.parametrize("fence", ["sqlite", "SQLite", "sql", "SQL"])
@@ -306,12 +402,8 @@ def _floats_db(path: Path) -> str:
     """v * 3 / 10 and v * 0.3 differ by an ulp across a 6th-decimal rounding boundary in rows
     n=1 and n=3 (2.0000235 vs 2.0000234999999997); row n=2 (2.00002299) rounds to 2.000023 both
     ways, so sorting by rounded values puts row n=1 on different sides of it in the two sets."""
-    conn = sqlite3.connect(path)
-    conn.executescript("CREATE TABLE m (n INT, v REAL); INSERT INTO m VALUES "
-                       "(1, 6.666745), (3, 6.666765), (2, 6.6667433), (4, 1.5);")
-    conn.commit()
-    conn.close()
-    return str(path)
+    return _script_db(path, "CREATE TABLE m (n INT, v REAL); INSERT INTO m VALUES "
+                            "(1, 6.666745), (3, 6.666765), (2, 6.6667433), (4, 1.5);")
 
 
 @pytest.mark.parametrize("gold_order", ["", " ORDER BY n"])
