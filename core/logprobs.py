@@ -202,8 +202,9 @@ def compute_logprobs(model: torch.nn.Module, batch: RolloutBatch, *, zorro: bool
         ids, attn, pred, tgt, orow, ocol = (t.to(device) for t in _naive_inputs(batch, pad_id))
         hidden = base(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pred)
-    lp, ent = token_stats(model.get_output_embeddings(), hidden, tgt, temperature=temperature,
-                          entropy=entropy, softcap=feats.final_softcap, chunk_size=chunk_size)
+    lp, ent = token_stats(model.get_output_embeddings(), hidden, tgt,
+                          temperature=feats.head_temperature(temperature), entropy=entropy,
+                          softcap=feats.final_softcap, chunk_size=chunk_size)
     shape = (len(batch), batch.max_response_len)
     out_lp = lp.new_zeros(shape).index_put((orow, ocol), lp)
     out_ent = ent.new_zeros(shape).index_put((orow, ocol), ent) if entropy else None

@@ -27,9 +27,14 @@ Ratios: per token ``r = exp(logp - old_logp)`` (PPO, GRPO, DAPO, Dr.GRPO); GSPO 
 sequence ratio ``s_i = exp(mean_t(logp - old_logp))`` in its token form
 ``r[i,t] = sg(s_i) * exp(logp - sg(logp))`` (equal to GSPO for per-sequence advantages, and
 GSPO-token for per-token ones). ``old_logp=None`` means on-policy: ``old = logp.detach()``.
+``LossConfig.log_ratio_clip = c`` clamps the log of each ratio to ``[-c, c]`` before ``exp``
+(verl's and SkyRL's PPO: ``c = 20``; no gradient outside).
 
 KL to the reference, with ``d = ref_logp - logp``: ``k1 = -d``, ``k2 = d^2 / 2``,
-``k3 = exp(d) - 1 - d`` (Schulman, "Approximating KL divergence").
+``k3 = exp(d) - 1 - d`` with ``d`` clamped to ``[-20, 20]`` (Schulman, "Approximating KL
+divergence"; the clamp as in verl and SkyRL, whose k1 / k2 have none either).
+``LossConfig.kl_clip = c`` clamps each token's estimate to ``[-c, c]`` (SkyRL's and verl's k3:
+``c = 10``).
 """
 from __future__ import annotations
 
@@ -64,6 +69,8 @@ class LossSpec:
     entropy_coef: float
     max_response_len: int | None
     kl_norm: str
+    log_ratio_clip: float | None = None
+    kl_clip: float | None = None
 
 
 def resolve_loss(name: str, config: LossConfig | None = None) -> LossSpec:
@@ -76,7 +83,7 @@ def resolve_loss(name: str, config: LossConfig | None = None) -> LossSpec:
     return LossSpec(name, low if cfg.clip_low is None else cfg.clip_low,
                     high if cfg.clip_high is None else cfg.clip_high, norm, seq,
                     cfg.kl_coef, cfg.kl_estimator, cfg.entropy_coef, cfg.max_response_len,
-                    cfg.kl_norm or norm)
+                    cfg.kl_norm or norm, cfg.log_ratio_clip, cfg.kl_clip)
 
 
 @dataclass(frozen=True)
@@ -113,13 +120,15 @@ class LossOutput:
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate ``[B, R]`` from log-probs of the sampled tokens."""
-    d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    """Per-token KL(pi || ref) estimate ``[B, R]`` from log-probs of the sampled tokens (k3's
+    exponent clamped to ``[-20, 20]``; module docstring)."""
+    d = ref_logprobs - logprobs
     if estimator == "k1":
         return -d
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
+        d = d.clamp(-20.0, 20.0)
         return torch.expm1(d) - d
     raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
 
@@ -139,11 +148,13 @@ def token_weights(norm: str, mask: torch.Tensor, normalizer: Normalizer) -> torc
 
 
 def _ratio(spec: LossSpec, log_ratio: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor):
-    if not spec.sequence_ratio:
-        return torch.exp(log_ratio)
-    m = mask.float()
-    seq = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1.0)
-    return torch.exp(seq.detach() + logprobs - logprobs.detach())
+    if spec.sequence_ratio:
+        m = mask.float()
+        seq = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1.0)
+        log_ratio = seq.detach() + logprobs - logprobs.detach()
+    if spec.log_ratio_clip is not None:
+        log_ratio = log_ratio.clamp(-spec.log_ratio_clip, spec.log_ratio_clip)
+    return torch.exp(log_ratio)
 
 
 def policy_loss(spec: LossSpec, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -192,7 +203,11 @@ def policy_loss(spec: LossSpec, logprobs: torch.Tensor, advantages: torch.Tensor
                "ratio": (w_tok * ratio).sum().detach()}
     kl_term = zero
     if ref_logprobs is not None:
-        kl = torch.where(mask, kl_penalty(logprobs, ref_logprobs, spec.kl_estimator), zero)
+        ref = torch.where(mask, ref_logprobs, logprobs.detach())  # d = 0 off the mask (no inf there)
+        kl = kl_penalty(logprobs, ref, spec.kl_estimator)
+        if spec.kl_clip is not None:
+            kl = kl.clamp(-spec.kl_clip, spec.kl_clip)
+        kl = torch.where(mask, kl, zero)
         metrics["kl"] = (w_tok * kl).sum().detach()
         if spec.kl_coef > 0 and spec.kl_norm != spec.norm:
             kl_term = spec.kl_coef * (token_weights(spec.kl_norm, mask, normalizer) * kl).sum()

@@ -53,6 +53,8 @@ class AttentionFeatures:
         router_aux_loss: the MoE config asks for the router load-balancing loss to be added
             (``output_router_logits``) with weight ``router_aux_loss_coef``.
         tied_embeddings: the LM head shares the input embedding's weight.
+        logit_scale: the factor the model's causal-LM forward applies to its LM head's logits
+            (``head_scale``), or None; polynya's own head paths apply it (``head_temperature``).
     """
 
     model_type: str
@@ -66,6 +68,17 @@ class AttentionFeatures:
     router_aux_loss: bool = False
     router_aux_loss_coef: float = 0.0
     tied_embeddings: bool = False
+    logit_scale: float | None = None
+
+    def head_temperature(self, temperature: float) -> float:
+        """The temperature polynya's LM head divides by so that its logits are the model's own
+        (``logit_scale`` folded in: ``logits * s / T == logits / (T / s)``)."""
+        if self.logit_scale is None:
+            return temperature
+        if self.final_softcap is not None:
+            raise ValueError(f"{self.model_type} scales its logits and soft-caps them; polynya's "
+                             "LM head does not know their order for this model (report it)")
+        return temperature / self.logit_scale
 
     @property
     def windowed(self) -> bool:
@@ -149,6 +162,43 @@ def decoder_layers(model) -> tuple[ModuleList | None, str | None]:
                   "module with layer_idx i)")
 
 
+# model types whose causal-LM forward scales the LM head's logits (transformers 5.x modeling
+# code): the config attribute and whether the forward divides by it or multiplies
+_HEAD_SCALES = {
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                     "granite_swa", "granitemoe_swa", "minicpm3"), ("logits_scaling", "divide")),
+    "hyperclovax": ("logits_scaling", "multiply"),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass"),
+                    ("logit_scale", "multiply")),
+    "falcon_h1": ("lm_head_multiplier", "multiply"),
+}
+_SCALE_ATTRS = ("logits_scaling", "logit_scale", "lm_head_multiplier", "output_multiplier")
+
+
+def head_scale(cfg) -> float | None:
+    """The factor ``cfg``'s model applies to its LM head's logits, or None (none or 1). A model
+    type outside ``_HEAD_SCALES`` whose config sets one of ``_SCALE_ATTRS`` to something else
+    than 1 is refused: polynya cannot tell whether or how its forward applies it, and a head
+    that drops it computes every log-prob at the wrong temperature without an error."""
+    rule = _HEAD_SCALES.get(cfg.model_type)
+    if rule is None:
+        for attr in _SCALE_ATTRS:
+            value = getattr(cfg, attr, None)
+            if value not in (None, 1, 1.0):
+                raise ValueError(f"{cfg.model_type} sets {attr}={value!r}, which polynya's LM head "
+                                 "does not know how to apply to this model type (its log-probs "
+                                 "would be at the wrong temperature); not supported (report it)")
+        return None
+    attr, how = rule
+    value = getattr(cfg, attr, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{cfg.model_type}: {attr} must be a positive finite number, got {value!r}")
+    scale = 1.0 / float(value) if how == "divide" else float(value)
+    return None if scale == 1.0 else scale
+
+
 def attention_features(model_or_config) -> AttentionFeatures:
     """Read the attention features of an HF model or config (see the module docstring)."""
     cfg = text_config(getattr(model_or_config, "config", model_or_config))
@@ -187,4 +237,5 @@ def attention_features(model_or_config) -> AttentionFeatures:
         router_aux_loss=bool(getattr(cfg, "output_router_logits", False)),
         router_aux_loss_coef=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        logit_scale=head_scale(cfg),
     )

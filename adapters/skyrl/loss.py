@@ -5,12 +5,14 @@ Loss. SkyRL's trainer scales the advantages by its ``loss_reduction`` before the
 surrogate over loss-mask tokens and adds ``kl_loss_coef`` times the per-sequence mean KL
 averaged over sequences (``PolicyWorkerBase._forward_backward_micro``). In polynya's terms that
 is ``loss="ppo"`` with ``norm="sum"`` and ``kl_norm="sequence"``; the clip range, KL estimator,
-temperature and optimizer carry over. What SkyRL computes differently is refused here, by name:
-other policy losses, off-policy corrections (also the deprecated ``use_tis``), sample-support
-replay, the entropy loss (a per-micro-batch token mean in SkyRL), the ``abs`` KL estimator, an
-unset temperature (SkyRL's worker refuses it too), LoRA, MTP draft heads, fake-INT4 QAT and
-``model_config_kwargs``. Known numeric difference: SkyRL clamps the k3 estimate to ``[-10, 10]``
-(and log-ratios to ±20); polynya does not, so the two agree while k3 stays < 10.
+temperature and optimizer carry over, and so do SkyRL's clamps (``ppo_policy_loss``: the
+log-ratio to ±20 before ``exp``, ``safe_exp_delta``; ``compute_approx_kl``: the k3 estimate to
+±10; its k1 / k2 are unclamped, as polynya's): ``log_ratio_clip=20``, ``kl_clip=10`` with k3.
+What SkyRL computes differently is refused here, by name: other policy losses (``dual_clip``
+included), off-policy corrections (also the deprecated ``use_tis``), sample-support replay, the
+entropy loss (a per-micro-batch token mean in SkyRL), the ``abs`` KL estimator, an unset
+temperature (SkyRL's worker refuses it too), LoRA, MTP draft heads, fake-INT4 QAT and
+``model_config_kwargs``.
 
 Learning rate. SkyRL builds its schedule with transformers' ``get_scheduler(scheduler,
 num_warmup_steps, num_training_steps)`` and steps it once per optimizer step, as polynya does;
@@ -33,6 +35,8 @@ from typing import Any
 from polynya.config.train import LossConfig, OptimConfig, TrainConfig
 
 _OPT = "trainer.policy.optimizer_config"
+SKYRL_LOG_RATIO_CLIP = 20.0  # skyrl 0.4.0 ppo_policy_loss: safe_exp_delta(log_probs - old_log_probs, clip=20.0)
+SKYRL_K3_CLIP = 10.0  # skyrl 0.4.0 compute_approx_kl: k3 clamped to [-10, 10]
 _SCHEDULERS = ("constant", "constant_with_warmup", "cosine", "cosine_with_restarts")
 
 
@@ -89,7 +93,9 @@ def loss_config_from_skyrl(algorithm: Any) -> tuple[LossConfig, float]:
                       clip_high=float(_get(algorithm, "eps_clip_high", 0.2)),
                       norm="sum", kl_norm="sequence",
                       kl_coef=float(_get(algorithm, "kl_loss_coef", 0.001)) if use_kl else 0.0,
-                      kl_estimator=estimator if use_kl else "k3")
+                      kl_estimator=estimator if use_kl else "k3",
+                      log_ratio_clip=SKYRL_LOG_RATIO_CLIP,
+                      kl_clip=SKYRL_K3_CLIP if use_kl and estimator == "k3" else None)
     return loss, float(temperature)
 
 

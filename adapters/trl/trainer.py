@@ -11,14 +11,21 @@ accelerate/DeepSpeed set-up). Three of its hooks are translated to polynya:
 
 - ``_generate_single_turn``: TRL's prompts (each repeated ``num_generations`` times in a row) go
   to polynya's native sampler in-process as one request per prompt with ``n`` = its repeats
-  (prefilled once, ``n`` forks share its KV blocks); completions and their log-probs come back
-  in TRL's row order. Before generating, the sampler gets the trainer's current weights if an
-  optimizer step happened since the last push, verified by checksum.
+  (prefilled once, ``n`` forks share its KV blocks); completions come back in TRL's row order
+  and, as from TRL's own non-vLLM generation, without sampling log-probs (TRL would read them
+  as vLLM's: its off-policy sequence mask, ``off_policy_mask_threshold``, would compare against
+  the sampler instead of the old policy). Before generating, the sampler gets the trainer's
+  current weights if an optimizer step happened since the last push, verified by checksum.
 - ``_get_per_token_logps_and_entropies``: the padded batch becomes a ``RolloutBatch`` and goes
   through ``polynya.compute_logprobs`` (ZoRRo: each prompt computed once per micro-batch).
 - ``_prepare_inputs``: TRL shuffles the generation batch row by row and splits it into
   ``steps_per_generation`` micro-batches; here whole groups are shuffled, so every micro-batch
-  holds whole prompt groups (what lets ZoRRo share the prompt).
+  holds whole prompt groups (what lets ZoRRo share the prompt). That leaves the accumulated
+  loss and gradient unchanged only where TRL's loss is a sum of per-row terms over fixed
+  denominators (``grpo``, ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``);
+  where it normalises or thresholds per micro-batch (``loss_type="bnpo"``, the entropy bonus
+  ``entropy_coef`` / ``use_adaptive_entropy``, ``top_entropy_quantile < 1``) the split is TRL's
+  own row shuffle (``micro_batches_follow_trl``), so every micro-batch is one TRL would form.
 
 Not supported (refused at construction with the reason): vLLM (``use_vllm``), PEFT, vision-
 language models, MoE router aux loss, ``cast_lm_head_to_fp32``, ``repetition_penalty != 1``,
@@ -210,18 +217,19 @@ class GRPOTrainer(trl.GRPOTrainer):
             n=n, temperature=temperature, top_p=self.top_p,
             top_k=-1 if not self.top_k else int(self.top_k),  # TRL's 0 = off
             min_p=self.min_p or 0.0, max_tokens=self.max_completion_length,
-            stop_token_ids=list(self.eos_token_ids), logprobs=True)
+            stop_token_ids=list(self.eos_token_ids), logprobs=False)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                               has_tool_images=False):
+        """Completions of TRL's prompts, and ``None`` for their log-probs, as TRL's own non-vLLM
+        generation returns (given, TRL would treat them as vLLM's sampling log-probs)."""
         if images is not None or multimodal_fields or has_tool_images:
             raise ValueError("polynya's TRL adapter generates from text prompts only")
         self.push_weights()
         prompts, counts = unique_prompts(prompt_ids)
         params = [self._sampling_params(n) for n in counts]
         groups = self.sampler.generate(prompts, params)
-        samples = [s for g in groups for s in g]
-        return [list(s.token_ids) for s in samples], [list(s.logprobs) for s in samples]
+        return [list(s.token_ids) for g in groups for s in g], None
 
     # ------------------------------------------------------------------ log-probs
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
@@ -244,8 +252,18 @@ class GRPOTrainer(trl.GRPOTrainer):
         return torch.cat(logps), (torch.cat(ents) if compute_entropy else None), None
 
     # ------------------------------------------------------------------ batching
+    @property
+    def micro_batches_follow_trl(self) -> bool:
+        """Whether the generation batch is split by TRL's own row shuffle instead of by whole
+        prompt groups: when TRL's loss depends on which rows share a micro-batch (a per-micro-
+        batch token mean: ``loss_type="bnpo"`` and the entropy bonus; a per-micro-batch entropy
+        quantile: ``top_entropy_quantile < 1``) and there is more than one micro-batch."""
+        per_micro_batch = (self.loss_type == "bnpo" or self._entropy_bonus_enabled
+                           or self.top_entropy_quantile < 1.0)
+        return per_micro_batch and self.args.steps_per_generation > 1
+
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
-        if not self.model.training:
+        if not self.model.training or self.micro_batches_follow_trl:
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:

@@ -8,6 +8,11 @@ backend's strategy name, so polynya's DeepSpeed backend brings its own:
   raw ``deepspeed`` overrides. They are the fields of the same name of ``polynya.config.TrainConfig`` and are
   validated by it (one schema, not a copy).
 - ``DeepSpeedActorConfig`` — verl's ``ActorConfig`` with that engine under ``deepspeed``.
+  verl's own ``ppo_loss`` computes the loss on polynya's log-probs, once per polynya
+  micro-batch (whole prompt groups, not verl's partition); that sums to verl's number for
+  losses normalised by global counts, so the policy losses that read statistics of their
+  micro-batch (``clip_cov``, ``kl_cov``, ``geo_mean``, ``bypass_mode`` with batch-normalised IS
+  weights), unchecked custom ones and ``calculate_sum_pi_squared`` are refused here.
 
 ``train_config(model_config, engine_config, optimizer_config)`` is the only translation: verl's
 model path, dtype, seed, optimizer (verl's ``FSDPOptimizerConfig``: AdamW, constant rate)
@@ -90,7 +95,55 @@ class DeepSpeedActorConfig(ActorConfig):
         super().__post_init__()
         if self.strategy != STRATEGY:
             raise ValueError(f"DeepSpeedActorConfig.strategy must be {STRATEGY!r}, got {self.strategy!r}")
+        _check_loss(self)
         self.engine = self.deepspeed
+
+
+# verl 0.9.1 policy losses whose value summed over micro-batches does not depend on how a
+# mini-batch is cut into micro-batches: per-token or per-sequence terms aggregated by agg_loss
+# with the global token / sequence counts. polynya cuts micro-batches of whole prompt groups by
+# tokens, verl's engines by its own dynamic-batch partition; only these give the same numbers.
+_SPLIT_INVARIANT_LOSSES = ("vanilla", "gspo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro", "cispo",
+                           "bypass_mode")
+# ... and those whose value depends on the micro-batch (verl 0.9.1, core_algos.py)
+_PER_MICRO_BATCH_LOSSES = {
+    "clip_cov": "its covariance, the tokens it picks (torch.randperm) and their count are per micro-batch",
+    "kl_cov": "its covariance and its top-k token selection are per micro-batch",
+    "geo_mean": "it averages over the micro-batch's sequences (torch.mean), ignoring loss_agg_mode",
+}
+
+
+def _field(config, name: str, default):
+    """``config.name`` of a verl config dataclass or of a plain mapping (``default`` if absent)."""
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def _check_loss(actor: ActorConfig) -> None:
+    """Refuse the actor loss settings polynya's engine would compute differently from verl's own
+    engines (``ValueError`` naming the key); verl's ``ppo_loss`` computes the others itself."""
+    key = "actor_rollout_ref.actor"
+    policy_loss = actor.policy_loss
+    mode = _field(policy_loss, "loss_mode", "vanilla")
+    if mode in _PER_MICRO_BATCH_LOSSES:
+        raise ValueError(f"{key}.policy_loss.loss_mode={mode!r} is not supported by polynya's deepspeed engine: "
+                         f"{_PER_MICRO_BATCH_LOSSES[mode]}, and polynya's micro-batches (whole prompt groups) "
+                         "are not verl's, so the gradient would differ from verl's own engines. Use one of "
+                         f"{_SPLIT_INVARIANT_LOSSES}")
+    if mode not in _SPLIT_INVARIANT_LOSSES:
+        raise ValueError(f"{key}.policy_loss.loss_mode={mode!r} has not been checked against polynya's "
+                         "micro-batching (a loss that reads statistics of its micro-batch would give other "
+                         f"numbers than verl's own engines); supported: {_SPLIT_INVARIANT_LOSSES}")
+    correction = _field(policy_loss, "rollout_correction", None)
+    if mode == "bypass_mode" and _field(correction, "rollout_is_batch_normalize", False):
+        raise ValueError(f"{key}.policy_loss.rollout_correction.rollout_is_batch_normalize=true with "
+                         "loss_mode='bypass_mode' is not supported by polynya's deepspeed engine: verl "
+                         "normalises the IS weights per micro-batch (with a collective inside the loss), and "
+                         "polynya's micro-batches are not verl's; set it to false")
+    if getattr(actor, "calculate_sum_pi_squared", False):
+        raise ValueError(f"{key}.calculate_sum_pi_squared=true is not supported by polynya's deepspeed engine "
+                         "(it returns log-probs and entropy only); set it to false")
 
 
 def _optim(opt) -> tuple[float, OptimConfig]:

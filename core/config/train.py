@@ -126,6 +126,11 @@ class LossConfig:
         kl_coef: weight of the KL-to-reference penalty (needs ``batch.ref_logprobs``; 0 = off).
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (Schulman's estimators).
         entropy_coef: weight of the entropy bonus (0 = off).
+        log_ratio_clip: clamp each log importance ratio to ``[-c, c]`` before ``exp`` (its
+            gradient is 0 outside), as verl's and SkyRL's PPO losses do with ``c = 20``; ``None``
+            = no clamp.
+        kl_clip: clamp each token's KL estimate to ``[-c, c]`` (its gradient is 0 outside), as
+            SkyRL's and verl's k3 do with ``c = 10``; ``None`` = no clamp.
     """
 
     clip_low: float | None = None
@@ -136,12 +141,16 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    log_ratio_clip: float | None = None
+    kl_clip: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("clip_low", "clip_high"):
+        for name in ("clip_low", "clip_high", "log_ratio_clip", "kl_clip"):
             v = getattr(self, name)
             if v is not None:
                 check_positive(v, f"LossConfig.{name}")
+                if name.endswith("_clip") and not math.isfinite(v):
+                    raise ValueError(f"LossConfig.{name} must be finite (None = no clamp), got {v!r}")
         if self.clip_low is not None and self.clip_low >= 1.0:
             raise ValueError(f"LossConfig.clip_low must be < 1, got {self.clip_low!r}")
         for name in ("norm", "kl_norm"):

@@ -23,8 +23,9 @@ from omegaconf import DictConfig
 from ...losses import resolve_loss
 from ...models import is_synthetic, load_model, load_tokenizer
 from ..driver import GRPODriver
+from ..schema import to_client_config
 from ..tasks.common import describe, judge
-from . import reject_builtin_only, reject_fixed_eps
+from . import reject_builtin_only, reject_fixed_eps, reject_loss_clamps
 from ..metrics import MetricsLogger
 
 # polynya loss -> (TRL loss_type, importance_sampling_level)
@@ -47,6 +48,8 @@ def run(cfg: DictConfig) -> None:
 
     reject_builtin_only(cfg, "trl")
     reject_fixed_eps(cfg, "trl", 1e-4)
+    reject_loss_clamps(to_client_config(cfg.client).train.loss_config, "trl",
+                       "TRL's GRPOTrainer clamps neither log-ratios nor its KL estimate")
     data = GRPODriver(cfg)  # the built-in driver's task, filtered prompts, reward options, config
     client, task, examples, tokenizer = data.client_config, data.task, data.examples, data.tokenizer
     rc, out_dir, reward_kwargs = cfg.run, cfg.run.out_dir, data.reward_kwargs
@@ -131,9 +134,10 @@ def grpo_config(cfg: DictConfig, client, cuda: bool):
         raise ValueError(f"client.train.loss={loss!r} has no TRL GRPOTrainer equivalent; use one of {sorted(_LOSSES)}")
     spec = resolve_loss(loss, train.loss_config)
     if spec.entropy_coef or spec.kl_estimator != "k3" or spec.norm != resolve_loss(loss).norm:
-        raise ValueError("framework=trl: TRL's GRPOTrainer has no entropy bonus, estimates KL with k3 "
-                         "and normalises as its loss_type does; leave loss_config.entropy_coef, "
-                         "kl_estimator and norm at their defaults")
+        raise ValueError("framework=trl: the recipe maps no entropy bonus to TRL (its entropy_coef "
+                         "is a per-micro-batch token mean), TRL estimates KL with k3 and normalises "
+                         "as its loss_type does; leave loss_config.entropy_coef, kl_estimator and "
+                         "norm at their defaults")
     loss_type, level = _LOSSES[loss]
     batch = rc.prompts_per_step * rc.group_size
     return GRPOConfig(

@@ -27,7 +27,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ...adapters.verl.overrides import SWAP, engine_overrides
-from . import reject_builtin_only, reject_fixed_eps
+from . import reject_builtin_only, reject_fixed_eps, reject_loss_clamps
 from ..schema import to_client_config
 from ..tasks import get_task
 
@@ -50,6 +50,8 @@ def write_run(cfg: DictConfig, out: Path) -> list[str]:
     reject_fixed_eps(cfg, "verl", 1e-6)
     client = to_client_config(cfg.client)
     _check(cfg, client)
+    reject_loss_clamps(client.train.loss_config, "verl", "verl 0.9.1's losses clamp the log-ratio "
+                                                         "to +-20 and k3 (low_var_kl) to +-10 themselves")
     out.mkdir(parents=True, exist_ok=True)
     data = write_data(cfg, out / "train.parquet")
     overrides = [*SWAP, *translate(cfg, client, data)]

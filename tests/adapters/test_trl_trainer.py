@@ -14,7 +14,9 @@ from datasets import Dataset
 from polynya.adapters.trl import GRPOTrainer
 from polynya.config import SamplerConfig
 from polynya.checksum import checksum_named_tensors
-from polynya.models import load_model, tiny_tokenizer
+from polynya.models import tiny_tokenizer
+
+from .common import save_tiny_qwen3
 from polynya.sync import SyncError
 from transformers import TrainerCallback
 
@@ -25,10 +27,7 @@ QUESTIONS = ("How many apples did the farmer sell?", "What is 12 plus 7?")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_qwen3")
-    load_model("tiny:qwen3", seed=3).save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return str(d)
+    return save_tiny_qwen3(tmp_path_factory, "tiny_qwen3", 3)
 
 
 def _args(out, **kw):

@@ -84,6 +84,8 @@ VALUES = {
     "train.loss_config.kl_coef": (0.1, [], {}),
     "train.loss_config.kl_estimator": ("k1", [], {}),
     "train.loss_config.entropy_coef": (0.01, [], {}),
+    "train.loss_config.log_ratio_clip": (20.0, [], {}),
+    "train.loss_config.kl_clip": (10.0, [], {}),
     "train.micro_batch_tokens": (1000, [], {}),
     "train.max_tokens_per_row": (500, [], {}),
     "train.temperature": (0.7, [], {"logprob.temperature": 0.7}),
@@ -247,3 +249,15 @@ def test_offload_trainer_takes_a_bool_or_auto(value, want):
     assert to_client_config(_compose([f"client.offload_trainer={value}"]).client).offload_trainer == want
     with pytest.raises(ValueError, match="offload_trainer must be True, False or 'auto'"):
         to_client_config(_compose(["client.offload_trainer=sometimes"]).client)
+
+
+@pytest.mark.parametrize("key", ["log_ratio_clip", "kl_clip"])
+def test_loss_clamps_are_refused_by_verl_whose_clamps_are_fixed(tmp_path, key):
+    from polynya.recipes.frameworks import verl
+
+    cfg = _compose(["framework=verl", "model=qwen3-0.6b", f"client.train.loss_config.{key}=5.0",
+                    f"run.out_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=f"framework=verl does not translate client.train."
+                                         f"loss_config.{key}=5.0: verl 0.9.1's losses clamp"):
+        verl.write_run(cfg, tmp_path / "verl")
+    assert not (tmp_path / "verl").exists()

@@ -75,11 +75,17 @@ def test_unjudgeable_completions_reach_trl_as_none_naming_the_prompt(capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_a_changed_advantage_eps_is_refused(tmp_path):
+@pytest.mark.parametrize("override, message", [
+    ("run.advantage_eps=1e-3",
+     "framework=trl does not translate run.advantage_eps=0.001: trl's GRPO adds a fixed 0.0001"),
+    ("client.train.loss_config.log_ratio_clip=20.0",
+     "framework=trl does not translate client.train.loss_config.log_ratio_clip=20.0: TRL's "
+     "GRPOTrainer clamps neither"),
+])
+def test_settings_trl_cannot_take_are_refused(tmp_path, override, message):
     with initialize_config_module("polynya.recipes.conf", version_base=None):
         cfg = compose("config", overrides=["framework=trl", "task=toy", f"run.out_dir={tmp_path}",
-                                           "run.advantage_eps=1e-3"])
-    with pytest.raises(ValueError, match="framework=trl does not translate run.advantage_eps=0.001: "
-                                         "trl's GRPO adds a fixed 0.0001"):
+                                           override])
+    with pytest.raises(ValueError, match=message):
         run(cfg)
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -70,13 +70,13 @@ def reference_logprobs(model, data) -> torch.Tensor:
 def reference_loss(model, data, algo) -> torch.Tensor:
     lp = reference_logprobs(model, data)
     m = data["loss_mask"].float()
-    ratio = torch.exp(lp - data["action_log_probs"])
+    ratio = torch.exp((lp - data["action_log_probs"]).clamp(-20, 20))  # SkyRL's safe_exp_delta
     a = data["advantages"]
     pg = -torch.min(ratio * a, ratio.clamp(1 - algo["eps_clip_low"], 1 + algo["eps_clip_high"]) * a)
     loss = (pg * m).sum()
     if algo["use_kl_loss"]:
-        d = data["base_action_log_probs"] - lp
-        kl = (torch.exp(d) - d - 1) * m
+        d = (data["base_action_log_probs"] - lp).clamp(-20, 20)
+        kl = (torch.exp(d) - d - 1).clamp(-10, 10) * m  # SkyRL's compute_approx_kl (k3)
         loss = loss + algo["kl_loss_coef"] * ((kl.sum(-1) / m.sum(-1).clamp(min=1)).mean())
     return loss
 

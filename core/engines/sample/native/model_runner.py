@@ -418,7 +418,8 @@ class ModelRunner:
         pred = np.concatenate([np.arange(a, b - 1) for a, b in ranges])  # row j predicts token j + 1
         stats = score_hidden(self.model.get_output_embeddings(), hidden[self._to_device(pred, torch.int64)],
                              self._to_device(ids[pred + 1], torch.int64), top_k=top_k,
-                             temperature=temperature, softcap=self.features.final_softcap)
+                             temperature=self.features.head_temperature(temperature),
+                             softcap=self.features.final_softcap)
         stats = [t.cpu() for t in stats]
         out, at = [], 0
         for seq in seqs:
