@@ -76,3 +76,22 @@ def test_cli_writes_the_run(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "verl run written to" in proc.stdout and (tmp_path / "verl" / "run.sh").exists()
+
+
+def test_a_completion_the_reward_cannot_judge_stops_the_run_naming_it(monkeypatch):
+    """A reward that raises or returns NaN is a ``ValueError`` naming the prompt (verl has no way
+    to leave one completion out of its group; a NaN would make the whole group's advantages NaN)."""
+    info = {"prompt": "What is 2 + 2?", "meta": "{}"}
+    assert compute_score("gsm8k", "#### 4", "4", info) == 1.0
+    for bad in (float("nan"), float("inf")):
+        monkeypatch.setattr(gsm8k, "reward", lambda *a, bad=bad, **k: bad)
+        with pytest.raises(ValueError, match=r"gsm8k reward could not judge a completion of "
+                                             r"'What is 2 \+ 2\?': reward (nan|inf) is not finite"):
+            compute_score("gsm8k", "#### 4", "4", info)
+
+    def broken(*a, **k):
+        raise RuntimeError("worker crashed")
+
+    monkeypatch.setattr(gsm8k, "reward", broken)
+    with pytest.raises(ValueError, match="RuntimeError: worker crashed"):
+        compute_score("gsm8k", "#### 4", "4", info)
