@@ -42,9 +42,33 @@ def check_zero_stage(stage: object, owner: str, allowed: tuple[int, ...] = (0, 1
         raise ValueError(f"{owner}.zero_stage must be one of {allowed}, got {stage!r}")
 
 
+# raw DeepSpeed keys polynya sets from its own settings (``_deepspeed.ds_config``): an override
+# would change the update behind those settings' backs (DeepSpeed scales each loss by
+# 1 / gradient_accumulation_steps, clips by its own gradient_clipping, casts by bf16 / fp16, ...)
+MANAGED_DEEPSPEED_KEYS = {
+    "train_batch_size": "micro-batches are planned by tokens (micro_batch_tokens); a step is one "
+                        "step() call",
+    "train_micro_batch_size_per_gpu": "micro-batches are planned by tokens (micro_batch_tokens)",
+    "gradient_accumulation_steps": "every forward_backward call accumulates until step()",
+    "managed_gradient_accumulation": "every forward_backward call accumulates until step()",
+    "gradient_clipping": "set OptimConfig.grad_clip",
+    "bf16": "set dtype", "fp16": "set dtype", "amp": "set dtype",
+    "optimizer": "polynya builds AdamW from OptimConfig", "scheduler": "set OptimConfig.schedule",
+    "zero_optimization.stage": "set zero_stage",
+}
+
+
 def check_deepspeed_overrides(value: object, owner: str) -> None:
+    """``ValueError`` unless ``value`` is a dict of raw DeepSpeed settings that leaves the keys
+    polynya sets itself (``MANAGED_DEEPSPEED_KEYS``) alone."""
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise ValueError(f"{owner}.deepspeed must be a dict of raw DeepSpeed settings, got {value!r}")
+    zero = value.get("zero_optimization")
+    keys = [*value, *(f"zero_optimization.{k}" for k in zero)] if isinstance(zero, dict) else list(value)
+    for key in keys:
+        if key in MANAGED_DEEPSPEED_KEYS:
+            raise ValueError(f"{owner}.deepspeed sets {key!r}, which polynya sets itself: "
+                             f"{MANAGED_DEEPSPEED_KEYS[key]} instead")
 
 
 @dataclass

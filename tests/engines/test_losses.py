@@ -180,6 +180,27 @@ def test_train_config_validation(bad):
         TrainConfig("tiny:qwen3", **bad)
 
 
+@pytest.mark.parametrize("raw, key, instead", [
+    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps", "accumulates until step()"),
+    ({"gradient_clipping": 0.5}, "gradient_clipping", "OptimConfig.grad_clip"),
+    ({"fp16": {"enabled": True}}, "fp16", "set dtype"),
+    ({"optimizer": {"type": "Adam"}}, "optimizer", "AdamW from OptimConfig"),
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "set zero_stage"),
+])
+def test_raw_deepspeed_keys_polynya_sets_are_refused(raw, key, instead):
+    """A raw override of a key polynya derives from its own settings would change the update
+    behind them (DeepSpeed divides each loss by gradient_accumulation_steps, clips by its own
+    gradient_clipping, ...): refused at config time, naming the setting to use. Others merge."""
+    from polynya.config.logprob import LogProbConfig
+
+    for make in (lambda d: TrainConfig("tiny:qwen3", deepspeed=d),
+                 lambda d: LogProbConfig("tiny:qwen3", deepspeed=d)):
+        with pytest.raises(ValueError, match=f"sets '{key}', which polynya sets itself: .*{instead}"):
+            make(raw)
+    TrainConfig("tiny:qwen3", deepspeed={"steps_per_print": 5,
+                                         "zero_optimization": {"overlap_comm": True}})
+
+
 @pytest.mark.parametrize("bad", [dict(schedule="linear"), dict(schedule="warmup_cosine"), dict(betas=(0.9,)),
                                  dict(grad_clip=-1.0), dict(warmup_steps=5, total_steps=5, schedule="warmup_cosine")])
 def test_optim_config_validation(bad):
