@@ -172,7 +172,15 @@ class SamplingParams:
 
     ``temperature=0`` means greedy. ``top_k=-1`` and ``top_p=1`` disable those filters;
     ``min_p=0`` disables min-p. ``temperature`` is 0 or at least ``MIN_TEMPERATURE`` (below
-    it ``logits / temperature`` overflows float32).
+    it ``logits / temperature`` overflows float32). The filters apply as in vLLM V1:
+    temperature, then min-p, then top-k (tokens tied with the k-th logit kept), then top-p;
+    greedy rows ignore them. ``top_k`` larger than the vocabulary is off.
+
+    ``logprobs=True`` returns each sampled token's log-prob under the distribution it was
+    sampled from (after temperature and filters; greedy: the raw model distribution) — vLLM's
+    ``logprobs_mode="processed_logprobs"``, not vLLM's default ``"raw_logprobs"`` (log-softmax
+    of the unscaled logits). The stop token, when one ends the completion, is in ``token_ids``
+    with its log-prob and counts towards ``max_tokens``.
 
     Stopping: ``stop_at_eos=None`` (the default) stops at the model's EOS ids when
     ``stop_token_ids`` is None and at exactly ``stop_token_ids`` when a list is given (``[]``:

@@ -12,19 +12,19 @@ N = 20000
 
 
 def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Temperature -> top-k -> top-p (on the top-k renormalised distribution) -> min-p."""
+    """vLLM V1's order: temperature -> min-p (relative to the top probability) -> top-k (ties
+    with the k-th logit kept) -> top-p (on what is left, renormalised)."""
     x = logits.astype(np.float64) / p.temperature
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    keep = probs >= p.min_p * probs.max()
     order = np.argsort(-x, kind="stable")
-    keep = np.zeros(len(x), bool)
     k = len(x) if p.top_k < 0 else p.top_k
-    keep[order[:k]] = True
-    probs = np.where(keep, np.exp(x - x.max()), 0.0)
+    keep &= x >= x[order[k - 1]]
+    probs = np.where(keep, probs, 0.0)
     probs /= probs.sum()
     mass_before = np.cumsum(probs[order]) - probs[order]
     keep[order[mass_before >= p.top_p]] = False
-    probs = np.where(keep, probs, 0.0)
-    probs /= probs.sum()
-    keep &= probs >= p.min_p * probs.max()
     probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()
 

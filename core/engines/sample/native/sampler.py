@@ -1,17 +1,27 @@
 """Batched next-token sampling on the device: temperature, top-k, top-p, min-p, greedy.
 
 One call samples one token for every row of a ``[B, V]`` logits tensor, each row with its own
-settings. The filters apply in the order temperature → top-k → top-p (on the top-k-renormalised
-distribution) → min-p (relative to the most likely token). Sampling is by inverse CDF: each row
+settings. The filters follow vLLM V1's sampler (``vllm/v1/sample/sampler.py``,
+``ops/topk_topp_sampler.py``) in its order: temperature → min-p (a token is removed when its
+probability after temperature is below ``min_p`` times the most likely token's) → top-k (every
+token whose logit ties the k-th largest is kept) → top-p (on the distribution left after min-p
+and top-k, renormalised; the token whose probability crosses ``top_p`` is kept). Sampling is by
+inverse CDF: each row
 brings one uniform number drawn from its own ``torch.Generator`` (CPU; ``Sequence.next_uniform``)
 and the inverse CDF always runs in vocabulary order (top-k / top-p sort only to decide what to
 remove), so a seeded request gives the same tokens whatever else is in the batch — neighbours
 with other filters included — on CPU and GPU alike.
 
 Returned log-probs are those of the sampled tokens under the distribution actually sampled
-from (after temperature and filters). Greedy rows (``temperature == 0``) sample the argmax;
-their log-prob is taken under the unmodified model distribution (temperature 1, no filters),
-since the point mass greedy decoding "samples" from would always give 0.
+from (after temperature and filters): vLLM's ``logprobs_mode="processed_logprobs"``, NOT vLLM's
+default ``"raw_logprobs"`` (``log_softmax`` of the model's logits before temperature and
+filters). They differ whenever ``temperature != 1`` or a filter removed a token: a caller that
+compares them with a trainer's ``log_softmax(logits / temperature)`` (importance ratios, TIS)
+gets the matching numbers without filters; under a filter they are of the renormalised
+distribution. Greedy rows (``temperature == 0``) sample the first argmax (``torch.argmax``, as
+vLLM) and ignore top-k / top-p / min-p; their log-prob is taken under the unmodified model
+distribution (temperature 1, no filters), as vLLM's processed and raw log-probs of a greedy row
+both are.
 """
 from __future__ import annotations
 
@@ -99,18 +109,19 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         (so its sample does not depend on the batch).
     """
     x = logits / st.temperature[:, None]
+    if st.needs_min_p:  # vLLM: an argmax-invariant logits processor, before top-k / top-p
+        probs = x.softmax(dim=-1)
+        top = probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < st.min_p[:, None] * top, float("-inf"))
     if st.needs_sort:
         xs, order = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(xs.shape[-1], device=xs.device)
-        drop = ranks[None, :] >= st.top_k[:, None]
+        # top-k by value, not by rank: a token tied with the k-th largest logit stays (vLLM's
+        # ``logits_sort < kth``); a row without top-k (k = V) compares with its minimum
+        drop = xs < xs.gather(-1, (st.top_k - 1)[:, None])
         probs = xs.masked_fill(drop, float("-inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # rank 0 always kept (top_p > 0)
         drop |= (mass_before >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None]
         x = x.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
-    if st.needs_min_p:
-        probs = x.softmax(dim=-1)
-        top = probs.max(dim=-1, keepdim=True).values
-        x = x.masked_fill(probs < st.min_p[:, None] * top, float("-inf"))
     return x
 
 
