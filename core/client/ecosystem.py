@@ -41,7 +41,8 @@ def generate_params(sp: dict) -> SamplingParams:
     """``/inference/v1/generate``'s vLLM ``sampling_params`` -> ``SamplingParams``
     (``ValueError`` naming a field it would otherwise ignore). vLLM's rules: ``top_k=0`` is off,
     ``max_tokens`` defaults to 16, stop ids add to the model's EOS unless ``ignore_eos``.
-    ``logprobs=k`` returns the sampled token's log-prob (no top-k alternatives);
+    ``logprobs=k`` returns the sampled token's log-prob (no top-k alternatives; processed: after
+    temperature and filters, vLLM's ``processed_logprobs``, as ``/server_info`` reports);
     ``min_tokens`` up to 1 is accepted and not applied (SkyRL's generator always sends 1: a
     completion may end at its first token, which vLLM would mask)."""
     min_tokens = sp.get("min_tokens")
