@@ -1,6 +1,6 @@
 """``BodyGuard`` on its own (ASGI, no server): size, idle and average-rate bounds of a request
 body, and the body replayed intact to the app when it passes. The same bounds through a real
-uvicorn socket: ``test_faults.py`` (transport section)."""
+uvicorn socket: ``test_transport.py``."""
 
 from __future__ import annotations
 
