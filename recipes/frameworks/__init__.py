@@ -47,14 +47,14 @@ def reject_fixed_eps(cfg: DictConfig, framework: str, fixed: float) -> None:
                          "group std; leave it at its default or use framework=builtin")
 
 
-def reject_loss_clamps(spec, framework: str, its_own: str) -> None:
-    """``ValueError`` when ``client.train.loss_config`` sets ``log_ratio_clip`` / ``kl_clip``
-    for a framework whose loss does not take them (``its_own``: what it does instead)."""
+def reject_loss_clamps(loss_config, framework: str, its_own: str) -> None:
+    """``ValueError`` when ``loss_config`` (``client.train.loss_config``) sets ``log_ratio_clip``
+    / ``kl_clip`` for a framework whose loss does not take them (``its_own``: what it does)."""
     for name in ("log_ratio_clip", "kl_clip"):
-        if getattr(spec, name) is not None:
+        if getattr(loss_config, name) is not None:
             raise ValueError(f"framework={framework} does not translate client.train.loss_config."
-                             f"{name}={getattr(spec, name)}: {its_own}; leave it unset or use "
-                             "framework=builtin")
+                             f"{name}={getattr(loss_config, name)}: {its_own}; leave it unset or "
+                             "use framework=builtin")
 
 
 def _folder():
