@@ -26,33 +26,80 @@ def _scores(q, k, qk_scale, cap_in, cap_out, DOT_PREC: tl.constexpr, SOFTCAP: tl
 
 
 @triton.jit
+def _tile_rows(bt_row_ptr, start, tok1, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Tokens [start, start + BLOCK_N) of one block-table row: (valid mask, block id, slot)."""
+    t = start + tl.arange(0, BLOCK_N)
+    tm = t < tok1
+    bid = tl.load(bt_row_ptr + t // PAGE, mask=tm, other=0).to(tl.int64)
+    return tm, bid, t % PAGE
+
+
+@triton.jit
+def _load_tile(ptr, bid, within, tm, s_b, s_t, head, s_h, HEAD_D: tl.constexpr):
+    off = bid * s_b + within * s_t + head * s_h
+    return tl.load(ptr + off[:, None] + tl.arange(0, HEAD_D)[None, :], mask=tm[:, None], other=0.0)
+
+
+@triton.jit
+def _accumulate(s, tm, bid, within, m_i, l_i, acc, v_ptr, s_vb, s_vt, head, s_vh,
+                HEAD_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One online-softmax step over a score tile and its values: (acc, max, sum) updated."""
+    s = tl.where(tm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = _load_tile(v_ptr, bid, within, tm, s_vb, s_vt, head, s_vh, HEAD_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, bt_row_ptr, head,
             tok0, tok1, qk_scale, cap_in, cap_out,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
             PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax of q [BLOCK_M, D] over tokens [tok0, tok1) of one block-table row."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     for start in range(tok0, tok1, BLOCK_N):
-        t = start + offs_n
-        tm = t < tok1
-        bid = tl.load(bt_row_ptr + t // PAGE, mask=tm, other=0).to(tl.int64)
-        within = t % PAGE
-        k_off = bid * s_kb + within * s_kt + head * s_kh
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
+        tm, bid, within = _tile_rows(bt_row_ptr, start, tok1, BLOCK_N, PAGE)
+        k = _load_tile(k_ptr, bid, within, tm, s_kb, s_kt, head, s_kh, HEAD_D)
         s = _scores(q, k, qk_scale, cap_in, cap_out, DOT_PREC, SOFTCAP)
-        s = tl.where(tm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = bid * s_vb + within * s_vt + head * s_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        acc, m_i, l_i = _accumulate(s, tm, bid, within, m_i, l_i, acc, v_ptr, s_vb, s_vt, head,
+                                    s_vh, HEAD_D, DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_pipelined(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, bt_row_ptr, head,
+                      tok0, tok1, qk_scale, cap_in, cap_out,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                      PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
+    """``_attend`` with the scores of tile j + 1 issued before the softmax of tile j (software
+    pipelining across iterations: the tensor cores can work on the next tile's ``q k^T`` while
+    the softmax of this one runs). Same operations per tile, so the same result."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    if tok0 < tok1:
+        tm, bid, within = _tile_rows(bt_row_ptr, tok0, tok1, BLOCK_N, PAGE)
+        k = _load_tile(k_ptr, bid, within, tm, s_kb, s_kt, head, s_kh, HEAD_D)
+        s = _scores(q, k, qk_scale, cap_in, cap_out, DOT_PREC, SOFTCAP)
+        for start in range(tok0 + BLOCK_N, tok1, BLOCK_N):
+            tm_n, bid_n, within_n = _tile_rows(bt_row_ptr, start, tok1, BLOCK_N, PAGE)
+            k = _load_tile(k_ptr, bid_n, within_n, tm_n, s_kb, s_kt, head, s_kh, HEAD_D)
+            s_next = _scores(q, k, qk_scale, cap_in, cap_out, DOT_PREC, SOFTCAP)
+            # tile j = start - BLOCK_N: its rows again (cached), so every load of this
+            # iteration is addressed by the loop index alone (the pipeliner can prefetch it)
+            tm, bid, within = _tile_rows(bt_row_ptr, start - BLOCK_N, tok1, BLOCK_N, PAGE)
+            acc, m_i, l_i = _accumulate(s, tm, bid, within, m_i, l_i, acc, v_ptr, s_vb, s_vt,
+                                        head, s_vh, HEAD_D, DOT_PREC)
+            s = s_next
+        last = tok0 + ((tok1 - tok0 - 1) // BLOCK_N) * BLOCK_N
+        tm, bid, within = _tile_rows(bt_row_ptr, last, tok1, BLOCK_N, PAGE)
+        acc, m_i, l_i = _accumulate(s, tm, bid, within, m_i, l_i, acc, v_ptr, s_vb, s_vt, head,
+                                    s_vh, HEAD_D, DOT_PREC)
     return acc, m_i, l_i
 
 
@@ -74,8 +121,10 @@ def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_v
                  ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV, G,
                  QPK: tl.constexpr, NSUB: tl.constexpr, MSUB: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Unit (item, member sub-tile, kv head): members x QPK query heads as one M tile."""
+                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+                 PIPE: tl.constexpr):
+    """Unit (item, member sub-tile, kv head): members x QPK query heads as one M tile
+    (``PIPE``: through ``_attend_pipelined``)."""
     item = w // (NSUB * HKV)
     rem = w % (NSUB * HKV)
     sub = rem // HKV
@@ -94,10 +143,16 @@ def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_v
         row = tl.load(sh_row + item)
         tok0 = tl.load(sh_c0 + item) * PAGE
         tok1 = tl.minimum(tl.load(sh_c1 + item) * PAGE, tl.load(sl_ptr + row))
-        acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                                bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
-                                qk_scale, cap_in, cap_out, BLOCK_M, BLOCK_N, HEAD_D, PAGE,
-                                DOT_PREC, SOFTCAP)
+        bt_row = bt_ptr + row.to(tl.int64) * s_bt
+        if PIPE:
+            acc, m_i, l_i = _attend_pipelined(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
+                                              s_vh, bt_row, head, tok0, tok1, qk_scale, cap_in,
+                                              cap_out, BLOCK_M, BLOCK_N, HEAD_D, PAGE,
+                                              DOT_PREC, SOFTCAP)
+        else:
+            acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                                    bt_row, head, tok0, tok1, qk_scale, cap_in, cap_out,
+                                    BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC, SOFTCAP)
         _store_partial(ws_o, ws_lse, req, tl.load(sh_slot + item), qh, rowok,
                        acc, m_i, l_i, S, HQ, HEAD_D)
 
@@ -146,7 +201,8 @@ def _fca_attend_kernel(
         BLOCK_M_SH: tl.constexpr, BLOCK_M_PV: tl.constexpr, BLOCK_N_SH: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
         DOT_PREC: tl.constexpr, DO_SHARED: tl.constexpr, DO_PRIVATE: tl.constexpr,
-        DYNAMIC: tl.constexpr, INTERLEAVE: tl.constexpr, SOFTCAP: tl.constexpr):
+        DYNAMIC: tl.constexpr, INTERLEAVE: tl.constexpr, SOFTCAP: tl.constexpr,
+        PIPE: tl.constexpr = False):
     """Persistent FCA pass over shared units (item, member sub-tile, kv head) and private
     units (request, split, kv head) of the plan's virtual private rows; each writes one
     partial per member. Shared units come first, or spread evenly among the private ones
@@ -179,7 +235,7 @@ def _fca_attend_kernel(
                              s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
                              sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV,
                              G, QPK, NSUB, MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC,
-                             SOFTCAP)
+                             SOFTCAP, PIPE)
             else:
                 _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                                s_vh, pv_bt, s_pv, pv_len, n_sh_slots, ws_o, ws_lse,
@@ -191,7 +247,7 @@ def _fca_attend_kernel(
                          s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
                          sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV,
                          G, QPK, NSUB, MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC,
-                         SOFTCAP)
+                         SOFTCAP, PIPE)
         else:
             _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                            s_vh, pv_bt, s_pv, pv_len, n_sh_slots, ws_o, ws_lse,

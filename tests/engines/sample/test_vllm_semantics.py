@@ -37,9 +37,9 @@ def vllm_keep(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     return keep
 
 
-def kept(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    st = SamplingTensors.build(params, [0.5] * len(params), logits.shape[-1], "cpu")
-    return filter_logits(logits.float(), st) > float("-inf")
+def kept(logits: torch.Tensor, params: list[SamplingParams], device: str = "cpu") -> torch.Tensor:
+    st = SamplingTensors.build(params, [0.5] * len(params), logits.shape[-1], device)
+    return (filter_logits(logits.float().to(device), st) > float("-inf")).cpu()
 
 
 def test_min_p_applies_before_top_p():
@@ -81,14 +81,44 @@ def test_filters_match_vllm_on_random_logits(vocab):
     assert not bad, [(i, params[i]) for i in bad[:5]]
 
 
+def tied_bf16_case(vocab: int, rows: int = 300):
+    """Logits rounded to bf16 (ties at the top-k boundary) with top-k and min-p settings whose
+    thresholds fall between the bf16 grid's differences: the kept set is exact in float32."""
+    g = torch.Generator().manual_seed(vocab + 1)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).bfloat16().float()
+    params = [SamplingParams(temperature=t, top_k=k, min_p=m)
+              for t, k, m in zip([0.5, 1.0, 1.3] * 100, [1, 3, 10, 40, vocab + 1] * 60,
+                                 [0.0, 0.05, 0.3] * 100)][:rows]
+    return logits, params
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["random, top-p", "tied bf16, Qwen's vocabulary"])
+def test_filters_match_vllm_on_the_gpu(case):
+    """The filters on CUDA: the kept sets equal vLLM's rules and the CPU's, and every sample is
+    a token vLLM may draw. (Top-p is checked on a small vocabulary only: on 151936 tokens the
+    probabilities around its boundary are within float32 rounding of each other.)"""
+    if case.startswith("random"):
+        g = torch.Generator().manual_seed(304)
+        logits = torch.randn(400, 301, generator=g) * torch.rand(400, 1, generator=g).mul(4).add(0.2)
+        params = random_params(g, 400, 301)
+    else:
+        logits, params = tied_bf16_case(151936, rows=60)
+    ref, got = vllm_keep(logits, params), kept(logits, params, "cuda")
+    bad = (ref != got).any(-1).nonzero()[:, 0].tolist()
+    assert not bad, [(i, params[i]) for i in bad[:5]]
+    assert torch.equal(got, kept(logits, params))
+    rows = len(params)
+    tok, lp = sample(logits.cuda(), SamplingTensors.build(params, [0.3] * rows, logits.shape[1], "cuda"))
+    assert ref[torch.arange(rows), tok.cpu()].all()
+    assert torch.isfinite(lp).all() and (lp <= 0).all()
+
+
 @pytest.mark.parametrize("vocab", [64, 1000])
 def test_top_k_and_min_p_match_vllm_on_tied_bf16_logits(vocab):
     """Logits rounded to bf16 (ties at the top-k boundary); top-p is left out: which of a tied
     group crosses ``top_p`` depends on the sort's order in vLLM too."""
-    g = torch.Generator().manual_seed(vocab + 1)
-    logits = (torch.randn(300, vocab, generator=g) * 3).bfloat16().float()
-    params = [SamplingParams(temperature=t, top_k=k, min_p=m)
-              for t, k, m in zip([0.5, 1.0, 1.3] * 100, [1, 3, 10, 40, vocab + 1] * 60, [0.0, 0.05, 0.3] * 100)]
+    logits, params = tied_bf16_case(vocab)
     assert torch.equal(kept(logits, params), vllm_keep(logits, params))
 
 
