@@ -182,6 +182,11 @@ class SamplingParams:
     of the unscaled logits). The stop token, when one ends the completion, is in ``token_ids``
     with its log-prob and counts towards ``max_tokens``.
 
+    ``min_tokens`` (vLLM's): the first ``min_tokens`` tokens of a completion are never stop
+    tokens — the row's stop ids (EOS and ``stop_token_ids`` as the rule below says) are removed
+    from its logits before temperature and filters, so the returned (processed) log-probs of
+    those tokens are of the distribution without them. At most ``max_tokens``.
+
     Stopping: ``stop_at_eos=None`` (the default) stops at the model's EOS ids when
     ``stop_token_ids`` is None and at exactly ``stop_token_ids`` when a list is given (``[]``:
     never before ``max_tokens``). ``stop_at_eos=True`` stops at the EOS ids *and* at
@@ -199,13 +204,14 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     stop_at_eos: bool | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # numpy / 0-d tensor ints are accepted and stored as Python ints (the engines' checks,
         # seeds and codecs expect those)
-        n, top_k, max_tokens = (_int(getattr(self, k), f"SamplingParams.{k}")
-                                for k in ("n", "top_k", "max_tokens"))
-        self.n, self.top_k, self.max_tokens = n, top_k, max_tokens
+        n, top_k, max_tokens, min_tokens = (_int(getattr(self, k), f"SamplingParams.{k}")
+                                            for k in ("n", "top_k", "max_tokens", "min_tokens"))
+        self.n, self.top_k, self.max_tokens, self.min_tokens = n, top_k, max_tokens, min_tokens
         if n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {n!r}")
         temperature = _real(self.temperature, "SamplingParams.temperature")
@@ -223,6 +229,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1), got {self.min_p!r}")
         if max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {max_tokens!r}")
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={max_tokens}], "
+                             f"got {min_tokens!r}")
         for k, v in (("n", n), ("top_k", top_k), ("max_tokens", max_tokens)):
             if v > INT32_MAX:  # the engines count tokens and samples in 32/64-bit integers
                 raise ValueError(f"SamplingParams.{k} must be at most {INT32_MAX}, got {v!r}")

@@ -103,7 +103,8 @@ def to_sampling_params(params: dict[str, Any], default_max_tokens: int, ignore_e
     top_k = int(p.pop("top_k", -1))
     out = SamplingParams(temperature=float(p.pop("temperature", 1.0)), top_p=float(p.pop("top_p", 1.0)),
                          top_k=-1 if top_k == 0 else top_k, min_p=float(p.pop("min_p", 0.0)),
-                         max_tokens=int(max_tokens), logprobs=bool(p.pop("logprobs", False)),
+                         max_tokens=int(max_tokens), min_tokens=p.pop("min_tokens", 0),
+                         logprobs=bool(p.pop("logprobs", False)),
                          seed=p.pop("seed", None), stop_token_ids=p.pop("stop_token_ids", None),
                          stop_at_eos=not ignore)
     if p:

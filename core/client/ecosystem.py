@@ -34,7 +34,7 @@ from .routes_skyrl import openai_error
 # implements, the neutral values of those it does not (``openai_compat.sampling_params`` checks
 # both, as for /v1/completions), and the fields SkyRL's generator sends that change no token
 _GENERATE_KEYS = {*SAMPLING_FIELDS, *NEUTRAL_VALUES, "top_k", "stop", "skip_special_tokens"}
-_ROUTE_ONLY = {"logprobs", "min_tokens", "prompt_logprobs", "include_stop_str_in_output", "output_kind"}
+_ROUTE_ONLY = {"logprobs", "prompt_logprobs", "include_stop_str_in_output", "output_kind"}
 
 
 def generate_params(sp: dict) -> SamplingParams:
@@ -43,11 +43,7 @@ def generate_params(sp: dict) -> SamplingParams:
     ``max_tokens`` defaults to 16, stop ids add to the model's EOS unless ``ignore_eos``.
     ``logprobs=k`` returns the sampled token's log-prob (no top-k alternatives; processed: after
     temperature and filters, vLLM's ``processed_logprobs``, as ``/server_info`` reports);
-    ``min_tokens`` up to 1 is accepted and not applied (SkyRL's generator always sends 1: a
-    completion may end at its first token, which vLLM would mask)."""
-    min_tokens = sp.get("min_tokens")
-    if min_tokens not in (None, 0, 1):
-        raise ValueError(f"min_tokens={min_tokens!r} is not supported by polynya's sampler (0 or 1 only)")
+    ``min_tokens`` as vLLM applies it (``SamplingParams.min_tokens``; SkyRL's generator sends 1)."""
     if sp.get("prompt_logprobs") is not None:
         raise ValueError("prompt_logprobs is not served by /inference/v1/generate; ask "
                          "/v1/completions with prompt_logprobs")

@@ -41,7 +41,8 @@ from typing import Any
 from ..types import SamplingParams
 
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs: what one request may ask per prompt token
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "min_p", "max_tokens", "seed", "stop_token_ids")
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "min_p", "max_tokens", "min_tokens", "seed",
+                   "stop_token_ids")
 NEUTRAL_VALUES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "echo": False, "stream": False, "ignore_eos": False}
 _COMMON = {"model", "top_k", "logprobs", "return_token_ids", "return_tokens_as_token_ids", "user",

@@ -132,7 +132,7 @@ def _batch_tensors(**override):
         ("/inference/v1/generate", dict(json={"token_ids": [5], "sampling_params": {
             "best_of": 2}}), 400, "unsupported request field(s) ['best_of']"),
         ("/inference/v1/generate", dict(json={"token_ids": [5], "sampling_params": {
-            "min_tokens": 4}}), 400, "min_tokens=4"),
+            "min_tokens": 17}}), 400, "min_tokens must be in [0, max_tokens=16]"),
         ("/inference/v1/generate", dict(json={"token_ids": [5], "sampling_params": {
             "prompt_logprobs": 1}}), 400, "prompt_logprobs"),
         ("/init_weight_transfer_engine", dict(json={}), 400, "init_info"),

@@ -111,7 +111,8 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         return VLLMParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                          min_p=p.min_p, max_tokens=p.max_tokens, seed=p.seed, logprobs=0,
+                          min_p=p.min_p, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+                          seed=p.seed, logprobs=0,
                           stop_token_ids=list(p.stop_token_ids or ()), ignore_eos=not p.stops_at_eos,
                           output_kind=RequestOutputKind.CUMULATIVE)
 

@@ -29,28 +29,10 @@ from skyrl.backends.skyrl_train.weight_sync.control_plane import (
 )
 from skyrl.train.config import SamplingParams
 
+from ...engines.sample.vllm_reference import masked_greedy
 from .conftest import free_port
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 7, 99, 3, 12, 64]]
-
-
-def greedy_reference(model, prompt: list[int], max_tokens: int, stop: set[int], min_tokens: int = 1):
-    """vLLM semantics: stop ids masked for the first ``min_tokens`` tokens; raw log-probs."""
-    ids, out, lps = list(prompt), [], []
-    with torch.no_grad():
-        for step in range(max_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            lp = torch.log_softmax(logits, -1)
-            pick = lp.clone()
-            if step < min_tokens:
-                pick[list(stop)] = -float("inf")
-            tok = int(pick.argmax())
-            out.append(tok)
-            lps.append(float(lp[tok]))
-            ids.append(tok)
-            if tok in stop:
-                break
-    return out, lps
 
 
 def stop_ids(model) -> set[int]:
@@ -95,7 +77,7 @@ async def generate(url: str, params: dict, prompts=PROMPTS):
 def check_generation(out, model, tok, max_tokens):
     stop = stop_ids(model)
     for i, prompt in enumerate(PROMPTS):
-        want, want_lp = greedy_reference(model, prompt, max_tokens, stop)
+        want, want_lp = masked_greedy(model, prompt, max_tokens, stop, 1)  # SkyRL sends min_tokens=1
         assert out["response_ids"][i] == want, f"prompt {i}"
         assert out["response_logprobs"][i] == pytest.approx(want_lp, abs=1e-4), f"prompt {i}"
         assert out["stop_reasons"][i] == ("stop" if want[-1] in stop else "length")
@@ -136,7 +118,7 @@ def test_full_cycle(polynya_server, models):
     prompt = tok(tok.apply_chat_template([{"role": "user", "content": "hi there"}],
                                          add_generation_prompt=True, tokenize=False),
                  add_special_tokens=False)["input_ids"]
-    want, want_lp = greedy_reference(models[0], prompt, 6, stop_ids(models[0]), min_tokens=0)
+    want, want_lp = masked_greedy(models[0], prompt, 6, stop_ids(models[0]), 0)
     choice = chat["choices"][0]
     assert chat["prompt_token_ids"] == prompt and choice["token_ids"] == want
     assert [c["logprob"] for c in choice["logprobs"]["content"]] == pytest.approx(want_lp, abs=1e-4)
@@ -238,7 +220,7 @@ async def check_abort(c, url: str, model, tok) -> None:
     for i, prompt in enumerate(PROMPTS):
         ids = out["response_ids"][i]
         assert len(ids) < tokens, f"prompt {i}: not aborted"
-        want, want_lp = greedy_reference(model, prompt, len(ids), stop=set())  # ignore_eos
+        want, want_lp = masked_greedy(model, prompt, len(ids), set(), 1)  # ignore_eos
         assert ids == want and out["responses"][i] == tok.decode(ids)
         # SkyRL reads an empty log-prob list (aborted before its first token) as None
         assert out["response_logprobs"][i] == (pytest.approx(want_lp, abs=1e-4) if ids else None)

@@ -241,6 +241,11 @@ def test_stop_token_ids_stop_besides_eos_as_vllm(eos_model):
     # ignore_eos drops EOS only: past it to max_tokens, or to the request's stop id
     assert tokens({"ignore_eos": True, "stop_token_ids": [tool_stop]}, "e4") == free
     assert tokens({"ignore_eos": True, "stop_token_ids": [free[later]]}, "e5") == free[:later + 1]
+    # min_tokens as vLLM: EOS held back until the answer has that many tokens
+    held = tokens({"min_tokens": pos + 1}, "e6")
+    assert held[:pos] == free[:pos] and free[pos] not in held[:pos + 1]
+    with pytest.raises(ValueError, match="min_tokens"):
+        tokens({"min_tokens": -1}, "e7")
 
 
 def test_rollout_ignore_eos_applies_to_every_request(eos_model):

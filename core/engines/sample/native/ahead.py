@@ -137,7 +137,7 @@ class LaunchAhead:
         logits = self.runner.run(ahead.rows, False, ahead.inputs, ids)
         fca = self.runner.last_step_fca
         return Launched(ahead.rows, False, ahead.inputs,
-                        self._sample(ahead.rows, logits, ahead.uniforms), fca=fca, ahead=True,
+                        self._sample(ahead.rows, logits, ahead.uniforms, ahead=1), fca=fca, ahead=True,
                         early=True)
 
     def _settle_early(self, cur: Launched, early: Launched, ahead: Ahead,
@@ -185,5 +185,5 @@ class LaunchAhead:
             inputs = inputs.with_pages(at_boundary, pages, self.block_manager.block_size)
         inputs = inputs.with_ids(np.asarray(tokens, dtype=np.int64)[keep])
         logits = self.runner.run(rows, False, inputs)
-        return Launched(rows, False, inputs, self._sample(rows, logits, uniforms),
+        return Launched(rows, False, inputs, self._sample(rows, logits, uniforms, ahead=1),
                         fca=self.runner.last_step_fca, ahead=True)

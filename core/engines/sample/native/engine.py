@@ -116,6 +116,7 @@ class NativeEngine(LaunchAhead):
                         "peak_decode_rows": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
+        self._st_min_tokens = False  # a row of the cached settings has min_tokens > 0
         self.async_scheduling = config.async_scheduling
         self._readback = Readback(self.runner.device)
         self._inflight: Launched | None = None  # launched ahead, not booked (async scheduling)
@@ -375,13 +376,34 @@ class NativeEngine(LaunchAhead):
         return [0.0 if s.params.temperature == 0 else s.uniform(ahead) for s in rows]
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor,
-                uniforms: list[float] | None = None) -> torch.Tensor:
-        """Sample every row and start reading the tokens back; the tokens on the device."""
+                uniforms: list[float] | None = None, ahead: int = 0) -> torch.Tensor:
+        """Sample every row and start reading the tokens back; the tokens on the device.
+        ``ahead``: tokens each row will have booked before this step's (1 for a step launched
+        before the previous one is booked)."""
         if uniforms is None:
             uniforms = self._uniforms(rows)
-        tokens, logprobs = sample(logits, self._sampling_tensors(rows, uniforms, logits))
+        st = self._sampling_tensors(rows, uniforms, logits)
+        ban = self._min_tokens_ban(rows, ahead, logits.device) if self._st_min_tokens else None
+        tokens, logprobs = sample(logits, st, ban)
         self._readback.start(tokens, logprobs)
         return tokens
+
+    @staticmethod
+    def _min_tokens_ban(rows: list[Sequence], ahead: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rows, stop ids)`` to remove from this step's logits: every stop id of each row
+        whose completion is still shorter than its ``min_tokens`` (``sampler.sample``'s ban)."""
+        r, t = [], []
+        for i, s in enumerate(rows):
+            if len(s) - s.num_prompt_tokens + ahead < s.params.min_tokens:
+                r += [i] * len(s.stop_ids)
+                t += s.stop_ids
+        if not r:
+            return None
+        pair = torch.tensor([r, t], dtype=torch.int64)
+        if str(device).startswith("cuda"):
+            pair = pair.pin_memory()
+        pair = pair.to(device, non_blocking=True)
+        return pair[0], pair[1]
 
     def _sampling_tensors(self, rows: list[Sequence], uniforms: list[float],
                           logits: torch.Tensor) -> SamplingTensors:
@@ -395,6 +417,7 @@ class NativeEngine(LaunchAhead):
             return cached[1].with_uniforms(uniforms)
         st = SamplingTensors.build(params, uniforms, logits.shape[-1], logits.device)
         self._st_cache = (params, st)
+        self._st_min_tokens = any(p.min_tokens for p in params)
         return st
 
     def _expand_forks(self, batch: Batch) -> tuple[list[Sequence], list[int]]:

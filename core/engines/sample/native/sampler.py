@@ -159,15 +159,22 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, chunk: int = CDF_CHU
     return (ci[:, 0] * chunk + local[:, 0]).clamp_(max=v - 1)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, st: SamplingTensors,
+           ban: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     Args:
-        logits: ``[B, V]`` (any float dtype; computed in float32).
+        logits: ``[B, V]`` (any float dtype; computed in float32; never written).
+        ban: ``(rows, token ids)``, equally long int64 tensors on the logits' device: those
+            tokens are removed from those rows before anything else (``SamplingParams.
+            min_tokens``: vLLM's min-tokens logits processor), greedy rows included, and the
+            log-probs are of what is left.
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)`` on the logits' device.
     """
     logits = logits.float()
+    if ban is not None:
+        logits = logits.index_put(ban, torch.tensor(float("-inf"), device=logits.device))
     if st.any_greedy:
         greedy_tok = logits.argmax(dim=-1)
         greedy_lp = logits.log_softmax(dim=-1).gather(-1, greedy_tok[:, None])[:, 0]
