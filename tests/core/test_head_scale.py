@@ -12,7 +12,8 @@ import transformers
 from polynya import RolloutBatch, compute_logprobs
 from polynya.model_features import attention_features
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+# head dim 16: the smallest FlexAttention takes on CUDA (the GPU variants below)
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
