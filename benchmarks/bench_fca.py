@@ -70,12 +70,6 @@ FCA_SWEEP = [  # (plan kwargs, kernel config); entry 0 is the default
     ({}, DecodeConfig(mode="streams", num_stages=3)),
     ({}, DecodeConfig(mode="streams", shared_num_warps=8, shared_num_stages=3)),
     ({}, DecodeConfig(mode="streams", progs_per_sm=8, shared_num_stages=3)),
-    ({}, DecodeConfig(mode="streams", shared_pipeline=True)),
-    ({}, DecodeConfig(mode="streams", shared_pipeline=True, shared_num_stages=2)),
-    ({}, DecodeConfig(mode="streams", shared_pipeline=True, shared_num_stages=4)),
-    ({}, DecodeConfig(mode="streams", shared_pipeline=True, shared_num_warps=8)),
-    ({"chunk_tokens": 1024}, DecodeConfig(mode="streams", shared_progs_per_sm=2,
-                                          shared_pipeline=True)),
 ]
 
 

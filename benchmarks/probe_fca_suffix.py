@@ -45,10 +45,6 @@ CONFIGS = {  # name -> (plan kwargs, kernel config)
                                                                  shared_progs_per_sm=2)),
     "split": ({}, DecodeConfig(mode="split")),
     "split chunk1024": ({"chunk_tokens": 1024}, DecodeConfig(mode="split")),
-    # 2026-12-07: shared tiles software-pipelined (DecodeConfig.shared_pipeline)
-    "pipe": ({}, DecodeConfig(shared_pipeline=True)),
-    "pipe_chunk1024_sh2": ({"chunk_tokens": 1024}, DecodeConfig(shared_pipeline=True,
-                                                               shared_progs_per_sm=2)),
 }
 
 

@@ -72,38 +72,6 @@ def _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, bt_row_ptr, hea
 
 
 @triton.jit
-def _attend_pipelined(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, bt_row_ptr, head,
-                      tok0, tok1, qk_scale, cap_in, cap_out,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                      PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
-    """``_attend`` with the scores of tile j + 1 issued before the softmax of tile j (software
-    pipelining across iterations: the tensor cores can work on the next tile's ``q k^T`` while
-    the softmax of this one runs). Same operations per tile, so the same result."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if tok0 < tok1:
-        tm, bid, within = _tile_rows(bt_row_ptr, tok0, tok1, BLOCK_N, PAGE)
-        k = _load_tile(k_ptr, bid, within, tm, s_kb, s_kt, head, s_kh, HEAD_D)
-        s = _scores(q, k, qk_scale, cap_in, cap_out, DOT_PREC, SOFTCAP)
-        for start in range(tok0 + BLOCK_N, tok1, BLOCK_N):
-            tm_n, bid_n, within_n = _tile_rows(bt_row_ptr, start, tok1, BLOCK_N, PAGE)
-            k = _load_tile(k_ptr, bid_n, within_n, tm_n, s_kb, s_kt, head, s_kh, HEAD_D)
-            s_next = _scores(q, k, qk_scale, cap_in, cap_out, DOT_PREC, SOFTCAP)
-            # tile j = start - BLOCK_N: its rows again (cached), so every load of this
-            # iteration is addressed by the loop index alone (the pipeliner can prefetch it)
-            tm, bid, within = _tile_rows(bt_row_ptr, start - BLOCK_N, tok1, BLOCK_N, PAGE)
-            acc, m_i, l_i = _accumulate(s, tm, bid, within, m_i, l_i, acc, v_ptr, s_vb, s_vt,
-                                        head, s_vh, HEAD_D, DOT_PREC)
-            s = s_next
-        last = tok0 + ((tok1 - tok0 - 1) // BLOCK_N) * BLOCK_N
-        tm, bid, within = _tile_rows(bt_row_ptr, last, tok1, BLOCK_N, PAGE)
-        acc, m_i, l_i = _accumulate(s, tm, bid, within, m_i, l_i, acc, v_ptr, s_vb, s_vt, head,
-                                    s_vh, HEAD_D, DOT_PREC)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _store_partial(ws_o, ws_lse, req, slot, qh, rowok, acc, m_i, l_i, S, HQ,
                    HEAD_D: tl.constexpr):
     offs_d = tl.arange(0, HEAD_D)
@@ -121,10 +89,8 @@ def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_v
                  ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV, G,
                  QPK: tl.constexpr, NSUB: tl.constexpr, MSUB: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
-                 PIPE: tl.constexpr):
-    """Unit (item, member sub-tile, kv head): members x QPK query heads as one M tile
-    (``PIPE``: through ``_attend_pipelined``)."""
+                 PAGE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Unit (item, member sub-tile, kv head): members x QPK query heads as one M tile."""
     item = w // (NSUB * HKV)
     rem = w % (NSUB * HKV)
     sub = rem // HKV
@@ -143,16 +109,10 @@ def _shared_unit(w, q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_v
         row = tl.load(sh_row + item)
         tok0 = tl.load(sh_c0 + item) * PAGE
         tok1 = tl.minimum(tl.load(sh_c1 + item) * PAGE, tl.load(sl_ptr + row))
-        bt_row = bt_ptr + row.to(tl.int64) * s_bt
-        if PIPE:
-            acc, m_i, l_i = _attend_pipelined(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
-                                              s_vh, bt_row, head, tok0, tok1, qk_scale, cap_in,
-                                              cap_out, BLOCK_M, BLOCK_N, HEAD_D, PAGE,
-                                              DOT_PREC, SOFTCAP)
-        else:
-            acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                                    bt_row, head, tok0, tok1, qk_scale, cap_in, cap_out,
-                                    BLOCK_M, BLOCK_N, HEAD_D, PAGE, DOT_PREC, SOFTCAP)
+        acc, m_i, l_i = _attend(q, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                                bt_ptr + row.to(tl.int64) * s_bt, head, tok0, tok1,
+                                qk_scale, cap_in, cap_out, BLOCK_M, BLOCK_N, HEAD_D, PAGE,
+                                DOT_PREC, SOFTCAP)
         _store_partial(ws_o, ws_lse, req, tl.load(sh_slot + item), qh, rowok,
                        acc, m_i, l_i, S, HQ, HEAD_D)
 
@@ -201,8 +161,7 @@ def _fca_attend_kernel(
         BLOCK_M_SH: tl.constexpr, BLOCK_M_PV: tl.constexpr, BLOCK_N_SH: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
         DOT_PREC: tl.constexpr, DO_SHARED: tl.constexpr, DO_PRIVATE: tl.constexpr,
-        DYNAMIC: tl.constexpr, INTERLEAVE: tl.constexpr, SOFTCAP: tl.constexpr,
-        PIPE: tl.constexpr = False):
+        DYNAMIC: tl.constexpr, INTERLEAVE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Persistent FCA pass over shared units (item, member sub-tile, kv head) and private
     units (request, split, kv head) of the plan's virtual private rows; each writes one
     partial per member. Shared units come first, or spread evenly among the private ones
@@ -235,7 +194,7 @@ def _fca_attend_kernel(
                              s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
                              sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV,
                              G, QPK, NSUB, MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC,
-                             SOFTCAP, PIPE)
+                             SOFTCAP)
             else:
                 _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                                s_vh, pv_bt, s_pv, pv_len, n_sh_slots, ws_o, ws_lse,
@@ -247,7 +206,7 @@ def _fca_attend_kernel(
                          s_vh, bt_ptr, s_bt, sl_ptr, sh_row, sh_c0, sh_c1, sh_slot,
                          sh_nmem, sh_mem, ws_o, ws_lse, qk_scale, cap_in, cap_out, S, HQ, HKV,
                          G, QPK, NSUB, MSUB, BLOCK_M_SH, BLOCK_N_SH, HEAD_D, PAGE, DOT_PREC,
-                         SOFTCAP, PIPE)
+                         SOFTCAP)
         else:
             _private_range(q_ptr, s_qb, s_qh, k_ptr, v_ptr, s_kb, s_kt, s_kh, s_vb, s_vt,
                            s_vh, pv_bt, s_pv, pv_len, n_sh_slots, ws_o, ws_lse,

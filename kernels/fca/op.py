@@ -55,7 +55,6 @@ class DecodeConfig:
     shared_num_warps: int | None = None  # warps of the shared launch (split / streams)
     shared_progs_per_sm: int | None = None  # default: progs_per_sm (split), 1 (streams)
     shared_num_stages: int | None = None  # pipelining depth of the shared launch: 3
-    shared_pipeline: bool = False  # shared tiles: next tile's q k^T issued before this softmax
 
     def __post_init__(self):
         if self.mode not in ("fused", "split", "streams"):
@@ -251,8 +250,7 @@ def _fca_triton(q, k_cache, v_cache, plan: ForestPlan, scale, return_lse, cfg: D
                   "BLOCK_M_PV": block_m_pv, "BLOCK_N_SH": cfg.block_n_shared or cfg.block_n,
                   "BLOCK_N": cfg.block_n, "HEAD_D": D, "PAGE": page, "DOT_PREC": dot_prec,
                   "DYNAMIC": cfg.dynamic, "INTERLEAVE": cfg.interleave,
-                  "SOFTCAP": softcap is not None, "PIPE": cfg.shared_pipeline,
-                  "num_stages": cfg.num_stages}
+                  "SOFTCAP": softcap is not None, "num_stages": cfg.num_stages}
     sms = _num_sms(q.device)
     if cfg.mode == "fused":
         nprog = sms * cfg.progs_per_sm

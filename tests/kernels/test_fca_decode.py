@@ -170,12 +170,11 @@ def _interp_cases():
         ([(5, (3, 30))], 4, 2, 2, 16, {}, DecodeConfig(block_n=32, num_stages=1, mode="streams")),
         ([(2, 13), (2, 7), (2, (1, 6))], 4, 6, 3, 16, {"chunk_tokens": 4},
          DecodeConfig(block_n=16, block_m_shared=32, interleave=True, block_n_shared=32)),
-        # pipelined shared tiles: nodes of 1, 2 and 3 tiles, ragged last tiles, 2 levels
+        # shared nodes of 1, 2 and 3 tiles with ragged last tiles, 2 levels, chunked
         ([(2, 40), (2, 13), (3, (5, 11))], 4, 4, 2, 16, {},
-         DecodeConfig(block_n=16, block_m_shared=16, progs_per_sm=1, shared_pipeline=True)),
+         DecodeConfig(block_n=16, block_m_shared=16, progs_per_sm=1)),
         ([(2, 36), (2, 7), (2, (1, 6))], 4, 6, 3, 16, {"chunk_tokens": 24},
-         DecodeConfig(block_n=16, block_m_shared=32, mode="split", shared_pipeline=True,
-                      block_n_shared=16)),
+         DecodeConfig(block_n=16, block_m_shared=32, mode="split", block_n_shared=16)),
     ]
     for i, (levels, bs, hq, hkv, d, pkw, cfg) in enumerate(cases):
         q, k, v, bt, sl = make_case(levels, bs, hq, hkv, d, torch.float32, "cpu", 10 + i)
@@ -310,9 +309,7 @@ def _lowp_modified(q, k, v, bt, sl, softcap=None, window=None):
                                  DecodeConfig(mode="streams", shared_num_warps=8),
                                  DecodeConfig(block_n=32, num_stages=3, block_m_shared=128),
                                  DecodeConfig(interleave=True, block_n_shared=32),
-                                 DecodeConfig(shared_pipeline=True),
-                                 DecodeConfig(mode="fused", shared_pipeline=True,
-                                              block_n_shared=32)])
+                                 DecodeConfig(mode="fused", block_n_shared=32)])
 def test_gpu_configs(cfg):
     q, k, v, bt, sl = make_case([(1, 500), (5, 200), (8, (1, 200))], 16, 32, 8, 128,
                                 torch.bfloat16, "cuda", 7)

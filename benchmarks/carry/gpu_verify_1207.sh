@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Written 2026-12-07 (afternoon session), one device call (carry .whl):
-# - T_TEST: the GPU tests of what changed since the last device call — FCA's pipelined shared
-#   tiles (tests/kernels/test_fca_decode.py), the sampler's vLLM filter order, the LM-head logit
-#   scale, the weight-transfer receive on CUDA, min_tokens on the ahead path — and the log-prob / compiled-layer / native
-#   engine tests that the FlexAttention fresh-compile change touched;
-# - T_FCA: bench_fca.py on 8x16 P4096 S512 and 32x16 P4096 S512 with the sweep (pipelined
-#   shared tiles among its entries; issue 15 goal 8);
-# - T_SUFFIX: probe_fca_suffix.py (Qwen3-0.6B heads, S 16..512) default vs pipelined configs.
+# Written 2026-12-07 (afternoon session) for one device call (carry .whl); it ran on an H100:
+# - T_TEST: the GPU tests of what changed since the last device call (the FCA kernel's tile
+#   helpers, the sampler's vLLM filter order, the LM-head logit scale, the weight-transfer
+#   receive on CUDA, min_tokens on the ahead path) and the log-prob / compiled-layer / native
+#   engine tests the FlexAttention fresh-compile change touched; TESTS overrides the list;
+# - T_FCA: bench_fca.py on 8x16 P4096 S512 and 32x16 P4096 S512 with the sweep (issue 15
+#   goal 8; the software-pipelined shared tiles it also swept then were slower and are gone);
+# - T_SUFFIX: probe_fca_suffix.py (Qwen3-0.6B heads, S 16..512), default vs 1024-token chunks.
 WHL=1 source benchmarks/carry/gpu_setup.sh
 PYT="python3 -m pytest -m gpu -p no:cacheprovider -v -rfE --continue-on-collection-errors"
 TESTS=${TESTS:-"tests/kernels/test_fca_decode.py tests/core/test_head_scale.py
@@ -18,6 +18,6 @@ TESTS=${TESTS:-"tests/kernels/test_fca_decode.py tests/core/test_head_scale.py
 [ "${T_FCA:-0}" -gt 0 ] && timeout ${T_FCA} python3 benchmarks/bench_fca.py --shapes 0,1 \
   --no-sdpa --out $OUT/fca 2>&1 | grep -v -i warn | cut -c1-2500 | tail -30
 [ "${T_SUFFIX:-0}" -gt 0 ] && timeout ${T_SUFFIX} python3 benchmarks/probe_fca_suffix.py \
-  --configs "default,pipe,chunk1024 sh2/sm,pipe_chunk1024_sh2" --out $OUT/suffix 2>&1 \
+  --configs "default,chunk1024 sh2/sm" --out $OUT/suffix 2>&1 \
   | grep -E "^\||mean|rror" | cut -c1-400 | tail -12
 ls -R $OUT | head
