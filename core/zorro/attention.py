@@ -123,7 +123,21 @@ def compiled_flex(config: tuple) -> Callable:
         return fn
 
 
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's CUDA kernels (tl.dot) take no smaller head dim
+
+
+def check_flex_head_dim(head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+    """``ValueError`` before FlexAttention on CUDA meets a head dim it cannot run (torch would
+    raise a ``NotImplementedError`` from inside its compiler)."""
+    if torch.device(device).type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(
+            f"head dim {head_dim} is below {FLEX_MIN_HEAD_DIM}, the smallest FlexAttention runs "
+            f"on CUDA, which polynya's packed layouts use for this call ({dtype}); run this "
+            "model with zorro=False, naive_layout='padded'")
+
+
 def _flex(query, key, value, block_mask, scale, softcap=None):
+    check_flex_head_dim(min(query.shape[-1], value.shape[-1]), query.device, query.dtype)
     fn = compiled_flex(flex_key(query, key, block_mask, scale, softcap))
     return fn(query, key, value, score_mod=softcap_score_mod(softcap), block_mask=block_mask,
               scale=scale, enable_gqa=query.shape[1] != key.shape[1])

@@ -130,3 +130,14 @@ def test_compiled_flex_is_one_copy_per_configuration(monkeypatch):
     assert key(1, window=6) != key(1, window=9) and key(1, softcap=0.5) != key(1)
     assert len(att._COMPILED_FLEX) == 3 and key(1) not in att._COMPILED_FLEX  # least recent out
     assert att.compiled_flex(key(1, window=6)) is others[0]
+
+
+def test_flex_head_dims_below_16_are_refused_on_cuda():
+    """FlexAttention's CUDA kernels need head dim >= 16: polynya names the way out instead of
+    torch's compiler error; the CPU path (no FlexAttention) is unaffected."""
+    from polynya.zorro.attention import check_flex_head_dim
+
+    with pytest.raises(ValueError, match="head dim 8 is below 16.*naive_layout='padded'"):
+        check_flex_head_dim(8, torch.device("cuda", 0), torch.float32)
+    check_flex_head_dim(16, "cuda", torch.bfloat16)
+    check_flex_head_dim(8, "cpu", torch.float32)
