@@ -28,7 +28,7 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 
 from .batch import jagged_logprobs, read_batch
-from .settings import train_config
+from .settings import check_loss_function, train_config
 
 BUCKET_BYTES = 1 << 28
 
@@ -108,6 +108,7 @@ class DeepSpeedLMEngine(BaseEngine):
         return self._lr
 
     def forward_backward_batch(self, data, loss_function, forward_only: bool = False) -> dict:
+        check_loss_function(loss_function)
         rows = read_batch(data)
         device = self.trainer.device
         num_tokens = data["loss_mask"].sum().to(device) if "loss_mask" in data else \

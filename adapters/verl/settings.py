@@ -12,7 +12,8 @@ backend's strategy name, so polynya's DeepSpeed backend brings its own:
   micro-batch (whole prompt groups, not verl's partition); that sums to verl's number for
   losses normalised by global counts, so the policy losses that read statistics of their
   micro-batch (``clip_cov``, ``kl_cov``, ``geo_mean``, ``bypass_mode`` with batch-normalised IS
-  weights), unchecked custom ones and ``calculate_sum_pi_squared`` are refused here.
+  weights), unchecked custom ones and ``calculate_sum_pi_squared`` are refused here, and
+  top-k distillation at the engine's first batch (``check_loss_function``).
 
 ``train_config(model_config, engine_config, optimizer_config)`` is the only translation: verl's
 model path, dtype, seed, optimizer (verl's ``FSDPOptimizerConfig``: AdamW, constant rate)
@@ -144,6 +145,28 @@ def _check_loss(actor: ActorConfig) -> None:
     if getattr(actor, "calculate_sum_pi_squared", False):
         raise ValueError(f"{key}.calculate_sum_pi_squared=true is not supported by polynya's deepspeed engine "
                          "(it returns log-probs and entropy only); set it to false")
+
+
+def check_loss_function(loss_function) -> None:
+    """Refuse, before the engine's first forward, a verl loss function polynya's engine cannot
+    feed: verl's distillation (``distillation.enabled``: ``distillation_ppo_loss``) with a top-k
+    loss (``forward_kl_topk`` reads the student's full logits inside the forward, through a logits
+    processor of verl's own engines; polynya's LM head returns log-probs and entropy only). The
+    estimator losses (``k1``, ``k3``, ``low_var_kl`` ...) take the student's log-probs and pass
+    (verl 0.9.1 allows only the ``vanilla`` policy loss with them)."""
+    config = getattr(loss_function, "keywords", None) or {}
+    distill = config.get("distillation_config")
+    if distill is None:
+        return
+    from verl.trainer.distillation.losses import get_distillation_loss_settings
+
+    loss = distill.distillation_loss
+    mode = _field(loss, "loss_mode", "k3")
+    if get_distillation_loss_settings(mode).use_topk:
+        raise ValueError(f"distillation.distillation_loss.loss_mode={mode!r} is not supported by polynya's "
+                         "deepspeed engine: verl computes top-k distillation from the student's full "
+                         "logits inside the forward, which polynya's LM head never materialises; use an "
+                         "estimator loss_mode (k1, k3, low_var_kl, ...)")
 
 
 def _optim(opt) -> tuple[float, OptimConfig]:

@@ -12,7 +12,11 @@ whose response is masked out entirely and a row with a hole in its mask (multi-t
 log-ratios inside the clip, past either clip, past the dual clip and past verl's +-20 clamp,
 reference log-probs off by up to +-12 (low_var_kl's clamp at 10). Summed loss and every
 gradient to fp32 tolerance (1e-5; the gradient's absolute tolerance scaled by its largest
-entry: sums of large terms in another order).
+entry: sums of large terms in another order). The same for verl's distillation loss
+(``distillation_ppo_loss``) with its estimator modes on a teacher's per-token log-probs; its
+top-k mode, which needs the student's logits inside the forward, is refused before the forward.
+(Before 2026-12-07 distillation was neither checked nor refused: a top-k run failed inside
+verl's loss with a KeyError.)
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from polynya.adapters.verl.settings import DeepSpeedActorConfig, DeepSpeedEngine
 from polynya.models import load_model
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import FSDPOptimizerConfig
+from verl.trainer.distillation.losses import distillation_ppo_loss
+from verl.workers.config import DistillationConfig, DistillationLossConfig, FSDPOptimizerConfig
 from verl.workers.config.actor import PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
 
@@ -143,35 +148,48 @@ def grads(module):
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_loss_and_gradients_equal_verls_own(engine, ref_model, name):
-    kw = dict(CASES[name])
+def teacher_logprobs(lp: torch.Tensor, prompts, responses, seed: int):
+    """A teacher's per-token log-probs in verl's no-padding layout (``[P + R, 1]`` per sample,
+    as verl's teacher servers fill ``teacher_logprobs`` for the estimator losses)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    t = (lp - torch.rand(lp.shape, generator=g) * 3.0).clamp(max=0.0)
+    rows = [torch.cat([t.new_zeros(len(p) - 1), t[i, :len(r)], t.new_zeros(1)])[:, None]
+            for i, (p, r) in enumerate(zip(prompts, responses))]
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def assert_engine_equals_verl(engine, ref_model, kw: dict, loss_fn) -> None:
+    """Oracle: ``loss_fn`` (verl's) on the whole batch with a plain per-sample forward;
+    candidate: the engine's ``forward_backward_batch`` with the same function, several
+    micro-batches. Loss sum and every gradient equal (module docstring)."""
+    kw = dict(kw)
     use_is = kw.pop("_is_weights", False)
     config = actor(**kw)
     entropy = config.entropy_coeff != 0
     with torch.no_grad():
         lp0, _ = reference(ref_model, *batch_samples(0)[:2], TEMP)
 
-    # oracle: verl's ppo_loss on the whole batch, plain per-sample forward
-    data, is_w, (prompts, responses) = make(lp0, 0, calculate_entropy=entropy)
-    if use_is:
-        data["rollout_is_weights"] = is_w
+    def batch():
+        data, is_w, (prompts, responses) = make(lp0, 0, calculate_entropy=entropy)
+        if use_is:
+            data["rollout_is_weights"] = is_w
+        data["teacher_logprobs"] = teacher_logprobs(lp0, prompts, responses, 0)
+        return data, prompts, responses
+
+    data, prompts, responses = batch()
     ref_model.zero_grad(set_to_none=True)
     lp, ent = reference(ref_model, prompts, responses, TEMP)
     out = {"log_probs": jagged(lp, prompts, responses)}
     if entropy:
         out["entropy"] = jagged(ent, prompts, responses)
     tu.assign_non_tensor(data, batch_num_tokens=int(data["loss_mask"].sum()), dp_size=1)  # as verl's FSDP
-    want, _ = ppo_loss(actor(**kw), out, data)
+    want, _ = loss_fn(actor(**kw))(model_output=out, data=data)
     want.backward()
     want_grads = grads(ref_model)
 
-    # polynya's engine, several micro-batches of whole groups
-    data, is_w, _ = make(lp0, 0, calculate_entropy=entropy)
-    if use_is:
-        data["rollout_is_weights"] = is_w
+    data, _, _ = batch()
     engine.optimizer_zero_grad()
-    got = engine.forward_backward_batch(data, partial(ppo_loss, config=config))
+    got = engine.forward_backward_batch(data, loss_fn(config))
     got_grads = grads(engine.trainer.module)
     engine.optimizer_step()  # lr 0: clears the accumulation, weights unchanged
     engine.optimizer_zero_grad()
@@ -183,6 +201,51 @@ def test_loss_and_gradients_equal_verls_own(engine, ref_model, name):
         atol = 1e-6 * max(1.0, float(g.abs().max()))  # fp32 sums of large terms, in another order
         torch.testing.assert_close(got_grads[n], g, rtol=1e-5, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
     assert any(g.abs().sum() > 0 for g in got_grads.values())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_and_gradients_equal_verls_own(engine, ref_model, name):
+    assert_engine_equals_verl(engine, ref_model, CASES[name], lambda config: partial(ppo_loss, config=config))
+
+
+# verl's distillation (distillation.enabled): the estimator losses on the student's log-probs,
+# as a supervised term beside the task's policy loss or as a reward of the policy gradient
+DISTILL_CASES = {
+    "k3-supervised-with-task": dict(loss_mode="k3", use_policy_gradient=False, use_task_rewards=True,
+                                    distillation_loss_coef=0.5),
+    "k1-policy-gradient": dict(loss_mode="k1", use_policy_gradient=True, use_task_rewards=False),
+    "low_var_kl-only": dict(loss_mode="low_var_kl", use_policy_gradient=False, use_task_rewards=False,
+                            loss_max_clamp=2.0),
+    "k2-pg-with-task": dict(loss_mode="k2", use_policy_gradient=True, use_task_rewards=True),
+}
+
+
+def distillation(**loss) -> DistillationConfig:
+    return DistillationConfig(distillation_loss=DistillationLossConfig(**loss))  # (enabled: teachers)
+
+
+@pytest.mark.parametrize("name", list(DISTILL_CASES))
+def test_distillation_estimator_losses_equal_verls_own(engine, ref_model, name):
+    dist = distillation(**DISTILL_CASES[name])
+    assert_engine_equals_verl(engine, ref_model, CASES["token-mean"], lambda config: partial(
+        distillation_ppo_loss, config=config, distillation_config=dist))
+
+
+def test_top_k_distillation_is_refused_before_the_forward(engine):
+    """``forward_kl_topk`` needs the student's logits inside the forward (verl's logits
+    processor): refused with the weights and gradients untouched."""
+    dist = distillation(loss_mode="forward_kl_topk")
+    with torch.no_grad():
+        lp0, _ = reference(load_model("tiny:qwen3", dtype="float32", device="cpu", seed=SEED),
+                           *batch_samples(0)[:2], TEMP)
+    data, _, _ = make(lp0, 0)
+    before = {n: p.detach().clone() for n, p in engine.trainer.module.named_parameters()}
+    engine.optimizer_zero_grad()
+    with pytest.raises(ValueError, match="loss_mode='forward_kl_topk'.*estimator"):
+        engine.forward_backward_batch(data, partial(distillation_ppo_loss, config=actor(),
+                                                    distillation_config=dist))
+    assert all(p.grad is None or not p.grad.any() for p in engine.trainer.module.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in engine.trainer.module.named_parameters())
 
 
 @pytest.mark.parametrize("override, message", [
