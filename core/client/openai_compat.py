@@ -178,10 +178,26 @@ def _usage(prompts, samples) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def stop_reason(sample, params: SamplingParams, tokenizer) -> int | None:
+    """vLLM's ``stop_reason`` of a choice: the id of the stop token that ended it, or None when
+    it ended at the tokenizer's EOS (unless ``ignore_eos``), at its length, or was aborted
+    (vLLM's ``check_stop``: the model's other EOS ids count as stop ids there). Without a
+    tokenizer only the request's own ``stop_token_ids`` are reported."""
+    if sample.finish_reason != "stop" or not sample.token_ids:
+        return None
+    tok = sample.token_ids[-1]
+    if params.stops_at_eos:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if tok == eos or (eos is None and tok not in (params.stop_token_ids or ())):
+            return None
+    return tok
+
+
 def completion_response(body: dict, prompts, groups, tokenizer, model: str, want_lp: bool,
-                        scores=None) -> dict:
-    """vLLM's ``/v1/completions`` answer for ``groups`` (per prompt, its ``n`` samples), with
-    ``scores`` (per prompt, its ``PromptLogprobs``) as every choice's ``prompt_logprobs``."""
+                        params: SamplingParams, scores=None) -> dict:
+    """vLLM's ``/v1/completions`` answer for ``groups`` (per prompt, its ``n`` samples, drawn
+    with ``params``), with ``scores`` (per prompt, its ``PromptLogprobs``) as every choice's
+    ``prompt_logprobs``."""
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     choices = []
     for i, (prompt, group) in enumerate(zip(prompts, groups)):
@@ -194,8 +210,8 @@ def completion_response(body: dict, prompts, groups, tokenizer, model: str, want
                       "top_logprobs": [{n: v} for n, v in zip(names, s.logprobs)],
                       "text_offset": None}
             choices.append({"index": len(choices), "text": _text(s.token_ids, tokenizer, body),
-                            "logprobs": lp, "finish_reason": s.finish_reason, "stop_reason": None,
-                            "prompt_logprobs": plp, "prompt_token_ids": list(prompt),
+                            "logprobs": lp, "finish_reason": s.finish_reason,
+                            "stop_reason": stop_reason(s, params, tokenizer), "prompt_logprobs": plp, "prompt_token_ids": list(prompt),
                             "token_ids": list(s.token_ids)})
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices,
@@ -229,7 +245,8 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     return list(ids)
 
 
-def chat_response(body: dict, prompt, group, tokenizer, model: str, want_lp: bool) -> dict:
+def chat_response(body: dict, prompt, group, tokenizer, model: str, want_lp: bool,
+                  params: SamplingParams) -> dict:
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     choices = []
     for s in group:
@@ -239,8 +256,8 @@ def chat_response(body: dict, prompt, group, tokenizer, model: str, want_lp: boo
                                "top_logprobs": []} for t, v in zip(s.token_ids, s.logprobs)]}
         choices.append({"index": len(choices),
                         "message": {"role": "assistant", "content": _text(s.token_ids, tokenizer, body)},
-                        "logprobs": lp, "finish_reason": s.finish_reason, "stop_reason": None,
-                        "token_ids": list(s.token_ids)})
+                        "logprobs": lp, "finish_reason": s.finish_reason,
+                        "stop_reason": stop_reason(s, params, tokenizer), "token_ids": list(s.token_ids)})
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "prompt_token_ids": list(prompt), "choices": choices,
             "usage": _usage([prompt], group)}
@@ -284,7 +301,7 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
         # scores first: a backend that cannot score refuses before anything is generated
         scores = None if k is None else await score(prompts, k, params.temperature)
         groups = await generate(prompts, params, request)
-        return completion_response(body, prompts, groups, tokenizer, model, want_lp, scores)
+        return completion_response(body, prompts, groups, tokenizer, model, want_lp, params, scores)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> dict:
@@ -298,4 +315,4 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
             raise ValueError("tool_choice other than 'none' is not supported")
         prompt = await asyncio.to_thread(chat_prompt, body, tokenizer)  # off the event loop
         groups = await generate([prompt], params, request)
-        return chat_response(body, prompt, groups[0], tokenizer, model, want_lp)
+        return chat_response(body, prompt, groups[0], tokenizer, model, want_lp, params)

@@ -63,3 +63,33 @@ def test_generate_route_takes_skyrls_dict_and_vllms_top_k_off():
     p = generate_params(skyrl)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.logprobs, p.stops_at_eos) == (9, 0.7, 0.9, -1, True, True)
     assert generate_params({}).max_tokens == 16 and not generate_params({}).logprobs
+
+
+def test_openai_answers_report_vllms_stop_reason():
+    """``stop_reason`` as vLLM's ``check_stop`` sets it: the stop id that ended a choice; None at
+    the tokenizer's EOS (unless ``ignore_eos``), at the length limit, or for an abort. The
+    model's other EOS ids are stop ids there (vLLM adds them to ``stop_token_ids``)."""
+    from types import SimpleNamespace
+
+    from polynya.client.openai_compat import chat_response, completion_response, stop_reason
+    from polynya.types import Sample
+
+    tok = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: "")
+    p = SamplingParams(stop_token_ids=[7], stop_at_eos=True)  # a vLLM request: [7] + EOS
+
+    def ended(*ids, why="stop"):
+        return Sample(list(ids), None, why)
+
+    assert stop_reason(ended(5, 7), p, tok) == 7
+    assert stop_reason(ended(5, 2), p, tok) is None  # the tokenizer's EOS
+    assert stop_reason(ended(5, 9), p, tok) == 9  # another EOS id of the model's
+    assert stop_reason(ended(5, 7, why="length"), p, tok) is None
+    assert stop_reason(ended(why="abort"), p, tok) is None
+    ignore = SamplingParams(stop_token_ids=[2], stop_at_eos=False)  # ignore_eos, EOS as a stop id
+    assert stop_reason(ended(5, 2), ignore, tok) == 2
+    assert stop_reason(ended(5, 7), p, None) == 7 and stop_reason(ended(5, 9), p, None) is None
+    body = {"prompt": [1]}
+    out = completion_response(body, [[1], [1]], [[ended(5, 7)], [ended(5, 2)]], tok, "m", False, p)
+    assert [c["stop_reason"] for c in out["choices"]] == [7, None]
+    chat = chat_response(body, [1], [ended(5, 7), ended(6, why="length")], tok, "m", False, p)
+    assert [c["stop_reason"] for c in chat["choices"]] == [7, None]
