@@ -116,7 +116,7 @@ class NativeEngine(LaunchAhead):
                         "peak_decode_rows": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
-        self._st_min_tokens = False  # a row of the cached settings has min_tokens > 0
+        self._st_min_tokens = 0  # the largest min_tokens of the cached settings' rows
         self.async_scheduling = config.async_scheduling
         self._readback = Readback(self.runner.device)
         self._inflight: Launched | None = None  # launched ahead, not booked (async scheduling)
@@ -367,7 +367,8 @@ class NativeEngine(LaunchAhead):
         rows, parents = self._expand_forks(batch)
         if len(rows) != len(batch.seqs):
             logits = logits[torch.tensor(parents, device=logits.device)]
-        return Launched(rows, batch.is_prefill, inputs, self._sample(rows, logits), fca=fca,
+        return Launched(rows, batch.is_prefill, inputs,
+                        self._sample(rows, logits, prefill=batch.is_prefill), fca=fca,
                         computed=computed, hits=hits)
 
     @staticmethod
@@ -375,15 +376,19 @@ class NativeEngine(LaunchAhead):
         """Each row's draw for its next token (``ahead=1``: for the token after it)."""
         return [0.0 if s.params.temperature == 0 else s.uniform(ahead) for s in rows]
 
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor,
-                uniforms: list[float] | None = None, ahead: int = 0) -> torch.Tensor:
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor, uniforms: list[float] | None = None,
+                ahead: int = 0, prefill: bool = False) -> torch.Tensor:
         """Sample every row and start reading the tokens back; the tokens on the device.
         ``ahead``: tokens each row will have booked before this step's (1 for a step launched
-        before the previous one is booked)."""
+        before the previous one is booked). The rows' completion lengths are looked at for
+        ``min_tokens`` only when some row's exceeds what every row already has (a decode row
+        has a token at least: SkyRL sends ``min_tokens=1`` with every request, and only its
+        prefills pay)."""
         if uniforms is None:
             uniforms = self._uniforms(rows)
         st = self._sampling_tensors(rows, uniforms, logits)
-        ban = self._min_tokens_ban(rows, ahead, logits.device) if self._st_min_tokens else None
+        has = ahead + (0 if prefill else 1)  # completion tokens every row has before this one
+        ban = self._min_tokens_ban(rows, ahead, logits.device) if self._st_min_tokens > has else None
         tokens, logprobs = sample(logits, st, ban)
         self._readback.start(tokens, logprobs)
         return tokens
@@ -417,7 +422,7 @@ class NativeEngine(LaunchAhead):
             return cached[1].with_uniforms(uniforms)
         st = SamplingTensors.build(params, uniforms, logits.shape[-1], logits.device)
         self._st_cache = (params, st)
-        self._st_min_tokens = any(p.min_tokens for p in params)
+        self._st_min_tokens = max(p.min_tokens for p in params)
         return st
 
     def _expand_forks(self, batch: Batch) -> tuple[list[Sequence], list[int]]:
