@@ -177,7 +177,8 @@ class SamplingParams:
     greedy rows ignore them. ``top_k`` larger than the vocabulary is off.
 
     ``logprobs=True`` returns each sampled token's log-prob under the distribution it was
-    sampled from (after temperature and filters; greedy: the raw model distribution) — vLLM's
+    sampled from (after temperature and filters; greedy: the model distribution at temperature
+    1; both after a ``min_tokens`` ban) — vLLM's
     ``logprobs_mode="processed_logprobs"``, not vLLM's default ``"raw_logprobs"`` (log-softmax
     of the unscaled logits). The stop token, when one ends the completion, is in ``token_ids``
     with its log-prob and counts towards ``max_tokens``.

@@ -211,7 +211,8 @@ def completion_response(body: dict, prompts, groups, tokenizer, model: str, want
                       "text_offset": None}
             choices.append({"index": len(choices), "text": _text(s.token_ids, tokenizer, body),
                             "logprobs": lp, "finish_reason": s.finish_reason,
-                            "stop_reason": stop_reason(s, params, tokenizer), "prompt_logprobs": plp, "prompt_token_ids": list(prompt),
+                            "stop_reason": stop_reason(s, params, tokenizer),
+                            "prompt_logprobs": plp, "prompt_token_ids": list(prompt),
                             "token_ids": list(s.token_ids)})
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices,
@@ -257,7 +258,8 @@ def chat_response(body: dict, prompt, group, tokenizer, model: str, want_lp: boo
         choices.append({"index": len(choices),
                         "message": {"role": "assistant", "content": _text(s.token_ids, tokenizer, body)},
                         "logprobs": lp, "finish_reason": s.finish_reason,
-                        "stop_reason": stop_reason(s, params, tokenizer), "token_ids": list(s.token_ids)})
+                        "stop_reason": stop_reason(s, params, tokenizer),
+                        "token_ids": list(s.token_ids)})
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "prompt_token_ids": list(prompt), "choices": choices,
             "usage": _usage([prompt], group)}

@@ -19,9 +19,11 @@ filters). They differ whenever ``temperature != 1`` or a filter removed a token:
 compares them with a trainer's ``log_softmax(logits / temperature)`` (importance ratios, TIS)
 gets the matching numbers without filters; under a filter they are of the renormalised
 distribution. Greedy rows (``temperature == 0``) sample the first argmax (``torch.argmax``, as
-vLLM) and ignore top-k / top-p / min-p; their log-prob is taken under the unmodified model
-distribution (temperature 1, no filters), as vLLM's processed and raw log-probs of a greedy row
-both are.
+vLLM) and ignore top-k / top-p / min-p; their log-prob is taken under the model distribution
+at temperature 1 without filters, as vLLM's processed and raw log-probs of a greedy row both
+are. A ``min_tokens`` ban (``sample``'s ``ban``) comes before all of this, greedy rows included:
+the log-probs of those tokens are of the distribution without the banned ids, as vLLM's
+processed log-probs are.
 """
 from __future__ import annotations
 
@@ -174,7 +176,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
     """
     logits = logits.float()
     if ban is not None:
-        logits = logits.index_put(ban, torch.tensor(float("-inf"), device=logits.device))
+        # (a fill on the device: torch.tensor(..., device=cuda) would copy from the host)
+        logits = logits.index_put(ban, logits.new_full((), float("-inf")))
     if st.any_greedy:
         greedy_tok = logits.argmax(dim=-1)
         greedy_lp = logits.log_softmax(dim=-1).gather(-1, greedy_tok[:, None])[:, 0]
