@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Written 2026-12-07 (night session) for one device call (carry .whl):
+# - T_TEST: the GPU tests of what changed or failed since the last device call (compute_logprobs
+#   head-scale cases at head dim 16, min_tokens with the decode-step skip, the native engine, the
+#   compiled layers), and the sync tests before the sync path changes; TESTS overrides the list;
+# - T_SYNC: bench_sync.py --skip-step --profile (issue 15 goal 6: where a sync's time goes).
+WHL=1 source benchmarks/carry/gpu_setup.sh
+PYT="python3 -m pytest -m gpu -p no:cacheprovider -v -rfE --continue-on-collection-errors"
+TESTS=${TESTS:-"tests/core/test_head_scale.py tests/engines/sample/test_min_tokens.py
+  tests/sync/test_sync_gpu.py tests/kernels/test_digest_copy.py
+  tests/engines/sample/test_native_engine_gpu.py tests/core/test_compiled_layers_gpu.py"}
+[ "${T_TEST:-0}" -gt 0 ] && timeout ${T_TEST} $PYT $TESTS -k "not compiled_decode_equals_eager" 2>&1 \
+  | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | cut -c1-300 | tail -90
+[ "${T_SYNC:-0}" -gt 0 ] && timeout ${T_SYNC} python3 benchmarks/bench_sync.py --skip-step \
+  --iters ${SYNC_ITERS:-5} --receive-iters 10 --profile --out $OUT/sync 2>&1 \
+  | grep -v -i warn | cut -c1-400 | tail -40
+ls -R $OUT | head -20
