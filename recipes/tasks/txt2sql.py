@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -107,9 +108,26 @@ def find_database(root: Path, db_id: str, split: str) -> Path | None:
     return next((p.resolve() for p in candidates if p.is_file()), None)
 
 
-@functools.lru_cache(maxsize=256)
+def file_identity(db_path: str) -> tuple[int, int, int, int]:
+    """What the caches below key a database on beside its path: device, inode, size and
+    modification time of the file. A database rewritten or replaced in place during a run (a
+    regenerated sample, a fixed dataset copied over) is read again, never served from the old
+    file's cached schema or gold rows. ``ValueError`` when the file is gone."""
+    try:
+        st = os.stat(db_path)
+    except OSError as e:
+        raise ValueError(f"{NAME}: database {db_path} cannot be read: {e}") from None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def describe_database(db_path: str, sample_rows: int = SAMPLE_ROWS) -> str:
-    """Schema DDL of every table/view plus its first ``sample_rows`` rows, as SQL comments."""
+    """Schema DDL of every table/view plus its first ``sample_rows`` rows, as SQL comments
+    (cached per database file, see :func:`file_identity`)."""
+    return _describe(db_path, file_identity(db_path), sample_rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _describe(db_path: str, identity: tuple, sample_rows: int) -> str:
     conn = connect_readonly(db_path)
     try:
         objects = conn.execute(
@@ -205,9 +223,14 @@ def reward(completion: str, example: Example, *, partial: float = 0.1, timeout_s
     return 1.0 if same_result(predicted, gold, ordered) else partial
 
 
-@functools.lru_cache(maxsize=4096)
 def gold_result(db_path: str, gold_sql: str) -> tuple[tuple, ...]:
-    """Rows of the gold query (cached; run in the same sandbox with a longer time limit)."""
+    """Rows of the gold query, run in the same sandbox with a longer time limit; cached per
+    database file (:func:`file_identity`: a file changed in place runs the query again)."""
+    return _gold_result(db_path, file_identity(db_path), gold_sql)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gold_result(db_path: str, identity: tuple, gold_sql: str) -> tuple[tuple, ...]:
     try:
         return tuple(run_query(db_path, gold_sql, timeout_s=GOLD_TIMEOUT_S, max_rows=1_000_000))
     except QueryError as e:

@@ -1,6 +1,7 @@
 """Txt2SQL task: loaders, execution-match reward, and the sandbox against malicious SQL."""
 import hashlib
 import json
+import os
 import shutil
 import sqlite3
 import time
@@ -438,3 +439,34 @@ def test_same_result_tolerance_and_multiset_matching():
     assert same([(1.0, "a"), (1.0, "a"), (2.0, "b")], [(2.0, "b"), (1.0000001, "a"), (1.0, "a")],
                 ordered=False)
     assert not same([(1.0, "a"), (1.0, "a")], [(1.0, "a"), (1.0, "b")], ordered=False)
+
+
+def test_a_database_changed_during_a_run_is_read_again(tmp_path):
+    """The gold rows and the prompt's schema were cached by path: a database rewritten or
+    replaced during a run kept being judged against the old file's gold rows (a correct
+    query scored 0.1, silently). They are now cached per file (device, inode, size, mtime)."""
+    db = _rows_db(tmp_path / "t.sqlite", 3)
+    ex = Example("q", "SELECT max(x) FROM t", {"db_path": db, "ordered": False})
+    assert txt2sql.reward(_block("SELECT 2"), ex) == 1.0
+    assert "first rows of t: x" in txt2sql.describe_database(db)
+
+    fresh = _rows_db(tmp_path / "new.sqlite", 5)            # replaced: another inode
+    os.replace(fresh, db)
+    assert txt2sql.gold_result(db, ex.answer) == ((4,),)
+    assert txt2sql.reward(_block("SELECT 4"), ex) == 1.0
+    assert txt2sql.reward(_block("SELECT 2"), ex) == pytest.approx(0.1)
+
+    conn = sqlite3.connect(db)                              # changed in place
+    conn.execute("ALTER TABLE t RENAME COLUMN x TO y")
+    conn.execute("UPDATE t SET y = y + 10")
+    conn.commit()
+    conn.close()
+    st = os.stat(db)  # a coarse-clock file system could keep the mtime: move it on by 1 s
+    os.utime(db, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    gold = Example("q", "SELECT max(y) FROM t", {"db_path": db, "ordered": False})
+    assert txt2sql.reward(_block("SELECT 14"), gold) == 1.0
+    assert "first rows of t: y" in txt2sql.describe_database(db)
+
+    os.remove(db)
+    with pytest.raises(ValueError, match="cannot be read"):
+        txt2sql.gold_result(db, gold.answer)
