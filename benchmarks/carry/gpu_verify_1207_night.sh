@@ -3,7 +3,8 @@
 # - T_TEST: the GPU tests of what changed or failed since the last device call (compute_logprobs
 #   head-scale cases at head dim 16, min_tokens with the decode-step skip, the native engine, the
 #   compiled layers), and the sync tests before the sync path changes; TESTS overrides the list;
-# - T_SYNC: bench_sync.py --skip-step --profile (issue 15 goal 6: where a sync's time goes).
+# - T_SYNC: bench_sync.py --skip-step --profile (issue 15 goal 6: where a sync's time goes);
+# - T_FCA: bench_fca.py on 8x16 P4096 S512 with the sweep (issue 15 goal 8, on the card it got).
 WHL=1 source benchmarks/carry/gpu_setup.sh
 PYT="python3 -m pytest -m gpu -p no:cacheprovider -v -rfE --continue-on-collection-errors"
 TESTS=${TESTS:-"tests/core/test_head_scale.py tests/engines/sample/test_min_tokens.py
@@ -14,4 +15,6 @@ TESTS=${TESTS:-"tests/core/test_head_scale.py tests/engines/sample/test_min_toke
 [ "${T_SYNC:-0}" -gt 0 ] && timeout ${T_SYNC} python3 benchmarks/bench_sync.py --skip-step \
   --iters ${SYNC_ITERS:-5} --receive-iters 10 --profile --out $OUT/sync 2>&1 \
   | grep -v -i warn | cut -c1-400 | tail -40
+[ "${T_FCA:-0}" -gt 0 ] && timeout ${T_FCA} python3 benchmarks/bench_fca.py --shapes 0 \
+  --no-sdpa --out $OUT/fca 2>&1 | grep -v -i warn | cut -c1-2500 | tail -30
 ls -R $OUT | head -20
