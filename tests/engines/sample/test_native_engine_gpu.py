@@ -1,8 +1,8 @@
 """GPU truth for the native sampler on a random Qwen3-0.6B-shaped model (skipped without CUDA).
 
 fp32: greedy tokens equal HF ``generate`` exactly, with FCA + CUDA graphs and without.
-bf16: the same short run agrees with HF until the first near-tie (bf16 rounding may flip the
-argmax where the top two logits are closer than bf16 resolution); the report prints how far.
+bf16: every greedy token is within twice HF's own bf16 error of the fp32 model's best (exact
+agreement with HF's bf16 ``generate`` breaks at the random model's near-ties; printed).
 The decode step is compiled (``compile_decode``, on by default on CUDA) in every test but the
 one that compares it with the eager step.
 """
@@ -69,14 +69,53 @@ def test_fp32_greedy_equals_hf_generate():
         torch.cuda.empty_cache()
 
 
-def test_bf16_greedy_short_run():
+def near_argmax_slack(engine: SamplingEngine, runs: list[list[int]]) -> list[list[float]]:
+    """Per prompt and generated step: how far (in fp32 logits) the engine's greedy token lies
+    below the fp32 model's best token, *minus* twice HF's own bf16 error at that position
+    (``max |bf16 logits - fp32 logits|``, HF's SDPA forward over the same tokens with the
+    engine's bf16 weights and with the fp32 weights they were cast from). A value <= 0 means a
+    bf16 model could pick that token; a wrong cache, position or prefill gives tokens far below
+    the best (a random token sits several logits lower)."""
+    from polynya.models import load_model
+
+    model16 = engine.backend.runner.model
+    model32 = load_model(MODEL, dtype="float32", device="cuda", attn_implementation="sdpa")
+    model16.set_attn_implementation("sdpa")
+    out = []
+    try:
+        with torch.no_grad():
+            for p, toks in zip(prompts(), runs):
+                ids = torch.tensor([p + toks[:-1]], device="cuda")
+                at = slice(len(p) - 1, None)  # the positions whose logits chose the tokens
+                l32 = model32(ids).logits[0, at].float()
+                l16 = model16(ids).logits[0, at].float()
+                err = (l16 - l32).abs().amax(-1)
+                chosen = l32.gather(-1, torch.tensor(toks, device="cuda")[:, None])[:, 0]
+                out.append((l32.amax(-1) - chosen - 2 * err).tolist())
+    finally:
+        model16.set_attn_implementation("polynya_paged")
+        del model32
+    return out
+
+
+def test_bf16_greedy_tokens_are_near_argmax_of_the_fp32_model():
+    """bf16 greedy decoding (compiled prefill and decode, CUDA graphs, FCA forks) picks, at
+    every step, a token within twice HF's own bf16 error of the fp32 model's best: a random
+    model's top logits lie within a few bf16 ulps (the first step's top two differ by 0.024 at
+    logits near 2.8 for the first prompt, where one ulp is 0.016), so two bf16
+    implementations may pick different tokens there, and exact agreement with HF's bf16
+    ``generate`` is not a property of a correct engine (that assertion passed on the H200 on
+    2026-12-03 and failed on the first token on an H100 on 2026-12-07, same code). The agreement
+    is printed for the record."""
     engine = make_engine("bfloat16")
+    got = engine_greedy(engine, n=2)
     ref = hf_greedy(engine)
-    got = [o[0] for o in engine_greedy(engine, n=2)]
-    agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), NEW) for r, g in zip(ref, got)]
-    print(f"bf16 greedy agreement with HF generate (tokens of {NEW}): {agree}")
-    assert all(r[0] == g[0] for r, g in zip(ref, got)), "the first token comes from the same prefill"
-    assert sum(agree) >= 0.5 * NEW * len(agree)
+    agree = [next((i for i, (a, b) in enumerate(zip(r, o[0])) if a != b), NEW) for r, o in zip(ref, got)]
+    slack = [x for fork in (0, 1) for x in near_argmax_slack(engine, [o[fork] for o in got])]
+    worst = max(max(s) for s in slack)
+    print(f"bf16 greedy agreement with HF generate (tokens of {NEW}): {agree}; "
+          f"worst slack {worst:.4f}")
+    assert worst <= 1e-3, [[round(x, 4) for x in s] for s in slack]
 
 
 def test_sleep_wake_keeps_graphs_and_tokens():
