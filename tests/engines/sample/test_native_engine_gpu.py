@@ -69,9 +69,11 @@ def test_fp32_greedy_equals_hf_generate():
         torch.cuda.empty_cache()
 
 
-def near_argmax_slack(engine: SamplingEngine, runs: list[list[int]]) -> list[list[float]]:
-    """Per prompt and generated step: how far (in fp32 logits) the engine's greedy token lies
-    below the fp32 model's best token, *minus* twice HF's own bf16 error at that position
+def near_argmax_slack(engine: SamplingEngine, runs: list[tuple[list[int], list[int]]]
+                      ) -> list[list[float]]:
+    """Per ``(prompt, greedy tokens)`` run and generated step: how far (in fp32 logits) the
+    engine's greedy token lies below the fp32 model's best token, *minus* twice HF's own bf16
+    error at that position
     (``max |bf16 logits - fp32 logits|``, HF's SDPA forward over the same tokens with the
     engine's bf16 weights and with the fp32 weights they were cast from). A value <= 0 means a
     bf16 model could pick that token; a wrong cache, position or prefill gives tokens far below
@@ -84,7 +86,7 @@ def near_argmax_slack(engine: SamplingEngine, runs: list[list[int]]) -> list[lis
     out = []
     try:
         with torch.no_grad():
-            for p, toks in zip(prompts(), runs):
+            for p, toks in runs:
                 ids = torch.tensor([p + toks[:-1]], device="cuda")
                 at = slice(len(p) - 1, None)  # the positions whose logits chose the tokens
                 l32 = model32(ids).logits[0, at].float()
@@ -111,7 +113,7 @@ def test_bf16_greedy_tokens_are_near_argmax_of_the_fp32_model():
     got = engine_greedy(engine, n=2)
     ref = hf_greedy(engine)
     agree = [next((i for i, (a, b) in enumerate(zip(r, o[0])) if a != b), NEW) for r, o in zip(ref, got)]
-    slack = [x for fork in (0, 1) for x in near_argmax_slack(engine, [o[fork] for o in got])]
+    slack = near_argmax_slack(engine, [(p, toks) for p, o in zip(prompts(), got) for toks in o])
     worst = max(max(s) for s in slack)
     print(f"bf16 greedy agreement with HF generate (tokens of {NEW}): {agree}; "
           f"worst slack {worst:.4f}")
