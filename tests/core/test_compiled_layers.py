@@ -13,7 +13,6 @@ import dataclasses
 import polynya
 import pytest
 import torch
-from polynya import compiled_layers
 from polynya.compiled_layers import (
     compile_layers,
     compile_reason,

@@ -104,7 +104,7 @@ def test_load_refuses_pending_gradients(stage, tmp_path):
     engine = TrainingEngine(train_config(stage, micro_batch_tokens=24))
     engine.save(str(tmp_path))
     engine.forward_backward(make_batch(5))
-    with pytest.raises(RuntimeError, match="load\(\) with the gradients of 1 forward_backward call"):
+    with pytest.raises(RuntimeError, match=r"load\(\) with the gradients of 1 forward_backward call"):
         engine.load(str(tmp_path))
     engine.step()
     engine.load(str(tmp_path))  # nothing pending: loads
