@@ -4,7 +4,10 @@
 #   head-scale cases at head dim 16, min_tokens with the decode-step skip, the native engine, the
 #   compiled layers), and the sync tests before the sync path changes; TESTS overrides the list;
 # - T_SYNC: bench_sync.py --skip-step --profile (issue 15 goal 6: where a sync's time goes);
-# - T_FCA: bench_fca.py on 8x16 P4096 S512 with the sweep (issue 15 goal 8, on the card it got).
+# - T_FCA: bench_fca.py on 8x16 P4096 S512 with the sweep (issue 15 goal 8, on the card it got);
+# - T_ZORRO: bench_zorro.py at P4096/R512/G8 x4 groups, 7 iterations (goal 8's ZoRRo 3.8x);
+# - T_GSM8K: bench_recipe.py GSM8K with the trainer resident, eager and compiled arms in one
+#   process (goal 4; the compiled layers' gain in the recipe was never measured in one process).
 WHL=1 source benchmarks/carry/gpu_setup.sh
 PYT="python3 -m pytest -m gpu -p no:cacheprovider -v -rfE --continue-on-collection-errors"
 TESTS=${TESTS:-"tests/core/test_head_scale.py tests/engines/sample/test_min_tokens.py
@@ -17,4 +20,9 @@ TESTS=${TESTS:-"tests/core/test_head_scale.py tests/engines/sample/test_min_toke
   | grep -v -i warn | cut -c1-400 | tail -40
 [ "${T_FCA:-0}" -gt 0 ] && timeout ${T_FCA} python3 benchmarks/bench_fca.py --shapes 0 \
   --no-sdpa --out $OUT/fca 2>&1 | grep -v -i warn | cut -c1-2500 | tail -30
+[ "${T_ZORRO:-0}" -gt 0 ] && timeout ${T_ZORRO} python3 benchmarks/bench_zorro.py --groups 4 \
+  --iters 7 --shapes 4096/512/8 --arms naive,split --out $OUT/zorro 2>&1 | grep -v -i warn | tail -12
+[ "${T_GSM8K:-0}" -gt 0 ] && timeout ${T_GSM8K} python3 benchmarks/bench_recipe.py --task gsm8k \
+  --steps 8 --keep-trainer --arms zorro,naive,zorro+compiled,naive+compiled \
+  --budget-s $((T_GSM8K - 30)) --out $OUT/gsm8k 2>&1 | grep -v -i warn | tail -20
 ls -R $OUT | head -20
