@@ -6,8 +6,9 @@ seed fixed per step) and scores it with the task's reward::
 
     {"eval_reward_mean": 0.41, "eval_pass_at_1": 0.375, "eval_examples": 64, "eval_s": 3.2}
 
-``eval_pass_at_1`` is the fraction of completions with reward >= 1.0 (a fully correct answer
-under every shipped task's default reward options).
+``eval_pass_at_1`` is the fraction of completions whose reward reaches the task's full score:
+its ``score`` reward option where it has one (gsm8k's ``task.reward.score``), else 1.0 (a fully
+correct answer under every shipped task's reward).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Evaluator:
         self.tokenizer, self.reward_kwargs = tokenizer, reward_kwargs
         self.max_new_tokens, self.greedy = max_new_tokens, greedy
         self.temperature, self.seed = temperature, seed
+        self.full_score = float(reward_kwargs.get("score", 1.0))
 
     def evaluate(self, client, step: int) -> dict[str, float]:
         t = time.perf_counter()
@@ -44,6 +46,6 @@ class Evaluator:
             rewards.append(r)
             errors += why is not None
         return {"eval_reward_mean": sum(rewards) / len(rewards),
-                "eval_pass_at_1": sum(r >= 1.0 for r in rewards) / len(rewards),
+                "eval_pass_at_1": sum(r >= self.full_score for r in rewards) / len(rewards),
                 "eval_examples": len(rewards), "eval_reward_errors": errors,
                 "eval_s": time.perf_counter() - t}

@@ -19,13 +19,17 @@ conventions:
   ``####18``, ``#### $18`` and an answer followed by more than 300 characters find nothing.
 - ``"value"`` (polynya's own, deliberately more lenient in format and stricter in reading
   numbers): the whole completion is searched; ``####`` with any spacing, an optional ``$``
-  after the sign; numbers compared by value (``Decimal``: ``3.50`` = ``3.5``, ``072`` = ``72``).
+  after the sign (``-``, ``+`` or U+2212 ``−``); numbers compared by value (``Decimal``:
+  ``3.50`` = ``3.5``, ``072`` = ``72``).
   A number is a maximal run of digits, ``,`` and ``.`` (not glued to another such run): commas
   must group thousands (``1,000``, ``12,345.5``), a trailing ``.`` or ``,`` ends the sentence
   (``72.``). A run that is no number (``4,5``, ``1,2345``, ``1000,50``, ``1.2.3``) is no
   answer: it is never read as ``45`` or ``.3``. The *last* candidate decides (the last
   ``#### N`` for ``strict``, the last number for ``flexible``): a malformed last candidate gives
-  no answer rather than an earlier number. Fractions (``1/2``) and words are not evaluated.
+  no answer rather than an earlier number. Fractions (``1/2``) and words are not evaluated: a
+  number glued to a fraction slash, an exponent, a power or a ``_`` group (``1/2``, ``1 / 2``,
+  ``3⁄4``, ``1e3``, ``2^3``, ``10²``, ``1_000``) is no answer, neither its numerator nor its
+  denominator (``72/month`` is still ``72``).
 
 Both give ``score`` (1.0) when correct, ``format_score`` (0.0, as in verl) when an answer was
 extracted but is wrong, and 0 when none was found. A truncated completion (no EOS within the
@@ -40,12 +44,17 @@ from .common import DATA_DIR, Example, field, load_records
 
 NAME = "gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-# A candidate: an optional sign and $, then a maximal run of digits, commas and periods that
-# starts with a digit (or .digit) and is not glued to a run before it; _VALID says if it is a number.
-_NUMBER = r"(?<![\d.,])-?(?:\$\s*)?(?:\d|\.\d)[\d.,]*"
+# A candidate: an optional sign (-, +, U+2212) and $, then a maximal run of digits, commas and
+# periods that starts with a digit (or .digit) and is not glued to a run before it; _VALID says
+# if it is a number, _GLUED_AFTER / _GLUED_BEFORE if it is part of a fraction (1/2, 3⁄4), an
+# exponent (1e3), a power (2^3, 10²) or a "_"-grouped number (1_000), which is no answer.
+_NUMBER = r"(?<![\d.,])[-+\u2212]?(?:\$\s*)?(?:\d|\.\d)[\d.,]*"
 _STRICT = re.compile(r"####\s*(" + _NUMBER + ")")
-_FLEXIBLE = re.compile(_NUMBER)
+_FLEXIBLE = re.compile("(" + _NUMBER + ")")
 _VALID = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+_GLUED_AFTER = re.compile(r"\s*[/\u2044]\s*[-+\u2212]?\d|[eE][-+\u2212]?\d|_\d|\s*\^"
+                          r"|[\u00b2\u00b3\u00b9\u2070-\u2079]")
+_GLUED_BEFORE = re.compile(r"(?:\d\s*[/\u2044]\s*|\d[eE]|\d_|\^\s*)\Z")
 
 
 def make_prompt(question: str) -> str:
@@ -105,8 +114,15 @@ def extract_answer(text: str, method: str = "strict", convention: str = "verl") 
         return valid[-1] if valid else (found[0] if found else None)
     if convention != "value":
         raise ValueError(f"unknown gsm8k reward convention {convention!r}; use one of {CONVENTIONS}")
-    found = (_STRICT if method == "strict" else _FLEXIBLE).findall(text)
-    return _clean(found[-1]) if found else None
+    last = None
+    for last in (_STRICT if method == "strict" else _FLEXIBLE).finditer(text):
+        pass
+    if last is None:
+        return None
+    start, end = last.span(1)
+    if _GLUED_AFTER.match(text, end) or _GLUED_BEFORE.search(text[max(start - 64, 0):start]):
+        return None
+    return _clean(last.group(1))
 
 
 def reward(completion: str, example: Example, *, convention: str = "verl", method: str = "strict",
@@ -122,9 +138,10 @@ def reward(completion: str, example: Example, *, convention: str = "verl", metho
 
 
 def _clean(number: str) -> str | None:
-    """``number`` without ``$``, spaces, thousands commas and a trailing ``.``/``,``; ``None``
-    when what is left is no number (commas that do not group thousands, two periods)."""
-    cleaned = re.sub(r"[$\s]", "", number).rstrip(".,")
+    """``number`` without ``$``, spaces, a ``+`` sign, thousands commas and a trailing
+    ``.``/``,`` (U+2212 read as ``-``); ``None`` when what is left is no number (commas that do
+    not group thousands, two periods)."""
+    cleaned = re.sub(r"[$\s+]", "", number).replace("\u2212", "-").rstrip(".,")
     return cleaned.replace(",", "") if _VALID.fullmatch(cleaned) else None
 
 

@@ -18,13 +18,15 @@ distractors. The prompt lists every passage and asks for the answer in ``\\boxed
 ``reward(completion, example, mode="em")`` takes the last ``\\boxed{...}`` of the completion and
 scores it against every accepted answer after SQuAD normalisation (lower case, no punctuation,
 no articles ``a``/``an``/``the``, single spaces): exact match (1/0) or, with ``mode="f1"``, the
-best token F1. One deliberate difference from SQuAD's script: punctuation is every Unicode
+best token F1. Two deliberate differences from SQuAD's script: punctuation is every Unicode
 punctuation character (``–``, ``“”``, ``’``, ``。``), not ASCII only, so ``1939–1945`` matches
-``1939-1945`` and ``“Oslo”`` matches ``Oslo``. An accepted answer that normalises to nothing
-(``""``, ``"the"``, ``"..."``) would let an empty box match: ``load`` drops such answers
-(``ValueError`` when none is left) and ``reward`` never matches them. No box or an empty box
-scores 0; a last box that never closed (a truncated completion) is skipped for the last closed
-box before it, if any.
+``1939-1945`` and ``“Oslo”`` matches ``Oslo``; and text is composed to Unicode NFC first, so an
+answer stored decomposed (``u`` + U+0308) matches ``ü``. In the box, text-style LaTeX macros
+are unwrapped (``\\text{}``, ``\\textbf{}``, ``\\mathrm{}``, ``\\emph{}``, ...) and ``~`` is a
+space. An accepted answer that normalises to nothing (``""``, ``"the"``, ``"..."``) would let
+an empty box match: ``load`` drops such answers (``ValueError`` when none is left) and
+``reward`` never matches them. No box or an empty box scores 0; a last box that never closed (a
+truncated completion) is skipped for the last closed box before it, if any.
 """
 from __future__ import annotations
 
@@ -148,6 +150,22 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+# \text{...} and the other LaTeX macros that only set text in a style; "~" is an unbreakable space
+_TEXT_MACRO = re.compile(r"\\(?:text(?:bf|it|rm|sf|tt|normal|up)?|math(?:rm|bf|it|sf|tt)"
+                         r"|emph|mbox|operatorname)\{([^{}]*)\}")
+
+
+def unwrap_latex(box: str) -> str:
+    """``box`` with every text-style macro replaced by its argument, innermost first
+    (``\\text{\\emph{Eful} River}`` -> ``Eful River``), and ``~`` by a space; other LaTeX
+    (``\\frac{a}{b}``) is left as it is."""
+    while True:
+        unwrapped = _TEXT_MACRO.sub(r"\1", box)
+        if unwrapped == box:
+            return box.replace("~", " ")
+        box = unwrapped
+
+
 _ASCII_PUNCT = frozenset(string.punctuation)
 
 
@@ -157,8 +175,9 @@ def _is_punct(ch: str) -> bool:
 
 def normalize_answer(s: str) -> str:
     """SQuAD normalisation: lower case, drop punctuation (ASCII and every Unicode ``P*``
-    character; SQuAD drops ASCII only) and articles, collapse whitespace."""
-    s = s.lower()
+    character; SQuAD drops ASCII only) and articles, collapse whitespace; the text is composed
+    to Unicode NFC first (SQuAD does not), so a decomposed ``u`` + U+0308 equals ``ü``."""
+    s = unicodedata.normalize("NFC", s.lower())
     s = "".join(ch for ch in s if not _is_punct(ch))
     s = re.sub(r"\b(a|an|the)\b", " ", s)
     return " ".join(s.split())
@@ -183,7 +202,7 @@ def reward(completion: str, example: Example, *, mode: str = "em") -> float:
     predicted = extract_boxed(completion)
     if predicted is None:
         return 0.0
-    predicted = re.sub(r"\\text\{([^{}]*)\}", r"\1", predicted)  # \boxed{\text{Paris}}
+    predicted = unwrap_latex(predicted)
     answers = [a for a in example.meta.get("answers") or [example.answer] if normalize_answer(a)]
     if not answers:
         raise ValueError(f"{NAME}: no accepted answer has text left after normalisation: "

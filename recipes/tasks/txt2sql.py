@@ -14,7 +14,8 @@ the question, and asks for one query in a ```` ```sql ```` block. ``reward`` run
 :func:`extract_sql` finds in the completion in the sandbox of :mod:`.sqlsafe` (model SQL is
 untrusted: one read-only statement, bounded in time, rows and memory) and compares its rows with
 the gold query's (:func:`same_result`): 1.0 on a match, ``partial`` (0.1) when the query runs
-but differs, 0.0 when there is no query or it is rejected, fails, times out or returns more than
+but differs, 0.0 when there is no query or it is rejected, fails, runs past
+``max(timeout_s, GOLD_TIME_FACTOR * the gold query's time)`` or returns more than
 ``max(max_rows, len(gold rows))`` rows. The comparison (execution match, as Spider's and BIRD's
 evaluations; the differences are deliberate):
 
@@ -37,6 +38,7 @@ import functools
 import math
 import os
 import re
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -46,6 +48,7 @@ from .sqlsafe import QueryError, connect_readonly, parses_as_query, run_query, s
 NAME = "txt2sql"
 SAMPLE_ROWS = 3
 GOLD_TIMEOUT_S = 30.0
+GOLD_TIME_FACTOR = 3.0  # a completion's query may run this many times as long as the gold one
 _SPLIT_FILES = {"train": ("train_spider.json",), "validation": ("dev.json",)}
 # A ```sql / ```sqlite / ```sqlite3 fence (any case) whose tag ends there: not ```sqlalchemy.
 _SQL_BLOCK = re.compile(r"```(?:sqlite3?|sql)(?![^\s`])[ \t]*\n?(.*?)(?:```|\Z)", re.S | re.I)
@@ -206,16 +209,19 @@ def reward(completion: str, example: Example, *, partial: float = 0.1, timeout_s
     differs, 0.0 if there is no query or it is rejected/fails/times out (module docstring).
 
     ``max_rows`` bounds the rows fetched, raised to the gold result's row count when that is
-    larger: a correct query is never refused for returning as many rows as the gold one.
+    larger, and ``timeout_s`` the query's time, raised to ``GOLD_TIME_FACTOR`` times the gold
+    query's own (measured when its rows were first computed in this process) when that is
+    longer: a correct query is never refused for returning as many rows as the gold one, nor
+    for taking about as long.
     ``ValueError`` when the gold query itself fails.
     """
     sql = extract_sql(completion)
     if sql is None:
         return 0.0
     db_path = example.meta["db_path"]
-    gold = gold_result(db_path, example.answer)
+    gold, gold_s = _gold_run(db_path, file_identity(db_path), example.answer)
     try:
-        predicted = run_query(db_path, sql, timeout_s=timeout_s,
+        predicted = run_query(db_path, sql, timeout_s=max(timeout_s, GOLD_TIME_FACTOR * gold_s),
                               max_rows=max(int(max_rows), len(gold)))
     except QueryError:
         return 0.0
@@ -226,15 +232,18 @@ def reward(completion: str, example: Example, *, partial: float = 0.1, timeout_s
 def gold_result(db_path: str, gold_sql: str) -> tuple[tuple, ...]:
     """Rows of the gold query, run in the same sandbox with a longer time limit; cached per
     database file (:func:`file_identity`: a file changed in place runs the query again)."""
-    return _gold_result(db_path, file_identity(db_path), gold_sql)
+    return _gold_run(db_path, file_identity(db_path), gold_sql)[0]
 
 
 @functools.lru_cache(maxsize=4096)
-def _gold_result(db_path: str, identity: tuple, gold_sql: str) -> tuple[tuple, ...]:
+def _gold_run(db_path: str, identity: tuple, gold_sql: str) -> tuple[tuple[tuple, ...], float]:
+    """(rows, seconds) of the gold query's first run in this process."""
+    start = time.perf_counter()
     try:
-        return tuple(run_query(db_path, gold_sql, timeout_s=GOLD_TIMEOUT_S, max_rows=1_000_000))
+        rows = tuple(run_query(db_path, gold_sql, timeout_s=GOLD_TIMEOUT_S, max_rows=1_000_000))
     except QueryError as e:
         raise ValueError(f"{NAME}: gold query failed on {db_path}: {e}\n{gold_sql}") from None
+    return rows, time.perf_counter() - start
 
 
 def same_result(predicted, gold, ordered: bool) -> bool:

@@ -73,6 +73,22 @@ CASES = [
     ("#### 1/2", "0.5", 0, 0),                  # fractions are not evaluated
     ("#### 72\nno: #### 1,2", "72", 0, 0),     # the last #### decides, even when malformed
     ("#### 72\nso #### 7,2", "72", 1, 0),
+    # review 2026-12: a number glued to a fraction slash, an exponent, a power or a "_" group
+    # is no answer under "value" (it was read as its first part: "1/2" scored for 1)
+    ("#### 1/2", "1", 1, 0),
+    ("#### 1 / 2", "1", 1, 0),
+    ("#### 3⁄4", "3", 1, 0),
+    ("#### 1e3", "1", 1, 0),
+    ("#### 2^3", "2", 1, 0),
+    ("#### 10²", "10", 1, 0),
+    ("#### 1_000", "1", 1, 0),
+    ("#### 72/month", "72", 1, 1),              # a unit after the slash: still 72
+    ("#### 72 / week", "72", 1, 1),
+    # signs: U+2212 (the typographic minus) and "+" are read as signs under "value"
+    ("#### \u22125", "-5", 0, 1),
+    ("#### \u22125", "5", 0, 0),
+    ("#### +5", "5", 0, 1),
+    ("#### \u2212$5", "-5", 0, 1),
 ]
 
 
@@ -100,6 +116,24 @@ def test_strict_scores_in_both_conventions(completion, truth, verl, value):
 def test_flexible_scores(completion, verl, value):
     assert gsm8k.reward(completion, EX, method="flexible") == verl
     assert gsm8k.reward(completion, EX, method="flexible", convention="value") == value
+
+
+@pytest.mark.parametrize("completion,truth,verl,value", [
+    ("so each gets 1/2", "2", 1, 0),        # the denominator is no answer
+    ("so each gets 1 / 2", "2", 1, 0),
+    ("about 1e3", "3", 1, 0),               # nor an exponent
+    ("about 1e-3", "-3", 1, 0),
+    ("that is 10^2", "2", 1, 0),            # nor a power
+    ("it drops to \u22125", "5", 1, 0),      # verl reads 5: its regex knows "-" only
+    ("it drops to \u22125", "-5", 0, 1),
+    ("a gain of +5", "5", 1, 1),
+    ("10 / 2 = 5", "5", 1, 1),              # a number after "=" is still read
+    ("paid $30/hour for 2 hours", "2", 1, 1),
+])
+def test_flexible_reads_no_part_of_a_fraction_exponent_or_power(completion, truth, verl, value):
+    ex = Example("q", truth)
+    assert gsm8k.reward(completion, ex, method="flexible") == verl
+    assert gsm8k.reward(completion, ex, method="flexible", convention="value") == value
 
 
 def test_verl_flexible_quirk_only_periods_earn_format_score():

@@ -64,10 +64,36 @@ def test_f1_mode_and_helpers():
     ("1,990", "1990", True),
     ("3.5", "35", True),                         # as in SQuAD: "." is punctuation
     ("Oslo Norway", "Oslo", False),
+    # review 2026-12: the same text in two Unicode forms (composed "\u00fc", or "u" + combining
+    # diaeresis as in NFD sources) is the same answer; other letters stay as they are
+    ("Zu\u0308rich", "Z\u00fcrich", True),
+    ("Z\u00fcrich", "Zu\u0308rich", True),
+    ("Zu\u0308rich", "Zurich", False),
 ])
 def test_normalisation(prediction, truth, same):
     ex = Example("q", truth, {"answers": [truth]})
     assert longqa.reward(f"\\boxed{{{prediction}}}", ex) == float(same)
+    if same:
+        assert longqa.reward(f"\\boxed{{{prediction}}}", ex, mode="f1") == 1.0
+
+
+@pytest.mark.parametrize("box,expected", [
+    ("\\text{Eful River}", 1.0),
+    ("\\textbf{Eful River}", 1.0),
+    ("\\mathrm{Eful\\ River}", 1.0),
+    ("\\mathrm{Eful}~\\mathrm{River}", 1.0),      # "~" is LaTeX's unbreakable space
+    ("\\text{\\emph{Eful} River}", 1.0),          # nested
+    ("\\operatorname{Eful} River", 1.0),
+    ("\\text{1\\,990}", None),                   # "\\," between digits groups thousands
+    ("\\mathbf{Gorbel River}", 0.0),
+    ("\\frac{Eful}{River}", 0.0),                 # not a text macro: left as it is
+])
+def test_latex_text_macros_in_the_box_are_unwrapped(box, expected):
+    if expected is None:
+        year = Example("q", "1990", {"answers": ["1990"]})
+        assert longqa.reward(f"So \\boxed{{{box}}}.", year) == 1.0
+        return
+    assert longqa.reward(f"So \\boxed{{{box}}}.", RIVER) == expected
 
 
 def _squad_normalize(s: str) -> str:

@@ -87,3 +87,29 @@ def test_evaluator_scores_unjudgeable_completions_zero():
     out = ev.evaluate(_Client(), 0)
     assert out["eval_reward_errors"] == 3 and out["eval_examples"] == 6  # calls 3, 5, 6
     assert out["eval_reward_mean"] == pytest.approx((1.1 + 1.0 + 1.0) / 6)
+
+
+@pytest.mark.parametrize("score,format_score", [(1.0, 0.0), (0.5, 0.0), (2.0, 1.0)])
+def test_eval_pass_at_1_counts_the_tasks_full_score(score, format_score):
+    """Review 2026-12: pass@1 counted rewards >= 1.0, so with gsm8k's ``task.reward.score=0.5``
+    no correct answer passed, and with ``score=2, format_score=1`` every wrong one did."""
+    from polynya.recipes.evaluate import Evaluator
+    from polynya.recipes.tasks import Example, gsm8k
+
+    texts = ["#### 72", "#### 71", "no answer", "so\n#### 72"]
+
+    class _Tokenizer:  # token id k decodes to texts[k]
+        def decode(self, ids, skip_special_tokens):
+            return texts[ids[0]]
+
+    class _Client:
+        def generate(self, prompts, params):
+            return [[polynya.Sample([k], None, "stop")] for k in range(len(prompts))]
+
+    examples = [Example("q", "72")] * len(texts)
+    ev = Evaluator(gsm8k, examples, [[1]] * len(texts), tokenizer=_Tokenizer(),
+                   reward_kwargs={"score": score, "format_score": format_score},
+                   max_new_tokens=4, greedy=True, temperature=1.0, seed=0)
+    out = ev.evaluate(_Client(), 0)
+    assert out["eval_pass_at_1"] == 0.5
+    assert out["eval_reward_mean"] == pytest.approx((2 * score + format_score) / 4)

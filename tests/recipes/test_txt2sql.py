@@ -255,6 +255,34 @@ def test_a_gold_result_larger_than_max_rows_can_still_be_matched(tmp_path):
     assert txt2sql.reward(_block("SELECT x FROM t"), small, max_rows=20_000) == pytest.approx(0.1)
 
 
+def _count_to(n: int) -> str:
+    return (f"WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < {n}) "
+            "SELECT count(*) FROM c")
+
+
+def test_a_query_as_slow_as_the_gold_one_is_not_timed_out(tmp_path):
+    """Review 2026-12: the completion's time limit was ``timeout_s`` (0.5 s) whatever the gold
+    query's own time (30 s allowed), so on a database where the gold query takes longer (a large
+    BIRD table) the gold query itself, as the completion, scored 0. The limit is now at least
+    ``GOLD_TIME_FACTOR`` times the gold query's measured time."""
+    db = _script_db(tmp_path / "slow.sqlite", "CREATE TABLE t (x);")
+    gold = _count_to(1_000_000)                      # ~0.45 s on the 2-core CPU machine
+    ex = Example("q", gold, {"db_path": db, "ordered": False})
+    start = time.monotonic()
+    txt2sql.gold_result(db, gold)
+    gold_s = time.monotonic() - start
+    timeout_s = gold_s / 5                           # the gold query outlasts it on any machine
+    assert txt2sql.reward(_block(gold), ex, timeout_s=timeout_s) == 1.0
+    assert txt2sql.reward(_block(_count_to(999_999)), ex, timeout_s=timeout_s) == pytest.approx(0.1)
+    start = time.monotonic()                         # far slower than the gold: still stopped
+    assert txt2sql.reward(_block(_count_to(10**9)), ex, timeout_s=timeout_s) == 0.0
+    assert time.monotonic() - start < txt2sql.GOLD_TIME_FACTOR * gold_s + 2.0
+    quick = Example("q", "SELECT count(*) FROM t", {"db_path": db, "ordered": False})
+    start = time.monotonic()                         # a fast gold query keeps timeout_s
+    assert txt2sql.reward(_block(_count_to(10**9)), quick, timeout_s=0.1) == 0.0
+    assert time.monotonic() - start < 1.0
+
+
 def _script_db(path: Path, script: str) -> str:
     conn = sqlite3.connect(path)
     conn.executescript(script)
