@@ -165,6 +165,25 @@ def params_from_json(d: Any, what: str = "params") -> SamplingParams:
     return SamplingParams(**d)
 
 
+GENERATE_FIELDS = ("prompts", "params")  # the body of POST /rl/generate, as HTTPClient sends it
+
+
+def generate_from_json(body: dict[str, Any]) -> tuple[list[list[int]], SamplingParams | list[SamplingParams]]:
+    """``/rl/generate``'s body: ``prompts`` and ``params`` (one object of ``SamplingParams``
+    fields, or one per prompt; absent: the defaults). Any other key is a ``ValueError``: a
+    misspelt ``params`` (or vLLM's ``sampling_params``) would otherwise sample with the defaults."""
+    unknown = sorted(set(body) - set(GENERATE_FIELDS))
+    if unknown:
+        raise ValueError(f"/rl/generate: unknown field(s) {unknown}; the body holds "
+                         f"{list(GENERATE_FIELDS)} (params: SamplingParams fields, or one such "
+                         "object per prompt)")
+    prompts = prompts_from_json(body.get("prompts"))
+    raw = body.get("params", {})
+    if isinstance(raw, list):
+        return prompts, [params_from_json(p, f"params[{i}]") for i, p in enumerate(raw)]
+    return prompts, params_from_json(raw)
+
+
 def params_to_json(p: SamplingParams) -> dict:
     d = dataclasses.asdict(p)
     if d["stop_token_ids"] is not None:

@@ -10,7 +10,8 @@ native sampler:
   clear message instead of hanging);
 - ``POST /v1/completions`` — ``prompt`` as text, a list of texts, token ids or a list of
   token-id lists; ``n`` completions per prompt, prompt-major; ``top_k`` 0 or -1 = off (vLLM's and
-  TRL's convention); ``logprobs`` 0 = the sampled token's log-prob (as ``tokens`` /
+  TRL's convention); ``max_tokens`` absent: 16, null: up to the end of the model window (vLLM's
+  ``get_max_tokens``); ``logprobs`` 0 = the sampled token's log-prob (as ``tokens`` /
   ``token_logprobs`` / ``top_logprobs``); every choice carries ``prompt_token_ids`` and
   ``token_ids`` (vLLM's ``return_token_ids``, always on); ``return_tokens_as_token_ids`` names
   tokens ``"token_id:<id>"``; the ``model`` field is not checked (the answer names the served one);
@@ -22,12 +23,16 @@ native sampler:
   (``processed_logprobs``), so top-k / top-p / min-p filters are refused alongside it;
 - ``POST /v1/chat/completions`` — ``messages`` rendered with the tokenizer's chat template
   (``chat_template`` / ``chat_template_kwargs`` honoured), top-level ``prompt_token_ids``,
-  per-choice ``message``, ``token_ids`` and ``logprobs.content``.
+  per-choice ``message``, ``token_ids`` and ``logprobs.content``; ``max_completion_tokens``, else
+  ``max_tokens``, else up to the end of the model window (as vLLM); ``logprobs`` a bool.
+
+On both, a choice's text leaves out the stop token that ended it unless
+``include_stop_str_in_output`` (vLLM's detokenizer); ``token_ids`` and log-probs keep it.
 
 Refused with 400 (never silently ignored): ``repetition_penalty`` != 1, presence/frequency
 penalties, ``logprobs`` / ``top_logprobs`` > 0 (the native sampler keeps the sampled token's
-log-prob only), stop strings, ``echo``, streaming, structured outputs, tools, images, and any
-other field this module does not know; ``prompt_logprobs`` on chat (served on
+log-prob only; on chat with or without ``logprobs``), stop strings, ``echo``, streaming,
+structured outputs, tools, images, and any other field this module does not know; ``prompt_logprobs`` on chat (served on
 ``/v1/completions`` only). A client or backend that cannot score (Ray client, vLLM backend)
 answers 501.
 """
@@ -43,17 +48,19 @@ from ..types import SamplingParams
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs: what one request may ask per prompt token
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "min_p", "max_tokens", "min_tokens", "seed",
                    "stop_token_ids")
+DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) max_tokens of a completion request that has none
 NEUTRAL_VALUES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "echo": False, "stream": False, "ignore_eos": False}
 _COMMON = {"model", "top_k", "logprobs", "return_token_ids", "return_tokens_as_token_ids", "user",
-           "skip_special_tokens", "stop", "prompt_logprobs", "structured_outputs", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
-BOOL_FIELDS = ("skip_special_tokens", "ignore_eos", "echo", "stream", "return_token_ids",
-               "return_tokens_as_token_ids", "add_generation_prompt")
+           "skip_special_tokens", "include_stop_str_in_output", "stop", "prompt_logprobs",
+           "structured_outputs", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
+BOOL_FIELDS = ("skip_special_tokens", "include_stop_str_in_output", "ignore_eos", "echo", "stream",
+               "return_token_ids", "return_tokens_as_token_ids", "add_generation_prompt")
 _UNSERVED = (("stop", (str, list), "a string or a list of strings"),
              ("structured_outputs", dict, "an object"), ("tools", list, "a list"))
 _COMPLETION_KEYS = _COMMON | {"prompt"}
 _CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "chat_template", "chat_template_kwargs",
-                        "add_generation_prompt", "tools", "tool_choice"}
+                        "add_generation_prompt", "tools", "tool_choice", "max_completion_tokens"}
 
 
 def object_field(body: dict[str, Any], key: str) -> dict[str, Any]:
@@ -68,8 +75,11 @@ def object_field(body: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
-def sampling_params(body: dict[str, Any], keys: set[str], *, logprobs: bool = True) -> SamplingParams:
-    """vLLM request fields -> ``SamplingParams`` (``ValueError`` naming what is not supported)."""
+def sampling_params(body: dict[str, Any], keys: set[str], *, logprobs: bool = True,
+                    window: int | None = None) -> SamplingParams:
+    """vLLM request fields -> ``SamplingParams`` (``ValueError`` naming what is not supported).
+    ``window``: the served model's length, what ``max_tokens`` means when vLLM lets a completion
+    run to the end of the window (``max_tokens_of``); None where the route does not know it."""
     unknown = sorted(set(body) - keys)
     if unknown:
         raise ValueError(f"unsupported request field(s) {unknown}; polynya's server takes {sorted(keys)}")
@@ -86,7 +96,7 @@ def sampling_params(body: dict[str, Any], keys: set[str], *, logprobs: bool = Tr
         if body.get(k) is not None and not isinstance(body[k], bool):
             raise ValueError(f"{k} must be true or false, got {body[k]!r}")
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    kw.setdefault("max_tokens", 16)  # the OpenAI / vLLM default
+    kw["max_tokens"] = max_tokens_of(body, keys, window)
     top_k = body.get("top_k")
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
@@ -94,6 +104,23 @@ def sampling_params(body: dict[str, Any], keys: set[str], *, logprobs: bool = Tr
         kw["top_k"] = -1 if top_k == 0 else top_k
     # vLLM's rule: stop_token_ids add to the model's EOS, which ignore_eos turns off
     return SamplingParams(**kw, logprobs=logprobs, stop_at_eos=not body.get("ignore_eos"))
+
+
+def max_tokens_of(body: dict[str, Any], keys: set[str], window: int | None) -> Any:
+    """A request's ``max_tokens`` as vLLM reads it (``get_max_tokens``): chat's
+    ``max_completion_tokens``, else ``max_tokens``; absent on a completion request: 16; null, or
+    absent on chat: up to the end of the model window — ``window`` as ``max_tokens``, since the
+    sampler ends every completion there (``"length"``). ``ValueError`` when that is asked and
+    ``window`` is unknown (never a silent 16)."""
+    for k in ("max_completion_tokens", "max_tokens"):
+        if k in keys and body.get(k) is not None:
+            return body[k]
+    if "max_tokens" not in body and "max_completion_tokens" not in keys:
+        return DEFAULT_MAX_TOKENS  # a completion request without the field
+    if not window:
+        raise ValueError("max_tokens: send a number; this route does not know the model window "
+                         "that vLLM reads a null (or, on chat, an absent) max_tokens as")
+    return window
 
 
 def prompt_logprobs_k(body: dict, params: SamplingParams) -> int | None:
@@ -134,6 +161,17 @@ def prompt_logprobs_json(scores, seq: list[int], as_ids: bool, tokenizer) -> lis
     return out
 
 
+def _chat_logprobs(body: dict) -> bool:
+    """Chat's ``logprobs`` (a bool) and ``top_logprobs`` (alternatives per token: only 0 is
+    served, whether or not ``logprobs`` is on, as vLLM refuses it without ``logprobs``)."""
+    value = body.get("logprobs")
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"logprobs must be true or false on chat (top_logprobs counts the "
+                         f"alternatives), got {value!r}")
+    _want_logprobs(body.get("top_logprobs"), "top_logprobs")
+    return bool(value)
+
+
 def _want_logprobs(value, name: str) -> bool:
     if value is None or value is False:
         return False
@@ -166,9 +204,14 @@ def _token_name(t: int, as_ids: bool, tokenizer) -> str:
     return f"token_id:{t}" if as_ids or tokenizer is None else tokenizer.decode([t])
 
 
-def _text(ids, tokenizer, body) -> str:
+def _text(sample, tokenizer, body) -> str:
+    """A choice's text, as vLLM's detokenizer writes it: the stop token that ended it is not
+    decoded unless ``include_stop_str_in_output`` (its id stays in ``token_ids``)."""
     if tokenizer is None:
         return ""
+    ids = sample.token_ids
+    if sample.finish_reason == "stop" and ids and not body.get("include_stop_str_in_output"):
+        ids = ids[:-1]
     skip = body.get("skip_special_tokens")
     return tokenizer.decode(ids, skip_special_tokens=True if skip is None else skip)
 
@@ -209,7 +252,7 @@ def completion_response(body: dict, prompts, groups, tokenizer, model: str, want
                 lp = {"tokens": names, "token_logprobs": list(s.logprobs),
                       "top_logprobs": [{n: v} for n, v in zip(names, s.logprobs)],
                       "text_offset": None}
-            choices.append({"index": len(choices), "text": _text(s.token_ids, tokenizer, body),
+            choices.append({"index": len(choices), "text": _text(s, tokenizer, body),
                             "logprobs": lp, "finish_reason": s.finish_reason,
                             "stop_reason": stop_reason(s, params, tokenizer),
                             "prompt_logprobs": plp, "prompt_token_ids": list(prompt),
@@ -256,7 +299,7 @@ def chat_response(body: dict, prompt, group, tokenizer, model: str, want_lp: boo
             lp = {"content": [{"token": _token_name(t, as_ids, tokenizer), "logprob": v, "bytes": None,
                                "top_logprobs": []} for t, v in zip(s.token_ids, s.logprobs)]}
         choices.append({"index": len(choices),
-                        "message": {"role": "assistant", "content": _text(s.token_ids, tokenizer, body)},
+                        "message": {"role": "assistant", "content": _text(s, tokenizer, body)},
                         "logprobs": lp, "finish_reason": s.finish_reason,
                         "stop_reason": stop_reason(s, params, tokenizer),
                         "token_ids": list(s.token_ids)})
@@ -293,7 +336,7 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> dict:
         body = await read_json(request)
-        params = sampling_params(body, _COMPLETION_KEYS)
+        params = sampling_params(body, _COMPLETION_KEYS, window=max_len)
         want_lp = _want_logprobs(body.get("logprobs"), "logprobs")
         prompts = _prompts(body.get("prompt"), tokenizer)
         k = prompt_logprobs_k(body, params)
@@ -308,11 +351,10 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> dict:
         body = await read_json(request)
-        params = sampling_params(body, _CHAT_KEYS)
+        params = sampling_params(body, _CHAT_KEYS, window=max_len)
         if body.get("prompt_logprobs") is not None:
             raise ValueError("prompt_logprobs is served on /v1/completions (send the rendered token ids)")
-        want_lp = _want_logprobs(body.get("logprobs"), "logprobs") and (
-            body.get("top_logprobs") is None or _want_logprobs(body["top_logprobs"], "top_logprobs"))
+        want_lp = _chat_logprobs(body)
         if body.get("tool_choice") not in (None, "none"):
             raise ValueError("tool_choice other than 'none' is not supported")
         prompt = await asyncio.to_thread(chat_prompt, body, tokenizer)  # off the event loop

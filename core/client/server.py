@@ -31,8 +31,7 @@ from .codec import (
     decode_batch,
     encode_metrics,
     encode_stats,
-    params_from_json,
-    prompts_from_json,
+    generate_from_json,
     read_json,
     sample_to_json,
 )
@@ -117,14 +116,7 @@ def create_app(
 
     @app.post("/rl/generate")
     async def generate(request: Request) -> dict:
-        body = await read_json(request)
-        prompts = prompts_from_json(body.get("prompts"))
-        raw = body.get("params", {})
-        params = (
-            [params_from_json(p, f"params[{i}]") for i, p in enumerate(raw)]
-            if isinstance(raw, list)
-            else params_from_json(raw)
-        )
+        prompts, params = generate_from_json(await read_json(request))
         out = await generations(request, prompts, params)
         return {"samples": [[sample_to_json(s) for s in g] for g in out]}
 

@@ -35,3 +35,21 @@ def _payload(response_lens: list[int]) -> bytes:
 def test_lengths_that_do_not_describe_the_tokens_are_refused(lens, needle):
     with pytest.raises(ValueError, match=needle):
         decode_batch(_payload(lens))
+
+
+def test_generate_body_round_trips_and_refuses_keys_it_would_ignore():
+    """``/rl/generate`` reads exactly what ``HTTPClient`` sends; any other key is refused (before:
+    ignored, so a misspelt ``params`` or vLLM's ``sampling_params`` sampled with the defaults)."""
+    from polynya import SamplingParams
+    from polynya.client.codec import generate_from_json
+    from polynya.client.http_client import HTTPClient
+
+    one = SamplingParams(n=2, temperature=0.7, top_k=5, max_tokens=9, stop_token_ids=[], seed=3)
+    two = [one, SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_at_eos=False)]
+    for params in (one, two):
+        body = HTTPClient._generate_req([[5, 6], [7]], params).json
+        assert generate_from_json(body) == ([[5, 6], [7]], params)
+    assert generate_from_json({"prompts": [[5]]})[1] == SamplingParams()
+    for key in ("sampling_params", "param", "max_tokens"):
+        with pytest.raises(ValueError, match=f"unknown field.*{key}"):
+            generate_from_json({"prompts": [[5]], key: {"max_tokens": 2}})

@@ -91,6 +91,8 @@ def _batch_tensors(**override):
         ("/rl/generate", dict(json=[1, 2]), 400, "object"),
         ("/rl/generate", dict(json={"prompts": "hello"}), 400, "token-id"),
         ("/rl/generate", dict(json={"prompts": [[1, 2]], "params": {"beams": 4}}), 400, "unknown"),
+        ("/rl/generate", dict(json={"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}}), 400,
+         "unknown field(s) ['sampling_params']"),
         ("/rl/generate", dict(json={"prompts": [[1, 2]], "params": {"n": 0}}), 400, "n must be"),
         ("/rl/generate", dict(json={"prompts": [[1, 9999]]}), 400, "vocab"),
         ("/rl/forward_backward", dict(content=b"\x00garbage"), 400, "safetensors"),

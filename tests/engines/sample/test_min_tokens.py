@@ -80,6 +80,21 @@ def test_logprobs_are_of_the_distribution_without_the_stop_ids(case):
     torch.testing.assert_close(torch.tensor(got.logprobs), want, rtol=0, atol=1e-5)
 
 
+def test_stop_ids_outside_the_vocabulary_are_held_back_as_no_op(case):
+    """A stop id past the logits (a tokenizer's added id, a typo) can never be sampled: with
+    ``min_tokens`` the in-vocabulary stop ids are still banned and the rest is a no-op. (Before:
+    the ban indexed past the logits — IndexError on the CPU, a device-side assert on a GPU —
+    so the request failed with a 500 and, on a GPU, the engine with it.)"""
+    engine, hf, prompt, eos = case
+    vocab = engine.backend.runner.vocab_size
+    want, want_lp = masked_greedy(hf, prompt, 12, {eos}, 5)
+    got = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, min_tokens=5,
+                                                   stop_token_ids=[vocab, 1 << 40], stop_at_eos=True,
+                                                   logprobs=True))[0][0]
+    assert got.token_ids == want and got.logprobs == pytest.approx(want_lp, abs=1e-5)
+    assert engine.stats()["blocks_in_use"] == 0
+
+
 @pytest.mark.parametrize("bad", [-1, 13, 1.5, True, "2"])
 def test_a_bad_min_tokens_is_refused(bad):
     with pytest.raises(ValueError, match="min_tokens"):

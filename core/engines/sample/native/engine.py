@@ -388,20 +388,25 @@ class NativeEngine(LaunchAhead):
             uniforms = self._uniforms(rows)
         st = self._sampling_tensors(rows, uniforms, logits)
         has = ahead + (0 if prefill else 1)  # completion tokens every row has before this one
-        ban = self._min_tokens_ban(rows, ahead, logits.device) if self._st_min_tokens > has else None
+        ban = (self._min_tokens_ban(rows, ahead, logits.shape[-1], logits.device)
+               if self._st_min_tokens > has else None)
         tokens, logprobs = sample(logits, st, ban)
         self._readback.start(tokens, logprobs)
         return tokens
 
     @staticmethod
-    def _min_tokens_ban(rows: list[Sequence], ahead: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _min_tokens_ban(rows: list[Sequence], ahead: int, vocab: int,
+                        device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(rows, stop ids)`` to remove from this step's logits: every stop id of each row
-        whose completion is still shorter than its ``min_tokens`` (``sampler.sample``'s ban)."""
+        whose completion is still shorter than its ``min_tokens`` (``sampler.sample``'s ban).
+        Ids outside the ``vocab`` logits are never sampled, so there is nothing to remove (an
+        index past the logits would fail the step, on a GPU as a device-side assert)."""
         r, t = [], []
         for i, s in enumerate(rows):
             if len(s) - s.num_prompt_tokens + ahead < s.params.min_tokens:
-                r += [i] * len(s.stop_ids)
-                t += s.stop_ids
+                ids = [x for x in s.stop_ids if x < vocab]
+                r += [i] * len(ids)
+                t += ids
         if not r:
             return None
         pair = torch.tensor([r, t], dtype=torch.int64)
