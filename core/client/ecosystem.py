@@ -6,7 +6,10 @@ weight-transfer routes are in ``weight_transfer.py``:
   ``openai_compat.py`` (vLLM's OpenAI-compatible answers, as TRL's ``VLLMClient`` reads them);
 - ``POST /inference/v1/generate`` — ``{"token_ids": [...], "sampling_params": {...},
   "request_id": "..."}`` (``sampling_params`` absent or null: the defaults; ``request_id`` a
-  string, echoed, absent or null: a fresh one; any other type of either is a 400);
+  string, echoed, absent or null: a fresh one; any other type of either is a 400); ``model``
+  (not checked) and ``cache_salt`` (prefix-cache isolation, which changes no token) are
+  accepted, ``stream`` only as false; any other top-level key — multimodal ``features``
+  included — is a 400 naming it (it would otherwise be ignored);
 - ``/sleep`` (``?level=`` 1 or 2), ``/wake_up``, ``/reset_prefix_cache``, ``/pause``
   (``?mode=keep|wait|abort``, ``&clear_cache=``; ``polynya.client.gate``), ``/resume``,
   ``GET /get_world_size`` (1: a server joins a weight-transfer group as one rank).
@@ -35,6 +38,20 @@ from .routes_skyrl import openai_error
 # both, as for /v1/completions), and the fields SkyRL's generator sends that change no token
 _GENERATE_KEYS = {*SAMPLING_FIELDS, *NEUTRAL_VALUES, "top_k", "stop", "skip_special_tokens"}
 _ROUTE_ONLY = {"logprobs", "prompt_logprobs", "include_stop_str_in_output", "output_kind"}
+# the request's top level: what SkyRL's RemoteInferenceClient sends that changes no token, or
+# what the route reads; "stream" only as false (one JSON answer)
+_BODY_KEYS = {"token_ids", "sampling_params", "request_id", "model", "cache_salt", "stream"}
+
+
+def check_body(body: dict) -> None:
+    """``ValueError`` naming a top-level key of ``/inference/v1/generate`` it would ignore."""
+    unknown = sorted(set(body) - _BODY_KEYS)
+    if unknown:
+        raise ValueError(f"/inference/v1/generate: unsupported field(s) {unknown} (multimodal "
+                         f"features, side channels); the body takes {sorted(_BODY_KEYS)}")
+    if body.get("stream") not in (None, False):
+        raise ValueError(f"stream={body['stream']!r} is not supported: the answer is one JSON "
+                         "object; send stream=false or leave it out")
 
 
 def generate_params(sp: dict) -> SamplingParams:
@@ -90,6 +107,7 @@ def add_ecosystem_routes(app, client, tokenizer, generations: Generations) -> No
     @app.post("/inference/v1/generate")
     async def generate(request: Request) -> dict:
         body = await read_json(request)
+        check_body(body)
         prompts = _prompt_lists(body.get("token_ids"))
         params = generate_params(object_field(body, "sampling_params"))
         request_id = body.get("request_id")

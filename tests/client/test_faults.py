@@ -21,6 +21,7 @@ the optimizer step, the files on disk — is compared before and after.
 | falsy non-object sampling_params / template kwargs| 400 (null: the defaults)     |
 | stop / tools / structured_outputs of a wrong type | 400 (was read as "off")      |
 | non-string request_id on /inference/v1/generate   | 400, nothing generated       |
+| features / stream=true / unknown top-level keys there | 400, nothing generated   |
 | a save / load path with a name too long           | 400, nothing written         |
 | ``/sleep?level=9``, ``/rl/sleep`` level 9          | 400, sampler keeps serving   |
 | ``compute_logprobs(temperature=0)`` HTTP + engine | 400 / ValueError             |
@@ -488,6 +489,32 @@ def test_absent_or_null_sampling_params_take_the_defaults(raw, body):
     n = len(choice["token_ids"])  # vLLM's default max_tokens: 16
     assert n == 16 if choice["finish_reason"] == "length" else 1 <= n <= 16
     assert choice["logprobs"] is None
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"features": {"images": []}}, "unsupported field(s) ['features']"),
+    ({"return_sample_support": True}, "unsupported field(s) ['return_sample_support']"),
+    ({"prompt": "hi"}, "unsupported field(s) ['prompt']"),
+    ({"stream": True}, "stream=True is not supported"),
+])
+def test_unknown_top_level_keys_of_inference_generate_get_400(server, raw, unchanged, extra, needle):
+    """Top-level keys beside token_ids / sampling_params / request_id were ignored: multimodal
+    ``features`` sampled the text alone, ``stream: true`` got one JSON answer."""
+    before = _generated(server["local"])
+    r = raw.post("/inference/v1/generate", json={
+        "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}, **extra})
+    _error(r, 400, needle)
+    assert _generated(server["local"]) == before
+
+
+def test_what_skyrl_sends_at_the_top_level_is_accepted(raw):
+    """SkyRL's RemoteInferenceClient adds ``model`` and ``cache_salt``; neither changes a token."""
+    body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 3, "temperature": 0.0}}
+    plain = raw.post("/inference/v1/generate", json=body)
+    salted = raw.post("/inference/v1/generate", json={**body, "model": "any", "cache_salt": "s1",
+                                                      "stream": False})
+    assert plain.status_code == salted.status_code == 200, (plain.text, salted.text)
+    assert salted.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
 
 
 @pytest.mark.parametrize("request_id", [0, 1, 1.5, True, False, [], ["r"], {}, {"id": "r"}])
