@@ -11,7 +11,10 @@ accelerate/DeepSpeed set-up). Three of its hooks are translated to polynya:
 
 - ``_generate_single_turn``: TRL's prompts (each repeated ``num_generations`` times in a row) go
   to polynya's native sampler in-process as one request per prompt with ``n`` = its repeats
-  (prefilled once, ``n`` forks share its KV blocks); completions come back in TRL's row order
+  (prefilled once, ``n`` forks share its KV blocks), sampled as transformers' ``generate`` would
+  with TRL's ``generation_config`` completed by the policy's (``translate.sampling_params``: a
+  ``min_p`` inherited from the checkpoint's ``generation_config.json`` is applied, as there);
+  completions come back in TRL's row order
   and, as from TRL's own non-vLLM generation, without sampling log-probs (TRL would read them
   as vLLM's: its off-policy sequence mask, ``off_policy_mask_threshold``, would compare against
   the sampler instead of the old policy). Before generating, the sampler gets the trainer's
@@ -29,7 +32,14 @@ accelerate/DeepSpeed set-up). Three of its hooks are translated to polynya:
 
 Not supported (refused at construction with the reason): vLLM (``use_vllm``), PEFT, vision-
 language models, MoE router aux loss, ``cast_lm_head_to_fp32``, ``repetition_penalty != 1``,
-``generation_kwargs``, multi-process DDP/FSDP (DeepSpeed is the data-parallel path).
+``generation_kwargs``, generation settings the sampler cannot reproduce (``min_p`` with
+``top_p < 1``, or a logits processor such as ``no_repeat_ngram_size`` inherited from the model's
+``generation_config``), a sampler checkpoint configured unlike the policy (e.g. a
+``rope_parameters`` given in ``model_init_kwargs``), a sampler whose ``max_model_len`` cannot hold
+``max_completion_length``,
+multi-process DDP/FSDP (DeepSpeed is the data-parallel path). A prompt that leaves the sampler less
+than ``max_completion_length`` tokens is refused when it is tokenized (``ValueError``, nothing
+generated).
 """
 from __future__ import annotations
 
@@ -53,14 +63,17 @@ from ...config.sampler import SamplerConfig
 from ...engines.sample import SamplingEngine
 from ...fused import fuse_model
 from ...logprobs import _device, compute_logprobs
+from ...models import model_config
 from ...sync.push import WeightPush
 from ...types import SamplingParams
 from .translate import (
     check_groups,
+    config_differences,
     group_chunks,
     group_permutation,
     permute_rows,
     rollout_batch,
+    sampling_params,
     to_trl_layout,
     unique_prompts,
 )
@@ -120,6 +133,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.zorro = zorro
         self._check_trainer()
+        self._sampling = sampling_params(self._generation_in_effect(), self.max_completion_length,
+                                         self.eos_token_ids)
+        config = self._sampler_config(sampler_config, args, kwargs)
+        self._check_same_model(config.model)
         models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
         if compile_layers is None:
             compile_layers = self._why_not_compiled(models, fused_kernels) is None
@@ -134,7 +151,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             for model in models:
                 fuse_model(model)
         with _plain_model_loading(self.args):
-            self.sampler = SamplingEngine(self._sampler_config(sampler_config, args, kwargs))
+            self.sampler = SamplingEngine(config)
+        self._check_room(1)
         self._pushed_step: int | None = None
         self._push = WeightPush()
         self.push_weights()
@@ -178,6 +196,37 @@ class GRPOTrainer(trl.GRPOTrainer):
                              f"be a multiple of num_generations={g} so every micro-batch holds whole "
                              "prompt groups")
 
+    def _check_same_model(self, spec: str) -> None:
+        """``ValueError`` unless the sampler's checkpoint is configured as the policy is: a
+        config field set at load (``GRPOConfig.model_init_kwargs``, e.g. ``rope_parameters``) is
+        in the policy but not in the checkpoint the sampler loads, which would then sample from
+        another model with the same weights (the weight push checks weights only)."""
+        policy = self.accelerator.unwrap_model(self.model).config.to_dict()
+        diff = config_differences(policy, model_config(spec).to_dict())
+        if diff:
+            raise ValueError(f"the sampler's checkpoint {spec!r} is configured unlike the policy "
+                             f"({'; '.join(diff)}), so it would sample from another model: save the "
+                             "policy (model.save_pretrained(dir)) and pass SamplerConfig(dir, ...)")
+
+    def _generation_in_effect(self):
+        """TRL's ``generation_config`` as transformers' ``generate`` completes it on TRL's own
+        generation path: unset fields from the policy's ``generation_config`` (its checkpoint's
+        ``generation_config.json``), then transformers' defaults."""
+        policy = self.accelerator.unwrap_model(self.model)
+        return policy._prepare_generation_config(self.generation_config)[0]
+
+    def _check_room(self, prompt_len: int) -> None:
+        """``ValueError`` unless a prompt of ``prompt_len`` tokens leaves the sampler room for all
+        ``max_completion_length`` tokens (it would end the completion early at its
+        ``max_model_len``; TRL's own generation would not)."""
+        longest = self.sampler.backend.max_model_len
+        if prompt_len + self.max_completion_length > longest:
+            raise ValueError(f"a prompt of {prompt_len} tokens plus max_completion_length="
+                             f"{self.max_completion_length} exceeds the sampler's max_model_len="
+                             f"{longest}: its completions would be cut short; raise "
+                             "SamplerConfig.max_model_len / kv_cache_memory_gb or lower "
+                             "max_completion_length")
+
     def _sampler_config(self, config: SamplerConfig | None, args, kwargs) -> SamplerConfig:
         policy = self.accelerator.unwrap_model(self.model)
         device = str(self.accelerator.device)
@@ -212,12 +261,18 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, n: int) -> SamplingParams:
-        temperature = self.temperature
-        return SamplingParams(
-            n=n, temperature=temperature, top_p=self.top_p,
-            top_k=-1 if not self.top_k else int(self.top_k),  # TRL's 0 = off
-            min_p=self.min_p or 0.0, max_tokens=self.max_completion_length,
-            stop_token_ids=list(self.eos_token_ids), logprobs=False)
+        """TRL's generation settings as transformers would sample with them (``translate.
+        sampling_params``, resolved at construction), ``n`` samples per prompt."""
+        return dataclasses.replace(self._sampling, n=n)
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's tokenization, then ``ValueError`` (nothing generated) for a prompt that leaves the
+        sampler less than ``max_completion_length`` tokens. Only the first turn's prompts are
+        checked: later turns of a tool-calling rollout keep at most what is left of
+        ``max_completion_length`` (TRL cuts the rest), which then always fits."""
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        self._check_room(max(map(len, prompt_ids), default=0))
+        return prompt_ids, images, multimodal_fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                               has_tool_images=False):

@@ -8,6 +8,8 @@ to the other and back, and lay out prompt groups so that micro-batches hold whol
     batch = rollout_batch(input_ids, attention_mask, logits_to_keep)   # -> RolloutBatch
     prompts, counts = unique_prompts(prompt_ids)                       # one request per prompt
     perm = group_permutation(num_rows, group_size)                     # shuffle groups, not rows
+    params = sampling_params(generation_config, max_tokens, stop_ids)  # transformers' sampling
+    config_differences(policy.config.to_dict(), sampler_config.to_dict())  # -> ["key: a != b"]
 """
 from __future__ import annotations
 
@@ -15,7 +17,21 @@ from collections.abc import Sequence
 
 import torch
 
-from ...types import RolloutBatch
+from ...types import RolloutBatch, SamplingParams
+
+# ``GenerationConfig`` fields with which transformers' ``generate`` samples something polynya's
+# sampler has no counterpart for, each with the values that leave it off (an empty list or
+# dict is off too)
+_NO_COUNTERPART = {
+    "do_sample": (True,), "num_beams": (None, 1), "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "sequence_bias": (None,),
+    "min_length": (None, 0), "min_new_tokens": (None, 0), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,),
+    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "top_h": (None,),
+    "guidance_scale": (None, 1.0), "watermarking_config": (None,), "stop_strings": (None,),
+    "max_time": (None,),
+}
 
 
 def _runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +76,60 @@ def rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     prompts = [ids[i, width - int(p_len[i]):width] for i in range(ids.shape[0])]
     responses = [ids[i, width:width + int(c_len[i])] for i in range(ids.shape[0])]
     return RolloutBatch(prompts, responses)
+
+
+# model-config keys that do not change what a model computes: bookkeeping, initialisation,
+# outputs, special-token ids, the attention backend, and the dtype (the weight push casts)
+_BOOKKEEPING = frozenset({
+    "_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "architectures",
+    "dtype", "torch_dtype", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "torchscript", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id",
+    "decoder_start_token_id", "id2label", "label2id", "problem_type", "finetuning_task",
+    "task_specific_params", "tokenizer_class", "prefix", "initializer_range",
+    "chunk_size_feed_forward", "attn_implementation", "_attn_implementation_autoset",
+})
+
+
+def config_differences(policy: dict, sampler: dict) -> list[str]:
+    """``"key: policy value != sampler value"`` for every model-config key (``config.to_dict()``)
+    that may change what the model computes and differs between the two configs."""
+    keys = sorted((set(policy) | set(sampler)) - _BOOKKEEPING)
+    return [f"{k}: {policy.get(k)!r} != {sampler.get(k)!r}" for k in keys
+            if policy.get(k) != sampler.get(k)]
+
+
+def sampling_params(config, max_tokens: int, stop_token_ids: Sequence[int]) -> SamplingParams:
+    """What transformers' ``generate`` samples with ``config`` as polynya ``SamplingParams``
+    (``n=1``).
+
+    Args:
+        config: a ``GenerationConfig`` as ``generate`` completes it (TRL's, its unset fields
+            taken from the model's ``generation_config``, then from transformers' defaults).
+        max_tokens / stop_token_ids: TRL's ``max_completion_length`` and EOS ids.
+    Raises:
+        ValueError: naming every setting the sampler would not reproduce: a field that is on in
+        ``_NO_COUNTERPART``, or ``min_p`` with ``top_p < 1`` (transformers filters top-p first
+        and min-p on what is left, polynya's sampler min-p first, as vLLM: the kept tokens differ).
+    """
+    problems = [f"{k}={getattr(config, k)!r}" for k, off in _NO_COUNTERPART.items()
+                if not _off(getattr(config, k, None), off)]
+    top_p = 1.0 if config.top_p is None else float(config.top_p)
+    min_p = 0.0 if config.min_p is None else float(config.min_p)
+    if min_p > 0 and top_p < 1:
+        problems.append(f"min_p={min_p} together with top_p={top_p} (transformers applies min-p "
+                        "after top-p, polynya's sampler before it; keep one of the two)")
+    if problems:
+        raise ValueError("polynya's sampler cannot sample as TRL's transformers generation would "
+                         "with: " + "; ".join(problems) + " (set in GRPOConfig, or inherited from "
+                         "the model's generation_config: unset them there, or use trl.GRPOTrainer)")
+    temperature = 1.0 if config.temperature is None else float(config.temperature)
+    return SamplingParams(n=1, temperature=temperature, top_p=top_p, min_p=min_p,
+                          top_k=-1 if not config.top_k else int(config.top_k),  # 0 / None: off
+                          max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), logprobs=False)
+
+
+def _off(value, off: tuple) -> bool:
+    return value in off or (isinstance(value, (list, tuple, dict)) and not value)
 
 
 def to_trl_layout(values: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
