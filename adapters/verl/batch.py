@@ -11,10 +11,12 @@ plus the per-row lengths; ``jagged_logprobs`` puts per-response-token values bac
 layout: a jagged ``[B, j]`` tensor whose position ``t`` holds the value for token ``t + 1`` —
 response token ``k`` of a row with prompt length ``P`` sits at ``P - 1 + k``. Prompt positions
 carry 0 (polynya computes response tokens only; verl's RL losses read only response positions,
-and SFT batches, whose loss reads prompt positions, are refused).
+and SFT batches, whose loss reads prompt positions, are refused, as are rows with
+``multi_modal_inputs``: verl's engines feed those to the model, polynya's reads token ids only).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +120,19 @@ def _check_positions(data, ids) -> None:
                          "and does not support other layouts")
 
 
+def _check_text_only(data) -> None:
+    """verl's engines feed ``multi_modal_inputs`` (pixel values ...) to the model beside the
+    tokens; polynya's engine reads token ids only, so a batch carrying any is refused (text-only
+    rows carry none or an empty dict)."""
+    inputs = _get(data, "multi_modal_inputs", None)
+    if inputs is None:
+        return
+    rows = [getattr(row, "data", row) for row in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+    if any(row is not None and not (isinstance(row, Mapping) and not row) for row in rows):
+        raise ValueError("the verl batch carries 'multi_modal_inputs' (images / video / audio): polynya's "
+                         "deepspeed engine computes log-probs from token ids only and would ignore them")
+
+
 def read_batch(data) -> VerlRows:
     """Check a verl engine batch and return its samples as a ``RolloutBatch`` (``ValueError``
     naming the key for anything missing or inconsistent)."""
@@ -138,6 +153,7 @@ def read_batch(data) -> VerlRows:
         raise ValueError("every sample needs at least one prompt token")
     _check_masks(data, response_lens)
     _check_positions(data, ids)
+    _check_text_only(data)
     groups = _groups(data, b)
     tokens = ids.values().tolist()
     starts = ids.offsets().tolist()

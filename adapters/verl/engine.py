@@ -28,7 +28,7 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 
 from .batch import jagged_logprobs, read_batch
-from .settings import check_loss_function, train_config
+from .settings import check_checkpoint, check_loss_function, train_config
 
 BUCKET_BYTES = 1 << 28
 
@@ -42,6 +42,8 @@ class DeepSpeedLMEngine(BaseEngine):
         self.optimizer_config = None if engine_config.forward_only else optimizer_config
         self.checkpoint_config = checkpoint_config
         self.config = train_config(model_config, engine_config, self.optimizer_config)  # ValueError early
+        if not engine_config.forward_only and checkpoint_config is not None:
+            check_checkpoint(checkpoint_config)
         if engine_config.param_offload and self.config.zero_stage == 0:
             raise ValueError("param_offload needs deepspeed.zero_stage >= 1 (DeepSpeed's offload_states)")
         self.mode = None

@@ -19,8 +19,11 @@ next engine step and answers with its partial ``token_ids`` / ``log_probs`` and
 ``resume_generation``); new requests wait for ``resume_generation`` (or are answered
 ``stop_reason="aborted"`` at once with ``reject_request=True``); the call returns once nothing is
 in flight, with the aborted requests' ids. ``log_probs`` are those of the distribution sampled
-from (after temperature / top-k / top-p). ``repetition_penalty`` != 1 (per request or
-``rollout.repetition_penalty``) and multimodal inputs are refused.
+from (after temperature / top-k / top-p: vLLM's ``logprobs_mode=processed_logprobs``, verl's
+default). Refused: ``repetition_penalty`` != 1 (per request or ``rollout.repetition_penalty``),
+multimodal inputs, another ``rollout.logprobs_mode`` and a quantized rollout
+(``rollout.quantization`` / ``quantization_config_file``: verl's vLLM would sample from the
+quantized model).
 
 Stopping and seeds follow verl's vLLM server:
 
@@ -52,6 +55,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 SERVER_PREFIX = "polynya_rollout_server"
+PROCESSED_LOGPROBS = "processed_logprobs"  # what SamplingParams(logprobs=True) returns (vLLM's name)
 
 
 def server_name(replica_rank: int, suffix: str = "") -> str:
@@ -76,6 +80,16 @@ def sampler_config(config, model_path: str, replica_rank: int = 0) -> SamplerCon
                          f"repetition_penalty=1.0 (got {config.repetition_penalty!r})")
     if not isinstance(config.ignore_eos, bool):
         raise ValueError(f"actor_rollout_ref.rollout.ignore_eos must be a bool, got {config.ignore_eos!r}")
+    if config.logprobs_mode != PROCESSED_LOGPROBS:
+        raise ValueError("polynya's sampler returns the log-probs of the distribution it samples from (after "
+                         "temperature, top-k, top-p: vLLM's processed_logprobs, verl's default), which verl's "
+                         "rollout correction compares with the actor's log-probs at the rollout temperature; "
+                         f"set actor_rollout_ref.rollout.logprobs_mode={PROCESSED_LOGPROBS} "
+                         f"(got {config.logprobs_mode!r})")
+    if config.quantization is not None or config.quantization_config_file is not None:
+        raise ValueError("polynya's sampler runs the trainer's weights unquantized, in rollout.dtype: unset "
+                         "actor_rollout_ref.rollout.quantization and quantization_config_file (got "
+                         f"{config.quantization!r}, {config.quantization_config_file!r})")
     extra = dict((config.engine_kwargs or {}).get("polynya", None) or {})
     base = extra.pop("seed", None)
     base = _int(config.seed, "actor_rollout_ref.rollout.seed") if base is None else \

@@ -18,8 +18,10 @@ backend's strategy name, so polynya's DeepSpeed backend brings its own:
 ``train_config(model_config, engine_config, optimizer_config)`` is the only translation: verl's
 model path, dtype, seed, optimizer (verl's ``FSDPOptimizerConfig``: AdamW, constant rate)
 and token budget become one ``TrainConfig``. Settings polynya cannot honour (another optimizer,
-a warm-up or cosine schedule, fp16, LoRA, fixed-size micro-batches) raise ``ValueError``
-naming the verl key to change.
+a warm-up or cosine schedule, ``clip_grad <= 0``, fp16, LoRA, fixed-size micro-batches) raise
+``ValueError`` naming the verl key to change; so does a ``checkpoint.load_contents`` without
+all of ``model``, ``optimizer`` and ``extra`` (``check_checkpoint``: polynya's engine restores
+them together).
 
 The model config: verl builds its engines from ``actor_rollout_ref.model.hf_config_path``'s
 config with ``model.override_config`` applied; polynya's engines (actor and reference alike)
@@ -97,6 +99,8 @@ class DeepSpeedActorConfig(ActorConfig):
         if self.strategy != STRATEGY:
             raise ValueError(f"DeepSpeedActorConfig.strategy must be {STRATEGY!r}, got {self.strategy!r}")
         _check_loss(self)
+        if not _field(self.deepspeed, "forward_only", False):
+            check_checkpoint(self.checkpoint)
         self.engine = self.deepspeed
 
 
@@ -169,6 +173,26 @@ def check_loss_function(loss_function) -> None:
                          "estimator loss_mode (k1, k3, low_var_kl, ...)")
 
 
+# what polynya's TrainingEngine.load restores, all together: weights, AdamW state, LR schedule and
+# step count (verl's "model", "optimizer", "extra")
+_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+
+
+def check_checkpoint(checkpoint) -> None:
+    """Refuse a ``checkpoint.load_contents`` that leaves out part of what polynya's engine restores
+    on resume: verl's own engines would resume with, e.g., a fresh optimizer, polynya's with the
+    saved one. ``ValueError`` naming the key."""
+    load = _field(checkpoint, "load_contents", None)
+    if load is None:  # verl's checkpoint managers read None as all three
+        return
+    missing = [c for c in _CHECKPOINT_CONTENTS if c not in load]
+    if missing:
+        raise ValueError(f"actor_rollout_ref.actor.checkpoint.load_contents={list(load)!r} leaves out {missing}: "
+                         "polynya's deepspeed engine restores weights, optimizer state and LR schedule together "
+                         "on resume, where verl's engines would restore only those listed. Include "
+                         f"{list(_CHECKPOINT_CONTENTS)} (load_contents follows save_contents unless set)")
+
+
 def _optim(opt) -> tuple[float, OptimConfig]:
     name = str(getattr(opt, "optimizer", "AdamW")).lower()
     if name != "adamw" or getattr(opt, "optimizer_impl", "torch.optim") != "torch.optim":
@@ -190,8 +214,15 @@ def _optim(opt) -> tuple[float, OptimConfig]:
     if kind != "constant" or warmup > 0 or opt.lr_warmup_steps_ratio > 0:
         raise ValueError("polynya's deepspeed engine supports actor.optim.lr_scheduler_type=constant "
                          "without warm-up (lr_warmup_steps<=0, lr_warmup_steps_ratio=0) for now")
+    clip = opt.clip_grad
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0:
+        # polynya's grad_clip=0 turns clipping off; verl's FSDP engine clips to 0 (every gradient
+        # zeroed, AdamW still moves the weights by its momentum and weight decay)
+        raise ValueError(f"actor_rollout_ref.actor.optim.clip_grad must be > 0, got {clip!r}: verl's FSDP engine "
+                         "clips the gradient norm to it (0 zeroes every gradient), polynya's deepspeed engine "
+                         "would not clip at all; for no clipping in effect set a large value (e.g. 1e9)")
     return float(opt.lr), OptimConfig(betas=tuple(opt.betas), eps=eps, weight_decay=float(opt.weight_decay),
-                                      grad_clip=float(opt.clip_grad), fused=fused)
+                                      grad_clip=float(clip), fused=fused)
 
 
 def _changes(current, wanted: Mapping, prefix: str = "") -> list[str]:

@@ -33,6 +33,7 @@ from ..tasks import get_task
 
 _NORM_TO_AGG = {"token": "token-mean", "sequence": "seq-mean-token-mean", "constant": "seq-mean-token-sum-norm"}
 _KL = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+NO_CLIP = 1e9  # verl's clip_grad for polynya's grad_clip=0: a gradient norm no run reaches
 
 
 def run(cfg: DictConfig) -> None:
@@ -108,7 +109,9 @@ def translate(cfg: DictConfig, client, data: str) -> list[str]:
         f"actor_rollout_ref.rollout.top_p={rc.top_p}", f"actor_rollout_ref.rollout.top_k={rc.top_k}",
         f"actor_rollout_ref.rollout.dtype={client.dtype}",
         f"{actor}.optim.lr={train.lr}", f"{actor}.optim.weight_decay={train.optim.weight_decay}",
-        f"{actor}.optim.clip_grad={train.optim.grad_clip}",
+        # polynya's grad_clip=0 (no clipping) as verl reads it: a bound no norm reaches (verl's
+        # engine would clip to 0, zeroing every gradient; the adapter refuses clip_grad <= 0)
+        f"{actor}.optim.clip_grad={train.optim.grad_clip or NO_CLIP}",
         f"{actor}.ppo_mini_batch_size={rc.prompts_per_step}", f"{actor}.ppo_epochs=1",
         f"{actor}.ppo_max_token_len_per_gpu={train.micro_batch_tokens}",
         f"{actor}.clip_ratio_low={spec.clip_low}", f"{actor}.clip_ratio_high={spec.clip_high}",

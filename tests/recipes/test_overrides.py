@@ -261,3 +261,15 @@ def test_loss_clamps_are_refused_by_verl_whose_clamps_are_fixed(tmp_path, key):
                                          f"loss_config.{key}=5.0: verl 0.9.1's losses clamp"):
         verl.write_run(cfg, tmp_path / "verl")
     assert not (tmp_path / "verl").exists()
+
+
+@pytest.mark.parametrize("grad_clip, want", [("0.5", "0.5"), ("0", "1000000000.0")])
+def test_no_clipping_reaches_verl_as_a_bound_no_norm_reaches(tmp_path, grad_clip, want):
+    """polynya's grad_clip=0 (no clipping) went to verl as clip_grad=0, which verl's FSDP engine
+    applies as a bound of 0 (every gradient zeroed) and the verl adapter now refuses."""
+    from polynya.recipes.frameworks import verl
+
+    cfg = _compose(["framework=verl", "model=qwen3-0.6b", f"client.train.optim.grad_clip={grad_clip}",
+                    f"run.out_dir={tmp_path}"])
+    overrides = verl.write_run(cfg, tmp_path / "verl")
+    assert f"actor_rollout_ref.actor.optim.clip_grad={want}" in overrides

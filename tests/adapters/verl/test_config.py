@@ -94,6 +94,8 @@ def test_bad_engine_settings_fail_at_config_time(override, message):
     ("actor_rollout_ref.actor.optim.override_optimizer_config={fused:1}",
      "override_optimizer_config.fused must be true or false"),
     ("actor_rollout_ref.actor.use_dynamic_bsz=false", "use_dynamic_bsz"),
+    # verl's FSDP engine clips to 0 (zeroes every gradient); polynya's grad_clip=0 means no clipping
+    ("actor_rollout_ref.actor.optim.clip_grad=0", "clip_grad must be > 0"),
 ])
 def test_settings_polynya_cannot_honour_are_refused(override, message):
     extra = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"] if "dynamic" in override else []
@@ -138,11 +140,42 @@ def test_each_rollout_replica_gets_its_own_seed(overrides, seeds):
 @pytest.mark.parametrize("override, message", [
     ("+actor_rollout_ref.rollout.repetition_penalty=1.2", "repetition_penalty=1.0"),
     ("+actor_rollout_ref.rollout.engine_kwargs.polynya.seed=x", "engine_kwargs.polynya.seed must be an int"),
+    # verl's vLLM would return log-probs of the raw logits (no temperature / filters) or logits
+    ("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "logprobs_mode=processed_logprobs"),
+    ("actor_rollout_ref.rollout.logprobs_mode=processed_logits", "logprobs_mode=processed_logprobs"),
+    # verl's vLLM would sample from an fp8 copy of the weights
+    ("actor_rollout_ref.rollout.quantization=fp8", "rollout.quantization"),
+    ("actor_rollout_ref.rollout.quantization_config_file=/q.json", "quantization_config_file"),
 ])
 def test_rollout_settings_polynya_cannot_honour_are_refused(override, message):
     rollout = omega_conf_to_dataclass(compose_verl(override).actor_rollout_ref.rollout)
     with pytest.raises(ValueError, match=message):
         sampler_config(rollout, "m")
+
+
+@pytest.mark.parametrize("overrides", [
+    ["actor_rollout_ref.actor.checkpoint.load_contents=[model]"],  # resume weights, fresh optimizer
+    ["actor_rollout_ref.actor.checkpoint.save_contents=[model,extra]"],  # load_contents follows it
+])
+def test_checkpoint_load_contents_short_of_what_polynya_restores_are_refused(overrides):
+    """verl's engines resume only ``load_contents``; polynya's restores weights, optimizer state
+    and schedule together, so a shorter list would resume a different run: refused at config
+    time and by the engine itself (before anything is built)."""
+    cfg = compose_verl(*overrides)
+    with pytest.raises((ValueError, InstantiationException), match=r"checkpoint.load_contents=.*'optimizer'"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert omega_conf_to_dataclass(worker_ref_config(cfg)).engine.forward_only  # the reference never resumes
+    checkpoint = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.checkpoint)
+    engine = DeepSpeedEngineConfig(dtype="float32", zero_stage=0, use_dynamic_bsz=True, max_token_len_per_gpu=64)
+    model = SimpleNamespace(path="m", local_path=None, lora_rank=0)
+    with pytest.raises(ValueError, match="load_contents"):
+        DeepSpeedLMEngine(model, engine, FSDPOptimizerConfig(lr=1e-6), checkpoint_config=checkpoint)
+
+
+def test_checkpoint_contents_with_everything_pass():
+    cfg = compose_verl("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).checkpoint.load_contents[:3] == \
+        ["model", "optimizer", "extra"]
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,7 @@ def weights(module):
     ("jagged loss mask", "SFT"),
     ("no temperature", "temperature"),
     ("shifted positions", "position_ids"),
+    ("image inputs", "multi_modal_inputs"),  # verl's engines would feed the pixels to the model
 ])
 def test_bad_batches_raise_and_change_nothing(engine, problem, message):
     data, _ = make()
@@ -116,6 +117,10 @@ def test_bad_batches_raise_and_change_nothing(engine, problem, message):
     elif problem == "shifted positions":
         pos = data["position_ids"]
         data["position_ids"] = torch.nested.nested_tensor_from_jagged(pos.values() + 1, pos.offsets())
+    elif problem == "image inputs":
+        rows = [{} for _ in range(len(data))]
+        rows[2] = {"pixel_values": torch.rand(4, 6), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+        tu.assign_non_tensor_stack(data, "multi_modal_inputs", rows)
     before = weights(engine.trainer.module)
     with pytest.raises(ValueError, match=message):
         engine.forward_backward_batch(data, partial(ppo_loss, config=actor_config()))
@@ -161,6 +166,7 @@ def test_forward_backward_batch_equals_plain_torch_then_step(engine):
 
 def test_infer_batch_gives_log_probs_without_gradients(engine):
     data, (prompts, responses, _, _, mask) = make(seed=3)
+    tu.assign_non_tensor_stack(data, "multi_modal_inputs", [{} for _ in range(len(data))])  # text-only rows pass
     ref_model = load_model("tiny:qwen3", dtype="float32", device="cpu", seed=SEED)
     ref_model.load_state_dict({n: p.detach() for n, p in engine.trainer.module.named_parameters()}, strict=False)
     with torch.no_grad():
