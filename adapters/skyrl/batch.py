@@ -15,6 +15,8 @@ import torch
 from polynya.types import RolloutBatch
 
 _ALWAYS = ("sequences", "attention_mask", "response_mask")
+# vision inputs SkyRL's model forward reads (``HFModelWrapper.forward``); polynya scores token ids
+_VISION = ("pixel_values", "image_grid_thw")
 
 
 def _lengths_right_aligned(mask: torch.Tensor, what: str) -> torch.Tensor:
@@ -43,11 +45,16 @@ def rollout_from_training_batch(data: Mapping, *, with_advantages: bool = True,
         ``RolloutBatch`` (left-aligned ``[B, Rmax]`` tensors, ``Rmax`` = longest response).
     Raises:
         ValueError: a missing key, a row that is not SkyRL's layout (padding inside a row, an
-            empty prompt or response), a ``loss_mask`` outside the response.
+            empty prompt or response), a ``loss_mask`` outside the response, vision inputs.
     """
     missing = [k for k in _ALWAYS if data.get(k) is None]
     if missing:
         raise ValueError(f"the SkyRL batch lacks {missing}")
+    vision = [k for k in _VISION if data.get(k) is not None]
+    if vision:
+        raise ValueError(f"the SkyRL batch carries {vision} (images): polynya's engines score token "
+                         "ids only, so the image tokens would be read as text; train vision-language "
+                         "models with SkyRL's own workers")
     seqs, attn = data["sequences"], data["attention_mask"]
     if seqs.dim() != 2 or attn.shape != seqs.shape:
         raise ValueError(f"sequences {tuple(seqs.shape)} and attention_mask {tuple(attn.shape)} "

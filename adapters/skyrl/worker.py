@@ -42,9 +42,11 @@ class PolicyWorker:
     def forward_backward(self, data: Mapping) -> dict[str, float]:
         """Accumulate the gradient of SkyRL's policy loss over ``data``; SkyRL's metric names."""
         kl_on = self.engine.loss_spec.kl_coef > 0
-        if kl_on and not torch.equal(data["loss_mask"].bool(), data["response_mask"].bool()):
+        if kl_on and not torch.equal(data["loss_mask"].float(), data["response_mask"].float()):
             raise ValueError("the KL loss with a loss_mask narrower than the response (multi-turn "
-                             "observation tokens) is not supported by the polynya worker")
+                             "observation tokens, rows zeroed by filters or DP padding) or with "
+                             "weights other than 1 is not supported by the polynya worker: SkyRL "
+                             "averages the KL over the loss mask, polynya over the response")
         batch = rollout_from_training_batch(data, with_advantages=True, with_ref=kl_on)
         m = self.engine.forward_backward(batch)
         out = {"final_loss": m["loss"], "policy_loss": m["pg_loss"],
@@ -64,11 +66,23 @@ class PolicyWorker:
 
 
 class RefWorker:
-    """SkyRL's ``RefWorkerBase.forward`` on polynya's forward-only ``LogProbEngine``."""
+    """SkyRL's ``RefWorkerBase.forward`` on polynya's forward-only ``LogProbEngine``.
+
+    SkyRL's reference worker scores at temperature 1.0 whatever ``trainer.algorithm.temperature``
+    is (``RefWorkerBase._forward_micro_batch``; the algorithm's temperature only with
+    sample-support replay, which the polynya worker refuses), so its KL loss / KL reward compares
+    the policy at that temperature with the reference at 1.0; a ``LogProbConfig`` with another
+    temperature is refused (``ValueError``).
+    """
 
     def __init__(self, config: LogProbConfig) -> None:
         from polynya.engines import LogProbEngine
 
+        if config.temperature != 1.0:
+            raise ValueError(f"LogProbConfig.temperature={config.temperature!r}: SkyRL's reference "
+                             "worker takes its log-probs at temperature 1.0 (trainer.algorithm."
+                             "temperature is the policy's only), so base_action_log_probs at another "
+                             "temperature would change the KL term; set LogProbConfig.temperature=1.0")
         self.engine = LogProbEngine(config)
 
     def forward(self, data: Mapping) -> torch.Tensor:

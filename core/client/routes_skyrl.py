@@ -5,7 +5,10 @@ Served:
 
 - ``GET /is_sleeping`` — ``{"is_sleeping": bool}`` (SkyRL's colocated weight sync asks it);
 - ``POST /tokenize`` ``{"prompt": str, "add_special_tokens": bool}`` (or ``{"messages": [...]}``
-  through the chat template) -> ``{"tokens", "count"}``,
+  through the chat template, with ``add_generation_prompt`` / ``chat_template_kwargs``) ->
+  ``{"tokens", "count"}``; any other field of vLLM's tokenize requests that would change the
+  tokens (``tools``, ``continue_final_message``, ``add_special_tokens=true`` with messages, ...)
+  is a 400 naming it,
   ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"prompt": str}`` (vLLM's schema; needs the
   server to have a tokenizer);
 - ``POST /finish_session`` — accepted and ignored: the server keeps no per-session state (it is
@@ -73,6 +76,30 @@ def _refusal(message: str):
     return openai_error(501, message)
 
 
+# what /tokenize reads (plus ``model``, not checked), by request kind; vLLM's chat form defaults
+# ``add_special_tokens`` to false, the only value the template path gives
+_TOKENIZE_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT_KEYS = {"model", "messages", "add_generation_prompt", "chat_template",
+                       "chat_template_kwargs", "add_special_tokens", "return_token_strs"}
+
+
+def check_tokenize_body(body: dict) -> None:
+    """``ValueError`` naming a ``/tokenize`` field the route would otherwise ignore."""
+    chat = "messages" in body
+    unknown = sorted(set(body) - (_TOKENIZE_CHAT_KEYS if chat else _TOKENIZE_KEYS))
+    if unknown:
+        raise ValueError(f"/tokenize: unsupported field(s) {unknown}; it takes "
+                         f"{sorted(_TOKENIZE_CHAT_KEYS if chat else _TOKENIZE_KEYS)}")
+    for key in ("add_special_tokens", "add_generation_prompt", "return_token_strs"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise ValueError(f"{key} must be true or false, got {body[key]!r}")
+    if body.get("return_token_strs"):
+        raise ValueError("/tokenize: return_token_strs=true is not supported (ids only); send false")
+    if chat and body.get("add_special_tokens"):
+        raise ValueError("/tokenize with messages: add_special_tokens=true is not supported (the "
+                         "chat template's tokens are returned as rendered); send false or leave it out")
+
+
 def _token_ids(value, what: str) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
@@ -99,6 +126,7 @@ def add_skyrl_routes(app, client, tokenizer) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         body = await read_json(request)
+        check_tokenize_body(body)
         tok = need_tokenizer("/tokenize")
         if "messages" in body:
             ids = await asyncio.to_thread(chat_prompt, body, tok)  # off the event loop
@@ -106,10 +134,7 @@ def add_skyrl_routes(app, client, tokenizer) -> None:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise ValueError("/tokenize needs 'prompt' (a string) or 'messages'")
-            add = body.get("add_special_tokens", True)
-            if not isinstance(add, bool):
-                raise ValueError(f"add_special_tokens must be a bool, got {add!r}")
-            ids = tok(prompt, add_special_tokens=add)["input_ids"]
+            ids = tok(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
         return {"tokens": list(ids), "count": len(ids)}
 
     @app.post("/detokenize")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -268,3 +269,32 @@ def push_weights(url: str, model, weight_version: str) -> None:
         wsc.finish_weight_update(weight_version=weight_version)
     finally:
         wsc.close()
+
+
+def post_json(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"add_special_tokens": True}, "add_special_tokens"),
+])
+def test_tokenize_refuses_what_it_would_ignore(polynya_server, extra, field):
+    """vLLM's chat ``/tokenize`` renders ``tools`` / ``continue_final_message`` into the prompt
+    and adds special tokens when asked; the route used to drop them and return other tokens."""
+    messages = [{"role": "user", "content": "hi there"}]
+    tok = load_tokenizer("tiny:qwen3")
+    status, out = post_json(f"{polynya_server}/tokenize",
+                            {"messages": messages, "add_generation_prompt": False})
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert status == 200 and out["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
+    status, out = post_json(f"{polynya_server}/tokenize", {"messages": messages, **extra})
+    assert status == 400, out
+    assert field in json.dumps(out)

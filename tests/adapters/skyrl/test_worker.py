@@ -57,12 +57,12 @@ def skyrl_batch(seed: int, *, multi_turn: bool = False) -> TrainingInputBatch:
     return data
 
 
-def reference_logprobs(model, data) -> torch.Tensor:
+def reference_logprobs(model, data, temperature: float = TEMPERATURE) -> torch.Tensor:
     """``[B, R]`` right-aligned action log-probs: a plain HF forward on SkyRL's padded rows."""
     seqs, attn = data["sequences"], data["attention_mask"]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=seqs, attention_mask=attn, position_ids=pos).logits.float()
-    lp = torch.log_softmax(logits[:, :-1] / TEMPERATURE, -1)
+    lp = torch.log_softmax(logits[:, :-1] / temperature, -1)
     lp = lp.gather(-1, seqs[:, 1:, None])[..., 0]
     return lp[:, -data.metadata["response_length"]:]
 
@@ -133,11 +133,16 @@ def test_policy_worker_matches_plain_torch(ref_model, use_kl, multi_turn):
 
 
 def test_ref_worker_matches_plain_torch(ref_model):
+    """SkyRL's ``RefWorkerBase._forward_micro_batch`` scores at temperature 1.0 whatever
+    ``trainer.algorithm.temperature`` is (the policy's); a reference at another temperature,
+    which an earlier version of this test asked for, is refused."""
     data = skyrl_batch(5)
-    got = RefWorker(LogProbConfig("tiny:qwen3", dtype="float32", temperature=TEMPERATURE)).forward(data)
+    got = RefWorker(LogProbConfig("tiny:qwen3", dtype="float32")).forward(data)
     with torch.no_grad():
-        want = reference_logprobs(ref_model, data) * data["response_mask"]
+        want = reference_logprobs(ref_model, data, temperature=1.0) * data["response_mask"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"LogProbConfig\.temperature=0\.8: SkyRL's reference worker"):
+        RefWorker(LogProbConfig("tiny:qwen3", dtype="float32", temperature=TEMPERATURE))
 
 
 @pytest.mark.parametrize("scheduler, warmup, total, steps", [
@@ -179,4 +184,37 @@ def test_refusals(ref_model):
         worker.forward_backward(bad)
     with pytest.raises(RuntimeError, match="needs a forward_backward"):
         worker.optim_step()  # nothing was accumulated by the refused calls
+    assert checksum_named_tensors(worker.engine.module.named_parameters()) == before
+
+
+def _token_weights(data):
+    # SkyRL's KL is a loss-mask-weighted mean per row (masked_mean), polynya's a plain mean
+    g = torch.Generator().manual_seed(11)
+    data["loss_mask"] = data["loss_mask"] * (0.5 + torch.rand(data["loss_mask"].shape, generator=g))
+
+
+def _images(data):
+    # SkyRL's model forward reads them (HFModelWrapper.forward); token ids alone are another input
+    data["pixel_values"] = torch.randn(len(data), 8)
+    data["image_grid_thw"] = torch.ones(len(data), 3, dtype=torch.long)
+
+
+@pytest.mark.parametrize("change, message", [
+    pytest.param(_token_weights, "KL loss with a loss_mask narrower.*weights other than 1", id="weights"),
+    pytest.param(_images, r"carries \['pixel_values', 'image_grid_thw'\] \(images\)", id="images"),
+])
+def test_batch_fields_polynya_would_ignore_refused(ref_model, change, message):
+    worker = policy_worker(ALGO)
+    before = checksum_named_tensors(worker.engine.module.named_parameters())
+    data = with_logprobs(skyrl_batch(6), ref_model, 7)
+    change(data)
+    with pytest.raises(ValueError, match=message):
+        worker.forward_backward(data)
+    if change is _images:
+        with pytest.raises(ValueError, match=message):
+            worker.forward(data)
+        with pytest.raises(ValueError, match=message):
+            RefWorker(LogProbConfig("tiny:qwen3", dtype="float32")).forward(data)
+    with pytest.raises(RuntimeError, match="needs a forward_backward"):
+        worker.optim_step()  # nothing was accumulated by the refused call
     assert checksum_named_tensors(worker.engine.module.named_parameters()) == before
