@@ -12,10 +12,12 @@ The backend is NCCL on CUDA and gloo on CPU. (The weight checksum lives in ``pol
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import socket
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -96,11 +98,24 @@ def all_reduce_max(values: list[int], device: torch.device) -> list[int]:
     return t.tolist()
 
 
-def batch_fingerprint(batch) -> list[int]:
-    """A few integers that differ between different batches (same-batch check across ranks)."""
-    n_tok = batch.num_tokens()
-    s = sum(int(p.sum()) * 31 + int(r.sum()) * 17 + len(r) for p, r in zip(batch.prompts, batch.responses))
-    return [len(batch), n_tok, s % (1 << 40)]
+def batch_fingerprint(batch, tensors: tuple = ()) -> list[int]:
+    """A few integers that differ between different batches (same-batch check across ranks):
+    the row and token counts and a digest of the rows *in order* (each rank takes its shard by
+    row index, and the planner breaks ties between equal prompt groups by position: the same
+    samples in another order would train some groups twice and others never, or put log-probs
+    in other rows), of the group ids, and of ``tensors`` (None or tensors, e.g. the advantages
+    and log-probs a loss reads, hashed as float64)."""
+    h = hashlib.blake2b(digest_size=5)
+    h.update(repr(None if batch.group_ids is None else list(batch.group_ids)).encode())
+    for p, r in zip(batch.prompts, batch.responses):
+        for seq in (p, r):
+            h.update(np.int64(seq.size).tobytes())
+            h.update(seq.astype(np.int64, copy=False).tobytes())
+    for t in tensors:
+        h.update(b"-" if t is None else repr(tuple(t.shape)).encode())
+        if t is not None:
+            h.update(t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
+    return [len(batch), batch.num_tokens(), int.from_bytes(h.digest(), "little")]
 
 
 def check_same_on_all_ranks(values: list[int], device: torch.device, what: str) -> None:

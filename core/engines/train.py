@@ -162,7 +162,10 @@ class TrainingEngine:
         check_train_batch(batch, needs_ref=self.loss_spec.kl_coef > 0)
         check_inputs(self.module, batch, self.config.temperature)
         normalizer = Normalizer.from_mask(batch.response_mask(), self.loss_spec.max_response_len)
-        check_same_on_all_ranks(batch_fingerprint(batch), self.device, "the batch")
+        if self.world_size > 1:
+            tensors = (batch.advantages, batch.old_logprobs, batch.ref_logprobs)
+            check_same_on_all_ranks(batch_fingerprint(batch, tensors), self.device,
+                                    "the batch (its rows in order, advantages, old / reference log-probs)")
         plan = plan_micro_batches(batch, rank=self.rank, world=self.world_size,
                                   max_tokens=self.config.micro_batch_tokens, zorro=self.config.zorro)
         return normalizer, plan
@@ -171,9 +174,10 @@ class TrainingEngine:
         """Accumulate the gradient of the configured loss over ``batch`` (this rank's share).
 
         Args:
-            batch: the *global* batch (same on every rank) with ``advantages`` ``[B]`` or
-                ``[B, Rmax]``; ``old_logprobs`` ``[B, Rmax]`` or None (on-policy: ratio 1 against
-                the detached current log-probs); ``ref_logprobs`` when ``kl_coef > 0``.
+            batch: the *global* batch (the same on every rank, rows in the same order: checked,
+                ``batch_fingerprint``) with ``advantages`` ``[B]`` or ``[B, Rmax]``;
+                ``old_logprobs`` ``[B, Rmax]`` or None (on-policy: ratio 1 against the detached
+                current log-probs); ``ref_logprobs`` when ``kl_coef > 0``.
         Returns:
             global metrics: ``loss``, ``pg_loss``, ``clip_frac``, ``ratio``, ``kl`` (with
             ``ref_logprobs``), ``entropy`` (when computed), ``response_tokens``, ``sequences``,
