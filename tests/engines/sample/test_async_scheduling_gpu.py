@@ -67,7 +67,8 @@ def test_async_equals_sync_with_sequences_waiting_on_gpu():
 
 
 def test_async_equals_sync_under_preemption_on_gpu():
-    sync, asyn = engines(num_blocks=40, kv_cache_memory_gb=None, max_num_seqs=32)
+    # 40 pages of 16 tokens: the window is what the cache holds (a max_model_len of 1024 is refused)
+    sync, asyn = engines(num_blocks=40, kv_cache_memory_gb=None, max_num_seqs=32, max_model_len=None)
     prompts, params = workload(1)
     want, got = sync.generate(prompts[:4], params[:4]), asyn.generate(prompts[:4], params[:4])
     assert outputs(got) == outputs(want)

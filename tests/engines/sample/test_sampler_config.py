@@ -103,3 +103,22 @@ def test_default_cache_is_sized_from_the_model_and_the_machine(monkeypatch):
     monkeypatch.setattr(mr, "available_memory", lambda device: per_block)
     with pytest.raises(ValueError, match="holds no KV block"):
         SamplingEngine(SamplerConfig("tiny:qwen3", dtype="float32", device="cpu"))
+
+
+@pytest.mark.parametrize("budget, why", [
+    ({"num_blocks": 8}, "KV cache holds 32 tokens"),
+    ({"num_blocks": 4096, "max_model_len": 9000}, "model's window is 8192"),
+])
+def test_an_explicit_max_model_len_that_cannot_be_served_is_refused(budget, why):
+    """A ``max_model_len`` the cache (or the model's window) cannot hold is refused at build
+    time. It used to be lowered in silence: a 5-token prompt asked for 30 tokens came back
+    with 27 and ``finish_reason="length"``, a rollout cut short with no error. Without
+    ``max_model_len`` the window is still what the cache holds."""
+    kw = {"model": "tiny:qwen3", "dtype": "float32", "device": "cpu", "block_size": 4,
+          "max_model_len": 40, **budget}
+    with pytest.raises(ValueError, match=f"max_model_len={kw['max_model_len']}.*{why}"):
+        SamplingEngine(SamplerConfig(**kw))
+    fits = SamplingEngine(SamplerConfig(**{**kw, "max_model_len": 32, "num_blocks": 8}))
+    assert fits.backend.max_model_len == 32
+    auto = SamplingEngine(SamplerConfig(**{**kw, "max_model_len": None, "num_blocks": 8}))
+    assert auto.backend.max_model_len == 32

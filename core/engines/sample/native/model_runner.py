@@ -82,6 +82,7 @@ class ModelRunner:
         else:
             self.num_blocks = self._blocks_auto(longest)
         self.max_model_len = min(longest, self.num_blocks * self.block_size)
+        self._check_max_model_len()
         # FCA serves full-attention layers only (windowed ones decode paged): no plan without one
         self.use_fca = config.fca and None in self.features.layer_windows
         self.last_step_fca = False  # whether the last decode step took the FCA path
@@ -119,6 +120,22 @@ class ModelRunner:
         self.allocate_kv()
 
     # ---------------------------------------------------------------- cache
+    def _check_max_model_len(self) -> None:
+        """``ValueError`` when an explicit ``SamplerConfig.max_model_len`` is longer than the
+        model's window or than the KV cache holds: served shorter, its completions would end
+        early with ``finish_reason="length"`` and no error. Unset, the window is the shorter
+        of the two."""
+        asked = self.config.max_model_len
+        if asked is None or asked <= self.max_model_len:
+            return
+        if self.max_positions and self.max_positions < asked:
+            why = f"the model's window is {self.max_positions} tokens"
+        else:
+            why = (f"the KV cache holds {self.num_blocks * self.block_size} tokens ({self.num_blocks} "
+                   f"blocks of {self.block_size}); raise num_blocks / kv_cache_memory_gb")
+        raise ValueError(f"SamplerConfig.max_model_len={asked} cannot be served: {why}, or lower "
+                         "max_model_len")
+
     def _block_bytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
