@@ -2,6 +2,7 @@
 
 ::
 
+    clear_checkpoint(path)   # before a save into a directory that holds one: its files removed
     write_manifest(path)     # after every file is written: path/MANIFEST.json (atomic rename)
     verify_manifest(path)    # before loading: CheckpointError naming the first bad file
 
@@ -51,6 +52,33 @@ def _files(root: str) -> list[str]:
             if rel != MANIFEST and not rel.endswith(".tmp"):
                 out.append(rel.replace(os.sep, "/"))
     return out
+
+
+def clear_checkpoint(root: str) -> list[str]:
+    """Remove the checkpoint a directory holds before another is saved into it: the manifest
+    first (an interrupted save then never passes ``verify_manifest``), then every file it
+    listed, then the folders they leave empty. Files it did not list are left alone (they are
+    not ours). A directory without a readable manifest is left as it is. Returns the removed
+    names. Without this, a file of the old checkpoint that the new one does not write (an
+    ``hf/`` export, another world size's partitions) would be listed as the new one's."""
+    path = os.path.join(root, MANIFEST)
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    os.remove(path)
+    real = os.path.realpath(root)
+    removed = []
+    for rel in sorted(files if isinstance(files, dict) else ()):
+        full = os.path.realpath(os.path.join(root, rel))
+        if os.path.commonpath([real, full]) == real and full != real and os.path.isfile(full):
+            os.remove(full)
+            removed.append(rel)
+    for dirpath, _, _ in os.walk(root, topdown=False):  # children before their parents
+        if dirpath != root and not os.listdir(dirpath):
+            os.rmdir(dirpath)
+    return removed
 
 
 def write_manifest(root: str) -> dict:

@@ -14,7 +14,10 @@ An ``out_dir`` that already holds a run (``metrics.jsonl`` or checkpoints) is ne
 overwritten: with ``run.resume`` (default) and a checkpoint the run continues from it (a run
 that already reached ``run.steps`` only reports its model); otherwise the run refuses before
 building anything, unless ``run.overwrite=true`` (which deletes the old metrics, checkpoints
-and TensorBoard logs first).
+and TensorBoard logs first). A resume with another seed, task, train split, prompts per step,
+group size, model, dtype, ZeRO stage, lr or ``client.train.optim`` is refused (its later steps
+would be another run's); other settings (loss, sampling, lengths, eval, steps, checkpointing)
+apply from the resumed step on.
 
 Rewards and advantages, per step: each completion is decoded without special tokens and scored
 by the task's ``reward`` with ``task.reward`` options; a truncated one (``finish_reason ==
@@ -28,6 +31,8 @@ be judged stops the run (the reward itself is broken). ``reward_mean`` / ``rewar
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import random
@@ -317,23 +322,29 @@ class GRPODriver:
         return found
 
     def _check_same_data(self, state: dict) -> None:
-        """``ValueError`` when the run to resume drew its prompts or seeds otherwise."""
-        now = self._data_settings()
+        """``ValueError`` when the run to resume drew its prompts or seeds otherwise, or trained
+        another model or with other optimizer settings (the engine's load would restore the
+        checkpoint's AdamW settings and LR schedule over the new ones: refused here before
+        any engine is built)."""
+        now = json.loads(json.dumps(self._data_settings()))  # as driver.json holds them
         changed = {k: (state[k], v) for k, v in now.items() if k in state and state[k] != v}
         if "sampling_seeds" not in state:  # a run from before per-prompt seeds
             changed["sampling_seeds"] = ("one per step", now["sampling_seeds"])
         if changed:
-            raise ValueError(f"{os.path.abspath(self.out_dir)} holds a run with other data settings ("
+            raise ValueError(f"{os.path.abspath(self.out_dir)} holds a run with other settings ("
                              + ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in sorted(changed.items()))
                              + "): resume with the same settings, or pass a new run.out_dir=...")
 
     def _data_settings(self) -> dict:
-        """The settings that decide which prompts a step draws and how it samples them: a
-        resumed run must have the same, or its steps after the checkpoint are another run's."""
-        rc = self.run_cfg
+        """The settings that decide which prompts a step draws, how it samples them, and which
+        model and optimizer settings train on them: a resumed run must have the same, or its
+        steps after the checkpoint are another run's (checked by ``_check_same_data``)."""
+        rc, client = self.run_cfg, self.client_config
         return {"seed": rc.seed, "task": self.cfg.task.name, "train_split": self.cfg.task.train_split,
                 "prompts_per_step": rc.prompts_per_step, "group_size": rc.group_size,
-                "sampling_seeds": "per_prompt"}
+                "sampling_seeds": "per_prompt", "model": client.model_name, "dtype": client.train.dtype,
+                "zero_stage": client.train.zero_stage, "lr": client.train.lr,
+                "optim": dataclasses.asdict(client.train.optim)}
 
     def _resume(self, client, found) -> int:
         if found is None:

@@ -12,6 +12,9 @@
   module under every ZeRO stage; under ZeRO-3 parameters are gathered one bucket at a time, so a
   second full copy of the model never exists. ``load_pieces`` checks everything first.
 - ``weights_checksum``: ``polynya.checksum`` of a module's full weights.
+- ``load_checkpoint``: DeepSpeed's load, after every pickle is read weights-only and the
+  checkpoint is checked against the engine (ZeRO stage, dtype, world size, parameter names and
+  shapes, optimizer settings): a mismatch is refused before anything changes.
 """
 from __future__ import annotations
 
@@ -253,20 +256,17 @@ def checkpoint_types() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
-MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's per-checkpoint model file (no model parallelism)
-
-
 def _kind(stage, bf16, ranks) -> str:
     return f"ZeRO-{stage} {'bfloat16' if bf16 else 'float32'} engine on {ranks} rank(s)"
 
 
-def _check_saved_by_same_kind(engine, state, path: str) -> None:
+def _check_saved_by_same_kind(engine, state: dict, path: str) -> None:
     """``CheckpointError`` unless ``state`` (the checkpoint's model states) was saved by an
     engine of ``engine``'s ZeRO stage, dtype and data-parallel size: DeepSpeed would otherwise
     load the weights and then fail on the optimizer files, the engine half loaded."""
     from ..files import CheckpointError
 
-    cfg = state.get("ds_config") if isinstance(state, dict) else None
+    cfg = state.get("ds_config")
     if not isinstance(cfg, dict):
         return  # not ours to judge: DeepSpeed checks the rest
     saved = _kind((cfg.get("zero_optimization") or {}).get("stage", 0),
@@ -277,13 +277,102 @@ def _check_saved_by_same_kind(engine, state, path: str) -> None:
                               "engine of the same ZeRO stage, dtype and world size")
 
 
+def _saved_shapes(state: dict) -> dict[str, tuple[int, ...]] | None:
+    """Name -> full shape of every parameter the model states hold (ZeRO 1-3 record them in
+    ``param_shapes``; ZeRO-0 saves the module's full ``state_dict``)."""
+    groups = [*(state.get("param_shapes") or []), *([state["frozen_param_shapes"]]
+                                                    if state.get("frozen_param_shapes") else [])]
+    if groups:
+        return {n: tuple(s) for g in groups for n, s in g.items()}
+    module = state.get("module")
+    if isinstance(module, dict) and module:
+        return {n: tuple(t.shape) for n, t in module.items() if torch.is_tensor(t)}
+    return None
+
+
+def _check_same_parameters(engine, state: dict, path: str) -> None:
+    """``CheckpointError`` unless the checkpoint holds this model's parameters, by name and
+    full shape: DeepSpeed would copy the ones that fit before failing on the rest."""
+    from ..files import CheckpointError
+
+    saved = _saved_shapes(state)
+    if saved is None:
+        return
+    if state.get("param_shapes"):
+        here = {n: tuple(full_shape(p)) for n, p in engine.module.named_parameters()}
+    else:
+        here = {n: tuple(t.shape) for n, t in engine.module.state_dict().items()}
+    missing, extra = sorted(here.keys() - saved.keys()), sorted(saved.keys() - here.keys())
+    shapes = [f"{n} {saved[n]} there, {here[n]} here" for n in here.keys() & saved.keys() if saved[n] != here[n]]
+    if missing or extra or shapes:
+        parts = [f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                 for what, names in (("missing", missing), ("not in this model", extra),
+                                     ("other shapes", sorted(shapes))) if names]
+        raise CheckpointError(f"{path!r} holds another model's parameters ({'; '.join(parts)}): load it "
+                              "into an engine of the model it was saved from")
+
+
+def _saved_param_groups(state, depth: int = 3) -> list | None:
+    """The torch optimizer's ``param_groups`` inside a DeepSpeed optimizer state (each ZeRO
+    wrapper nests it under its own key)."""
+    if not isinstance(state, dict) or depth < 0:
+        return None
+    if isinstance(state.get("param_groups"), list):
+        return state["param_groups"]
+    for value in state.values():
+        found = _saved_param_groups(value, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
+_OPTIM_KEYS = ("betas", "eps", "weight_decay")
+
+
+def _optimizer_differences(engine, state: dict) -> dict[str, tuple]:
+    """What of the checkpoint's optimizer settings DeepSpeed would restore over this engine's
+    own: ``{setting: (checkpoint's, this engine's)}``.
+
+    Loading replaces the AdamW settings (``param_groups``) and the LR schedule's base rates and
+    position, and ZeRO-1/2 take the checkpoint's clipping; the schedule's *function* stays this
+    engine's. So the lr the next step would use must be what this engine's schedule gives at
+    the checkpoint's position.
+    """
+    sched = engine.lr_scheduler
+    out: dict[str, tuple] = {}
+    saved = state.get("lr_scheduler")
+    if isinstance(saved, dict) and sched is not None:
+        if list(saved.get("base_lrs", [])) != list(sched.base_lrs):
+            out["lr"] = (saved.get("base_lrs"), sched.base_lrs)
+        elif hasattr(sched, "lr_lambdas") and "last_epoch" in saved and "_last_lr" in saved:
+            want = [base * f(saved["last_epoch"]) for base, f in zip(sched.base_lrs, sched.lr_lambdas)]
+            if list(saved["_last_lr"]) != want:
+                out[f"lr of step {saved['last_epoch']} (the schedule)"] = (saved["_last_lr"], want)
+    groups = _saved_param_groups(state.get("optimizer"))
+    if groups is not None and sched is not None:
+        setting = lambda g, key: tuple(g[key]) if isinstance(g.get(key), (list, tuple)) else g.get(key)
+        for key in _OPTIM_KEYS:
+            there = [setting(g, key) for g in groups]
+            here = [setting(g, key) for g in sched.optimizer.param_groups]
+            if there != here:
+                out[key] = (there, here)
+    clip = (state.get("ds_config") or {}).get("gradient_clipping")
+    if clip is not None and float(clip) != float(engine.gradient_clipping() or 0.0):
+        out["gradient_clipping"] = (clip, engine.gradient_clipping())
+    return out
+
+
 def load_checkpoint(engine, path: str, tag: str, began=None) -> dict:
     """``engine.load_checkpoint`` with every pickle restricted to ``checkpoint_types``; returns
     the checkpoint's client state (what ``save_checkpoint(client_state=...)`` stored).
 
     Each file of the tag is unpickled (weights-only) once before DeepSpeed loads any of them,
-    so a file holding anything else raises ``CheckpointError`` before the engine changes;
-    ``began()`` is called just before DeepSpeed starts changing it.
+    and the checkpoint is checked against the engine: the same ZeRO stage, dtype and world size
+    (``_check_saved_by_same_kind``), the same parameters (``_check_same_parameters``) and the
+    same optimizer settings (``_optimizer_differences``: DeepSpeed would restore the
+    checkpoint's over the engine's config). A file holding anything else, or a checkpoint that
+    fails a check, raises ``CheckpointError`` before the engine changes; ``began()`` is called
+    just before DeepSpeed starts changing it.
     """
     from ..files import CheckpointError, safe_torch_load
 
@@ -291,6 +380,7 @@ def load_checkpoint(engine, path: str, tag: str, began=None) -> dict:
     if not os.path.isdir(folder):
         raise CheckpointError(f"no {tag!r} checkpoint under {path!r}")
     allowed = checkpoint_types()
+    model_states, differences = [], {}
     with safe_torch_load(allowed):
         for name in sorted(os.listdir(folder)):
             if name.endswith(".pt"):
@@ -301,8 +391,25 @@ def load_checkpoint(engine, path: str, tag: str, began=None) -> dict:
                 except Exception as exc:  # an unpickling error, or bytes torch cannot read
                     raise CheckpointError(f"{file!r} cannot be loaded as "
                                           f"weights only: {exc}") from None
-                if name == MODEL_STATES:
-                    _check_saved_by_same_kind(engine, state, path)
+                if not isinstance(state, dict):
+                    raise CheckpointError(f"{file!r} is not a DeepSpeed checkpoint file")
+                if name.endswith("model_states.pt"):  # ZeRO-3 names one per rank
+                    model_states.append(state)
+                else:  # the optimizer files of ZeRO 1-3
+                    differences.update(_optimizer_differences(engine, {"optimizer": state}))
+        for state in model_states:
+            _check_saved_by_same_kind(engine, state, path)
+        for state in model_states:
+            _check_same_parameters(engine, state, path)
+            differences.update(_optimizer_differences(engine, state))
+        if differences:
+            raise CheckpointError(
+                f"{path!r} was saved with other optimizer settings ("
+                + "; ".join(f"{k}: {a} there, {b} here" for k, (a, b) in sorted(differences.items()))
+                + "): DeepSpeed would restore the checkpoint's AdamW settings, LR schedule and "
+                "(ZeRO-1/2) clipping over this engine's config. Build the engine with the settings "
+                "the checkpoint was saved with")
+        del model_states
         if began is not None:
             began()
         load_path, client_state = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,

@@ -41,7 +41,7 @@ from ..distributed import (
     check_same_on_all_ranks,
     local_device,
 )
-from ..files import verify_manifest, write_manifest
+from ..files import clear_checkpoint, verify_manifest, write_manifest
 from ..losses import Normalizer, policy_loss, resolve_loss
 from ..spans import cached_layout, span_layout
 from ..types import RolloutBatch, TokenStats
@@ -361,9 +361,18 @@ class TrainingEngine:
         (every rank calls it; ZeRO partitions are saved per rank), with ``config.export_hf`` a
         Hugging Face export of the weights beside it in ``<path>/hf`` (``save_pretrained``),
         then a manifest with the sha256 of every file (``polynya.files``; rank 0 writes it once
-        every rank is done)."""
+        every rank is done). A checkpoint already in ``path`` is removed first (the files its
+        manifest lists; ``clear_checkpoint``). ``RuntimeError`` with gradients pending: the
+        checkpoint would hold the state before them, and a resume would lose them."""
         self._check_onloaded()
         self._check_loaded()
+        if self._pending:
+            raise RuntimeError(f"save() with the gradients of {self._pending} forward_backward call(s) "
+                               "pending: the checkpoint would hold the state before them and a resume "
+                               "would lose them. Call step() first")
+        if self.rank == 0:
+            clear_checkpoint(path)
+        dsu.barrier()
         # the steps skipped here (plain fp32 ZeRO-0) are not in DeepSpeed's own count
         self.engine.save_checkpoint(path, tag="polynya",
                                     client_state={OWN_SKIPPED: self._own_skipped})

@@ -44,3 +44,36 @@ def test_export_can_be_turned_off(tmp_path):
     engine = TrainingEngine(train_config(0, export_hf=False))
     engine.save(str(tmp_path))
     assert not (tmp_path / HF_EXPORT).exists()
+
+
+@pytest.mark.parametrize("stage, dtype", [(0, "bfloat16"), (2, "float32"), (3, "bfloat16")])
+def test_export_of_a_tied_model_holds_the_trained_weights_exactly(stage, dtype, tmp_path):
+    """The export is the trainer's weights bit for bit, in its dtype, under the model's names,
+    with tied embeddings stored once and tied again on load."""
+    import dataclasses
+
+    from polynya.models import load_model, tiny_tokenizer
+
+    from .common import full_weights
+
+    src = str(tmp_path / "tied")
+    load_model("tiny:qwen3", tie_word_embeddings=True).save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    engine = TrainingEngine(dataclasses.replace(train_config(stage, dtype=dtype, lr=5e-2), model=src))
+    batch = make_batch(5)
+    for _ in range(2):
+        engine.forward_backward(batch)
+        engine.step()
+    path = engine.save_pretrained(str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.dtype == getattr(torch, dtype) and model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    trained, exported = full_weights(engine.module), dict(model.named_parameters())
+    assert list(trained) == list(exported)
+    for name, want in trained.items():
+        assert torch.equal(exported[name].detach(), want), name
+    if dtype == "float32":
+        with torch.no_grad():
+            got = polynya.compute_logprobs(model, batch, zorro=False)
+        torch.testing.assert_close(got.logprobs, engine.compute_logprobs(batch).logprobs.cpu(),
+                                   rtol=1e-5, atol=1e-5)

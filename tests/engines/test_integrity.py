@@ -6,6 +6,7 @@ skipped step counted in the metrics), not just "no exception".
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -291,10 +292,13 @@ def test_damaged_checkpoints_are_refused_untouched(tmp_path):
 
 
 @pytest.mark.parametrize("saved, loading", [((0, "bfloat16"), (0, "float32")), ((2, "float32"), (2, "bfloat16")),
-                                            ((2, "float32"), (1, "float32"))])
+                                            ((2, "float32"), (1, "float32")), ((3, "float32"), (2, "float32")),
+                                            ((3, "float32"), (3, "bfloat16"))])
 def test_a_checkpoint_of_another_kind_of_engine_is_refused_untouched(tmp_path, saved, loading):
     """A checkpoint saved at another dtype or ZeRO stage used to load the weights and then
-    fail on DeepSpeed's optimizer files (the engine half loaded); it is refused first."""
+    fail on DeepSpeed's optimizer files (the engine half loaded); it is refused first. ZeRO-3
+    names its model states per rank: its checkpoints went unchecked (a bare AssertionError,
+    or a missing bf16 optimizer file, with the engine half loaded)."""
     TrainingEngine(train_config(saved[0], dtype=saved[1])).save(str(tmp_path))
     engine = TrainingEngine(train_config(loading[0], dtype=loading[1]))
     before = engine.weight_checksum()
@@ -303,3 +307,62 @@ def test_a_checkpoint_of_another_kind_of_engine_is_refused_untouched(tmp_path, s
     assert engine.weight_checksum() == before
     engine.forward_backward(make_batch(3))  # not half loaded: it trains on
     engine.step()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_save_interrupted_over_an_older_checkpoint_is_refused(tmp_path, stage):
+    """A second save into the same directory that dies between files (here: in the Hugging Face
+    export, after DeepSpeed rewrote its files) must not load as either save: the older manifest
+    is removed before anything is written, so the load refuses it, the engine unchanged."""
+    path = str(tmp_path / "ckpt")
+    engine = TrainingEngine(train_config(stage))
+    engine.save(path)
+    engine.forward_backward(make_batch(60))
+    engine.step()
+
+    def dies(_path):
+        raise OSError("injected: disk full")
+    engine.save_pretrained = dies
+    with pytest.raises(OSError, match="injected"):
+        engine.save(path)
+    fresh = TrainingEngine(train_config(stage))
+    before = fresh.weight_checksum()
+    with pytest.raises(CheckpointError, match="no MANIFEST.json: not a complete polynya checkpoint"):
+        fresh.load(path)
+    assert fresh.weight_checksum() == before
+
+
+def test_a_save_over_an_older_checkpoint_leaves_none_of_its_files(tmp_path):
+    """The older checkpoint's Hugging Face export (the new save writes none) stayed in the
+    directory and entered the new manifest: ``hf/`` then held the older weights, silently. A
+    file the old manifest did not list is not ours and stays."""
+    path = str(tmp_path / "ckpt")
+    engine = TrainingEngine(train_config(2, export_hf=True))
+    engine.save(path)
+    assert os.path.isdir(os.path.join(path, "hf"))
+    with open(os.path.join(path, "NOTES.txt"), "w") as f:
+        f.write("the user's")
+    engine.forward_backward(make_batch(61))
+    engine.step()
+    engine.config = dataclasses.replace(engine.config, export_hf=False)
+    engine.save(path)
+    assert not os.path.exists(os.path.join(path, "hf"))
+    assert open(os.path.join(path, "NOTES.txt")).read() == "the user's"
+    fresh = TrainingEngine(train_config(2))
+    fresh.load(path)
+    assert fresh.weight_checksum() == engine.weight_checksum()
+
+
+def test_a_save_with_gradients_pending_is_refused(tmp_path):
+    """The checkpoint would hold the state before the pending micro-batches; a resume would
+    lose them. Refused, the checkpoint already in the directory untouched."""
+    path = str(tmp_path / "ckpt")
+    engine = TrainingEngine(train_config(2))
+    engine.save(path)
+    saved = {n: os.path.getmtime(os.path.join(r, n)) for r, _, fs in os.walk(path) for n in fs}
+    engine.forward_backward(make_batch(62))
+    with pytest.raises(RuntimeError, match=r"save\(\) with the gradients of 1 forward_backward"):
+        engine.save(path)
+    assert {n: os.path.getmtime(os.path.join(r, n)) for r, _, fs in os.walk(path) for n in fs} == saved
+    engine.step()
+    engine.save(path)  # nothing pending: saves
