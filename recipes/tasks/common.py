@@ -3,14 +3,15 @@
 Every task turns its source (bundled sample, local file or directory, or a Hugging Face
 dataset id) into a list of plain dict records with :func:`load_records`, validates the fields
 it needs with :func:`field`, and builds :class:`Example` objects from them. Mistakes in the
-input (unknown split, missing file, malformed record) raise ``ValueError`` naming the file,
-the record index and the field. :func:`judge` scores a completion without ever raising;
-:func:`describe` names an example in messages.
+input (unknown split, missing file, malformed record, a source with no records) raise
+``ValueError`` naming the file, the record index and the field. :func:`judge` scores a
+completion without ever raising; :func:`describe` names an example in messages.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 from dataclasses import field as dc_field
@@ -86,20 +87,50 @@ def read_records(path: str | Path) -> list[dict]:
     raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {list(_EXTS)}")
 
 
-def split_file(directory: Path, split: str, names: tuple[str, ...] = ()) -> Path:
-    """The file holding ``split`` inside ``directory``: ``<split>.jsonl|json|parquet``,
-    HF-style ``[*/]<split>-*.parquet``, or one of ``names`` (dataset-specific file names)."""
+def split_files(directory: Path, split: str, names: tuple[str, ...] = ()) -> list[Path]:
+    """The file(s) holding ``split`` inside ``directory``: ``<split>.jsonl|json|parquet``, one
+    of ``names`` (dataset-specific file names), or every shard of HF-style
+    ``[<config>/]<split>-*.parquet`` (``ValueError`` when shards of several configs match, or
+    when a ``-NNNNN-of-MMMMM`` shard is missing: either would silently drop or mix rows)."""
     candidates = [directory / f"{split}{ext}" for ext in _EXTS] + [directory / n for n in names]
     for path in candidates:
         if path.is_file():
-            return path
+            return [path]
     for pattern in (f"{split}-*.parquet", f"*/{split}-*.parquet"):
         found = sorted(directory.glob(pattern))
         if found:
-            return found[0]
+            return _one_shard_set(directory, split, found)
     raise ValueError(f"no file for split {split!r} in {directory} "
                      f"(looked for {split}.jsonl/.json/.parquet, {split}-*.parquet"
                      + (f", {', '.join(names)}" if names else "") + ")")
+
+
+def _one_shard_set(directory: Path, split: str, shards: list[Path]) -> list[Path]:
+    folders = sorted({p.parent.name for p in shards})
+    if len(folders) > 1:
+        raise ValueError(f"split {split!r} has files in several folders of {directory} "
+                         f"({', '.join(folders)}): pass the folder of the one you want as source")
+    counts = {m.group(1) for p in shards if (m := re.search(r"-of-(\d+)\.parquet$", p.name))}
+    for total in counts:
+        if len(counts) > 1 or len(shards) != int(total):
+            raise ValueError(f"split {split!r} in {shards[0].parent}: {len(shards)} shard file(s) "
+                             f"for a split of {int(total)} ({', '.join(p.name for p in shards)}); "
+                             "a shard is missing")
+    return shards
+
+
+def read_split(task: str, directory: Path, split: str, names: tuple[str, ...] = ()) -> list[dict]:
+    """All records of ``split`` in ``directory`` (:func:`split_files`; every shard, in order);
+    ``ValueError`` when there are none."""
+    paths = split_files(directory, split, names)
+    records = [r for path in paths for r in read_records(path)]
+    return _nonempty(task, records, ", ".join(str(p) for p in paths))
+
+
+def _nonempty(task: str, records: list, where: str) -> list:
+    if not records:
+        raise ValueError(f"{task}: no records in {where}")
+    return records
 
 
 def looks_like_path(source: str) -> bool:
@@ -124,22 +155,23 @@ def load_records(task: str, split: str, source: str | None, bundled: Path,
 
     Args:
         source: ``None`` (bundled sample under ``bundled``), a file (used for any split), a
-            directory (:func:`split_file`), or an HF dataset id, optionally ``"id:config"``.
+            directory (:func:`split_files`), or an HF dataset id, optionally ``"id:config"``.
         hf_config: the HF config used when ``source`` names none.
     """
     if not isinstance(split, str) or not split:
         raise ValueError(f"{task}: split must be a non-empty string, got {split!r}")
     if source is None:
         check_split(task, split)
-        return read_records(split_file(bundled, split))
+        return read_split(task, bundled, split)
     source = str(source)
     if looks_like_path(source):
         path = Path(source).expanduser()
         if path.is_dir():
-            return read_records(split_file(path, split, names))
-        return read_records(path)
+            return read_split(task, path, split, names)
+        return _nonempty(task, read_records(path), str(path))
     name, _, config = source.partition(":")
-    return load_hf(name, split, config or hf_config)
+    return _nonempty(task, load_hf(name, split, config or hf_config),
+                     f"split {split!r} of {source!r}")
 
 
 def describe(example: Example, width: int = 100) -> str:

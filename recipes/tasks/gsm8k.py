@@ -72,6 +72,8 @@ def load(split: str, source: str | None = None) -> list[Example]:
     for i, record in enumerate(records):
         question = field(NAME, record, i, "question")
         solution = field(NAME, record, i, "answer", (str, int, float))
+        if isinstance(solution, float) and solution.is_integer():
+            solution = int(solution)  # 72.0 (a numeric column) is 72, as a completion writes it
         final = ground_truth(str(solution))
         if final is None:
             raise ValueError(f"{NAME} record {i}: field 'answer' has no '#### <number>' "

@@ -9,7 +9,15 @@ files, a directory holding ``<split>.*``, or an HF id, optionally ``"id:config"`
 - MuSiQue: ``question``, ``answer``, ``answer_aliases``, ``paragraphs`` of
   ``{"title", "paragraph_text"}``;
 - LongBench: ``input`` (the question), ``context`` (one long string), ``answers`` (a list);
+- SQuAD (HF layout): ``question``, ``context`` (one string), ``answers`` as
+  ``{"text": [...], "answer_start": [...]}`` (every text accepted); SQuAD's nested JSON
+  (``data`` / ``paragraphs`` / ``qas``) must be flattened to one record per question first;
 - the bundled format: ``question``, ``answers``, ``passages`` of ``{"title", "text"}``.
+
+``answers`` may also be a list of ``{"text": ...}`` objects. A string ``context`` is split into
+passages at blank lines. A record marked unanswerable (SQuAD v2's ``is_impossible`` or empty
+``answers``, MuSiQue-Full's ``answerable: false``) is refused with ``ValueError``: its
+``answer`` is not supported by its passages, so no reward could be right.
 
 ``source=None`` is the bundled sample (``recipes/data/longqa``): generated people, towns and
 companies with facts, 1- and 2-hop questions, and ~20 passages per question of which most are
@@ -65,9 +73,12 @@ def _normalise(record, i: int) -> tuple[str, list[str], list[tuple[str, str]]]:
     if isinstance(record, dict) and "input" in record and "answers" in record:  # LongBench
         question = field(NAME, record, i, "input")
         context = field(NAME, record, i, "context")
-        passages = [("", p.strip()) for p in re.split(r"\n\s*\n", context) if p.strip()]
-        return question, _answers(record, i, "answers"), passages
+        return question, _answers(record, i, "answers"), _split_paragraphs(context)
+    if isinstance(record, dict) and "question" not in record and "paragraphs" in record:
+        raise ValueError(f"{NAME} record {i}: has 'paragraphs' but no 'question': SQuAD's nested "
+                         "JSON (data / paragraphs / qas)? Flatten it to one record per question")
     question = field(NAME, record, i, "question")
+    _refuse_unanswerable(record, i)
     if "passages" in record:
         items = field(NAME, record, i, "passages", list)
         passages = [(_item(p, i, "passages", "title"), _item(p, i, "passages", "text"))
@@ -76,6 +87,8 @@ def _normalise(record, i: int) -> tuple[str, list[str], list[tuple[str, str]]]:
         items = field(NAME, record, i, "paragraphs", list)
         passages = [(_item(p, i, "paragraphs", "title"),
                      _item(p, i, "paragraphs", "paragraph_text")) for p in items]
+    elif isinstance(record.get("context"), str):  # SQuAD: one document
+        passages = _split_paragraphs(record["context"])
     elif "context" in record:  # HotpotQA / 2Wiki
         passages = _hotpot_context(field(NAME, record, i, "context", (list, dict)), i)
     else:
@@ -92,11 +105,45 @@ def _normalise(record, i: int) -> tuple[str, list[str], list[tuple[str, str]]]:
     return question, answers, passages
 
 
+def _split_paragraphs(context: str) -> list[tuple[str, str]]:
+    return [("", p.strip()) for p in re.split(r"\n\s*\n", context) if p.strip()]
+
+
+def _refuse_unanswerable(record: dict, i: int) -> None:
+    """``ValueError`` for a record its dataset marks unanswerable (SQuAD v2 ``is_impossible``,
+    MuSiQue-Full ``answerable: false``): its ``answer`` is not supported by its passages."""
+    if record.get("is_impossible") is True or record.get("answerable") is False:
+        flag = "'is_impossible': true" if record.get("is_impossible") is True \
+            else "'answerable': false"
+        raise ValueError(f"{NAME} record {i}: marked unanswerable ({flag}); there is no gold "
+                         "answer to score: filter such records out")
+
+
 def _answers(record: dict, i: int, name: str) -> list[str]:
-    value = field(NAME, record, i, name, (list, str))
-    answers = [value] if isinstance(value, str) else [str(a) for a in value if a is not None]
+    """Accepted answers: a string, a list of strings/numbers or of SQuAD's ``{"text": ...}``
+    items, or HF SQuAD's ``{"text": [...], "answer_start": [...]}``."""
+    value = field(NAME, record, i, name, (list, str, dict))
+    if isinstance(value, dict):
+        if not isinstance(value.get("text"), list):
+            raise ValueError(f"{NAME} record {i}: field {name!r} is an object without a "
+                             "'text' list")
+        value = value["text"]
+    if isinstance(value, str):
+        value = [value]
+    answers = []
+    for a in value:
+        if isinstance(a, dict):
+            a = a.get("text")
+        if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+            if a is None:
+                continue
+            raise ValueError(f"{NAME} record {i}: field {name!r}: an answer must be text (or an "
+                             f"object with a 'text'), got {type(a).__name__}")
+        answers.append(str(a))
+    answers = list(dict.fromkeys(answers))  # SQuAD repeats an answer once per annotator
     if not answers:
-        raise ValueError(f"{NAME} record {i}: field {name!r} is empty")
+        raise ValueError(f"{NAME} record {i}: field {name!r} is empty (an unanswerable question, "
+                         "as in SQuAD v2, has no gold answer to score: filter such records out)")
     return answers
 
 
@@ -119,7 +166,12 @@ def _item(p, i: int, container: str, key: str) -> str:
 
 def _hotpot_context(context, i: int) -> list[tuple[str, str]]:
     if isinstance(context, dict):  # the HF datasets layout
-        context = list(zip(context.get("title", []), context.get("sentences", []), strict=False))
+        titles, sentences = context.get("title"), context.get("sentences")
+        if not (isinstance(titles, list) and isinstance(sentences, list)
+                and len(titles) == len(sentences)):
+            raise ValueError(f"{NAME} record {i}: field 'context': needs 'title' and 'sentences' "
+                             "lists of the same length")
+        context = list(zip(titles, sentences, strict=True))
     out = []
     for item in context:
         if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):

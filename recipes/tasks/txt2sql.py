@@ -3,8 +3,9 @@
 ``load(split, source=None)`` reads a BIRD/Spider-style directory: a JSON list of records with
 ``db_id``, ``question`` and the gold query (``SQL`` as in BIRD, or ``query`` as in Spider;
 BIRD's ``evidence`` is added to the prompt), and SQLite files at
-``<dir>/database/<db_id>/<db_id>.sqlite`` (Spider), ``<dir>/<split>_databases/<db_id>/...``
-(BIRD), ``<dir>/databases/<db_id>.sqlite`` or ``<dir>/<db_id>.sqlite``. The split file is
+``<dir>/database/<db_id>/<db_id>.sqlite`` (Spider; ``test_database/`` for its test split),
+``<dir>/<split>_databases/<db_id>/...`` (BIRD), ``<dir>/databases/<db_id>.sqlite`` or
+``<dir>/<db_id>.sqlite``. The split file is
 ``<split>.json``/``.jsonl`` (``train_spider.json`` for Spider's train, ``dev.json`` for
 ``validation``). ``source=None`` is the bundled sample: three generated databases (shop,
 school, library) with questions and gold SQL under ``recipes/data/txt2sql``.
@@ -42,7 +43,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .common import DATA_DIR, Example, check_split, field, read_records, split_file
+from .common import DATA_DIR, Example, check_split, field, read_split
 from .sqlsafe import QueryError, connect_readonly, parses_as_query, run_query, sql_lexemes
 
 NAME = "txt2sql"
@@ -72,7 +73,7 @@ def load(split: str, source: str | None = None) -> list[Example]:
         if not root.is_dir():
             raise ValueError(f"{NAME}: source must be a BIRD/Spider-style directory, "
                              f"got {source!r}")
-    records = read_records(split_file(root, split, _SPLIT_FILES.get(split, ())))
+    records = read_split(NAME, root, split, _SPLIT_FILES.get(split, ()))
     examples = []
     for i, record in enumerate(records):
         db_id = field(NAME, record, i, "db_id")
@@ -82,7 +83,7 @@ def load(split: str, source: str | None = None) -> list[Example]:
         if db_path is None:
             raise ValueError(f"{NAME} record {i}: field 'db_id': no SQLite file for {db_id!r} "
                              f"under {root}")
-        evidence = record.get("evidence") or ""
+        evidence = "" if record.get("evidence") is None else field(NAME, record, i, "evidence")
         examples.append(Example(
             make_prompt(str(db_path), question, evidence), gold,
             {"db_id": db_id, "db_path": str(db_path), "question": question,
@@ -100,7 +101,8 @@ def _gold_sql(record: dict, index: int) -> str:
 
 def find_database(root: Path, db_id: str, split: str) -> Path | None:
     """The SQLite file of ``db_id`` under a BIRD/Spider-style ``root``, or ``None``."""
-    candidates = [root / "database" / db_id / f"{db_id}.sqlite",
+    candidates = [root / f"{split}_database" / db_id / f"{db_id}.sqlite",  # Spider's test
+                  root / "database" / db_id / f"{db_id}.sqlite",
                   root / f"{split}_databases" / db_id / f"{db_id}.sqlite",
                   root / "dev_databases" / db_id / f"{db_id}.sqlite",
                   root / "train_databases" / db_id / f"{db_id}.sqlite",
