@@ -206,8 +206,8 @@ def sample_from_json(d: dict) -> Sample:
 
 
 def prompts_from_json(prompts: Any) -> list[list[int]]:
-    if not isinstance(prompts, list) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if not isinstance(prompts, list):  # empty: no samples, as from the local client
+        raise ValueError("prompts must be a list of token-id lists")
     for i, p in enumerate(prompts):
         if not isinstance(p, list) or not all(
             isinstance(x, int) and not isinstance(x, bool) for x in p

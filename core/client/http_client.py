@@ -5,7 +5,9 @@ engines behind uvicorn on ``127.0.0.1``, a free port, the config's body limit an
 the config's token or a random one) and stops it on ``shutdown``. Sync calls use ``httpx.Client``, async ones ``httpx.AsyncClient``; both share
 one request description per call, so they behave the same. Errors map back to Python: 4xx →
 ``ValueError`` (401 / 403 → ``PermissionError``, 404 → ``FileNotFoundError``, 409 →
-``RuntimeError`` / ``SyncError``), 5xx and network failures or timeouts → ``EngineError``.
+``RuntimeError``, 501 → ``NotImplementedError``), 5xx and network failures or timeouts →
+``EngineError``; polynya's own subclasses (``CheckpointError``, ``SyncError``) come back as
+themselves. An error message is the engine's, after ``"<route>: HTTP <status>: "``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from ..files import CheckpointError
 from ..sync import SyncError
 from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats, as_token_array
 from .api import ClientLifecycle, EngineError, check_engine, check_logprob_model
@@ -43,6 +46,41 @@ class _Req:
     content: bytes | None = None
     params: dict | None = None
     decode: Any = None  # response -> value
+
+
+# polynya's own errors the server names in "kind": raised as themselves where the status's class
+# is one of their bases (a CheckpointError is a 400, a SyncError a 409), as the engine raised them
+_KINDS = {cls.__name__: cls for cls in (SyncError, CheckpointError)}
+
+
+def _error(status: int, kind: str | None, text: str) -> Exception:
+    """The exception of an error answer (module docstring)."""
+    if status in (401, 403):
+        base = PermissionError
+    elif status == 404:
+        base = FileNotFoundError
+    elif status == 409:
+        base = RuntimeError
+    elif status == 501:
+        base = NotImplementedError
+    elif status < 500:
+        base = ValueError
+    else:
+        base = EngineError
+    cls = _KINDS.get(kind)
+    return cls(text) if cls is not None and issubclass(cls, base) else base(text)
+
+
+def _params_list(prompts: Sequence, params) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt, refused as the sampling engine refuses them (the
+    JSON body cannot carry anything else)."""
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(plist) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+    for i, p in enumerate(plist):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return plist
 
 
 class _EmbeddedServer:
@@ -110,18 +148,7 @@ class HTTPClient(ClientLifecycle):
                 msg, kind = body.get("error", resp.text), body.get("kind")
             except ValueError:
                 msg, kind = resp.text, None
-            text = f"{req.path}: HTTP {resp.status_code}: {msg}"
-            if resp.status_code in (401, 403):
-                raise PermissionError(text)
-            if resp.status_code == 404:
-                raise FileNotFoundError(text)
-            if resp.status_code == 409:
-                raise SyncError(text) if kind == "SyncError" else RuntimeError(text)
-            if resp.status_code == 501:
-                raise NotImplementedError(text)
-            if resp.status_code < 500:
-                raise ValueError(text)
-            raise EngineError(text)
+            raise _error(resp.status_code, kind, f"{req.path}: HTTP {resp.status_code}: {msg}")
         return req.decode(resp) if req.decode else resp.json()
 
     def _send(self, req: _Req):
@@ -150,14 +177,10 @@ class HTTPClient(ClientLifecycle):
     # ------------------------------------------------------------------ requests
     @staticmethod
     def _generate_req(prompts, params) -> _Req:
-        plist = (
-            [params_to_json(params)]
-            if isinstance(params, SamplingParams)
-            else [params_to_json(p) for p in params]
-        )
+        plist = [params_to_json(p) for p in _params_list(prompts, params)]
         body = {
             "prompts": [as_token_array(p, f"prompts[{i}]").tolist() for i, p in enumerate(prompts)],
-            "params": plist[0] if isinstance(params, SamplingParams) else plist,
+            "params": params_to_json(params) if isinstance(params, SamplingParams) else plist,
         }
         decode = lambda r: [[sample_from_json(s) for s in g] for g in r.json()["samples"]]  # noqa: E731
         return _Req("POST", "/rl/generate", json=body, decode=decode)

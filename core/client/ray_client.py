@@ -8,7 +8,8 @@ of one bundle per GPU; split: a bundle each). Prompt groups are routed to one re
 Each call is written once as a *plan*: a generator that yields lists of Ray object refs and
 receives their values. ``_run`` drives a plan with ``ray.get`` (sync API) and ``_arun`` with
 ``await`` (async API), both bounded by ``timeout_s``; a dead actor or a timeout raises
-``EngineError`` at the client instead of hanging. Weight sync: colocated = the trainer ranks'
+``EngineError`` at the client instead of hanging; an exception an engine raised arrives as itself
+(type and message as with the local client; the actor's traceback in its notes). Weight sync: colocated = the trainer ranks'
 CUDA-IPC / shared-memory buckets, each replica reading the ones of its own GPU; split = a
 broadcast group (trainer ranks + every receiver) set up on the first sync, and again on the sync
 after one that failed (a member lost mid-sync raises ``SyncPeerLost`` in every other member
@@ -102,6 +103,13 @@ class RayClient(ClientLifecycle):
                 ray.exceptions.WorkerCrashedError, asyncio.TimeoutError)
         if isinstance(exc, dead):
             return EngineError(f"{what} failed: {type(exc).__name__}: {exc}")
+        cause = getattr(exc, "cause", None)
+        if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, Exception):
+            # the engine's own exception, as the local client raises it (not Ray's
+            # ``RayTaskError(ValueError)`` whose message is the actor's traceback)
+            if hasattr(cause, "add_note"):  # Python >= 3.11
+                cause.add_note(f"raised in a Ray actor: {exc}")
+            return cause
         return exc
 
     def _run(self, plan: Plan, what: str = "engine call"):
@@ -173,6 +181,9 @@ class RayClient(ClientLifecycle):
 
     def _plan_generate(self, prompts, params) -> Plan:
         yield from self._plan_to_sampler()
+        if len(self.samplers) > 1:  # errors name the caller's index, and no share runs first
+            yield [self.samplers[0].validate.options(concurrency_group=GENERATE_GROUP).remote(
+                prompts, params)]
         with self._router.route(prompts, params) as routes:
             used = [(s, idx) for s, idx in zip(self.samplers, routes) if idx]
             results = yield [

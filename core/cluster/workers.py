@@ -230,6 +230,11 @@ class SamplerWorker(_ReceivingWorker):
     def generate(self, prompts, params) -> list:
         return self.engine.generate(prompts, params)
 
+    def validate(self, prompts, params) -> None:
+        """``generate``'s checks alone (``ValueError`` naming the caller's prompt index): run on
+        one replica before a call is split over several, whose errors would name their share's."""
+        self.engine.validate(prompts, params)
+
     def sleep(self, level: int) -> None:
         self.engine.sleep(level)
 

@@ -45,6 +45,18 @@ def test_ray_colocated(cluster):
         timeout_s=300,
     )
     with polynya.create_rl_client(cfg) as client:
+        # an engine's refusal arrives as the local client raises it (was RayTaskError(...) with
+        # the actor's traceback as its message); nothing changed
+        before = client.weight_checksums()
+        with pytest.raises(ValueError) as err:
+            client.compute_logprobs(RolloutBatch([[5]], [[6]]), temperature=0.0)
+        assert type(err.value) is ValueError
+        assert str(err.value) == "temperature must be a number > 0, got 0.0"
+        with pytest.raises(RuntimeError) as err:
+            asyncio.run(client.step_async())
+        assert type(err.value) is RuntimeError and str(err.value).startswith("step() needs")
+        assert client.weight_checksums() == before
+        assert client.generate([], SamplingParams()) == []
         info = rl_round_trip(client)
         assert info["method"] == "shared_memory" and info["receivers"] == 2
         sums = client.weight_checksums()
@@ -91,6 +103,13 @@ def test_ray_split_and_dead_actor(cluster):
         timeout_s=300,
     )
     with polynya.create_rl_client(cfg) as client:
+        # a bad prompt is named by its index in the call, as the local client names it (each
+        # replica named it by its index in its own share, and the good shares ran first)
+        before = [ray.get(s.stats.remote(), timeout=60)["prefill_tokens"] for s in client.samplers]
+        with pytest.raises(ValueError) as err:
+            client.generate([[5, 6], [7, 8, 9], [10**9]], SamplingParams(max_tokens=2))
+        assert type(err.value) is ValueError and str(err.value).startswith("prompts[2] "), err.value
+        assert [ray.get(s.stats.remote(), timeout=60)["prefill_tokens"] for s in client.samplers] == before
         info = rl_round_trip(client, replicas=2)
         assert info["method"] == "broadcast" and info["receivers"] == 2 and info["buckets"] > 2
         ray.kill(client.samplers[1], no_restart=True)
