@@ -105,7 +105,12 @@ class Normalizer:
         n_tok = int(lens.sum())
         if n_tok == 0:
             raise ValueError("the batch has no response tokens: nothing to train on")
-        return cls(n_tok, int((lens > 0).sum()), max_response_len or int(lens.max()))
+        longest = int(lens.max())
+        if max_response_len is not None and longest > max_response_len:
+            raise ValueError(f"a response of {longest} tokens is longer than LossConfig."
+                             f"max_response_len={max_response_len}, Dr.GRPO's constant (the longest "
+                             "response the sampler may write): set it to the generation length")
+        return cls(n_tok, int((lens > 0).sum()), max_response_len or longest)
 
 
 @dataclass

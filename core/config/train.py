@@ -120,7 +120,8 @@ class OptimConfig:
             if self.total_steps <= self.warmup_steps:
                 raise ValueError(f"OptimConfig.total_steps ({self.total_steps}) must exceed "
                                  f"warmup_steps ({self.warmup_steps})")
-        if not isinstance(self.min_lr_ratio, (int, float)) or not 0.0 <= self.min_lr_ratio <= 1.0:
+        if isinstance(self.min_lr_ratio, bool) or not isinstance(self.min_lr_ratio, (int, float)) \
+                or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         check_positive(self.grad_clip, "OptimConfig.grad_clip", allow_zero=True)
 

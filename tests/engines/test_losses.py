@@ -214,3 +214,18 @@ def test_warmup_cosine_schedule():
     assert f[0] < f[1] < f[2] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[2:], f[3:]))
     assert f[12] == pytest.approx(0.1) and f[13] == pytest.approx(0.1)
+
+
+def test_a_response_longer_than_dr_grpos_constant_is_refused():
+    """Dr.GRPO divides by ``max_response_len``, the longest response the sampler may write; a
+    longer response was weighted above 1 / sequences per token, silently."""
+    mask = torch.tensor([[True] * 5, [True] * 2 + [False] * 3])
+    assert Normalizer.from_mask(mask, 5).constant_len == 5
+    with pytest.raises(ValueError, match="a response of 5 tokens is longer than LossConfig.max_response_len=4"):
+        Normalizer.from_mask(mask, 4)
+
+
+def test_min_lr_ratio_refuses_a_bool():
+    """``True`` was read as 1.0 (no decay at all)."""
+    with pytest.raises(ValueError, match="min_lr_ratio must be in"):
+        OptimConfig(schedule="warmup_cosine", total_steps=4, min_lr_ratio=True)
