@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Written 2026-12-07 (night session) for one device call (carry .whl):
-# - T_TEST: the GPU tests of what changed or failed since the last device call (compute_logprobs
-#   head-scale cases at head dim 16, min_tokens with the decode-step skip, the native engine, the
-#   compiled layers), and the sync tests before the sync path changes; TESTS overrides the list;
+# - T_TEST: the GPU tests of what changed or was never run since the last device call (the
+#   rewritten bf16 greedy test, the compiled layers, the training update against a plain-torch
+#   reference, async scheduling under preemption with the window the cache holds, min_tokens with
+#   out-of-vocabulary stop ids, the sync tests); TESTS overrides the list;
 # - T_SYNC: bench_sync.py --skip-step --profile (issue 15 goal 6: where a sync's time goes);
 # - T_FCA: bench_fca.py on 8x16 P4096 S512 with the sweep (issue 15 goal 8, on the card it got);
 # - T_ZORRO: bench_zorro.py at P4096/R512/G8 x4 groups, 7 iterations (goal 8's ZoRRo 3.8x);
@@ -10,9 +11,9 @@
 #   process (goal 4; the compiled layers' gain in the recipe was never measured in one process).
 WHL=1 source benchmarks/carry/gpu_setup.sh
 PYT="python3 -m pytest -m gpu -p no:cacheprovider -v -rfE --continue-on-collection-errors"
-TESTS=${TESTS:-"tests/core/test_head_scale.py tests/engines/sample/test_min_tokens.py
-  tests/sync/test_sync_gpu.py tests/kernels/test_digest_copy.py
-  tests/engines/sample/test_native_engine_gpu.py tests/core/test_compiled_layers_gpu.py"}
+TESTS=${TESTS:-"tests/engines/sample/test_native_engine_gpu.py tests/core/test_compiled_layers_gpu.py
+  tests/engines/test_train_reference.py tests/engines/sample/test_async_scheduling_gpu.py
+  tests/engines/sample/test_min_tokens.py tests/sync/test_sync_gpu.py"}
 [ "${T_TEST:-0}" -gt 0 ] && timeout ${T_TEST} $PYT $TESTS -k "not compiled_decode_equals_eager" 2>&1 \
   | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | cut -c1-300 | tail -90
 [ "${T_SYNC:-0}" -gt 0 ] && timeout ${T_SYNC} python3 benchmarks/bench_sync.py --skip-step \
