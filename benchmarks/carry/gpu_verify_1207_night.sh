@@ -2,8 +2,8 @@
 # Written 2026-12-07 (night session) for one device call (carry .whl):
 # - T_TEST: the GPU tests of what changed or was never run since the last device call (the
 #   rewritten bf16 greedy test, the compiled layers, the training update against a plain-torch
-#   reference, async scheduling under preemption with the window the cache holds, min_tokens with
-#   out-of-vocabulary stop ids, the sync tests); TESTS overrides the list;
+#   reference, async scheduling under preemption with the window the cache holds, min_tokens (its ban
+#   now drops out-of-vocabulary stop ids), the sync tests); TESTS overrides the list;
 # - T_SYNC: bench_sync.py --skip-step --profile (issue 15 goal 6: where a sync's time goes);
 # - T_FCA: bench_fca.py on 8x16 P4096 S512 with the sweep (issue 15 goal 8, on the card it got);
 # - T_ZORRO: bench_zorro.py at P4096/R512/G8 x4 groups, 7 iterations (goal 8's ZoRRo 3.8x);
