@@ -21,6 +21,7 @@ import json
 import os
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 MANIFEST = "MANIFEST.json"
 _READ = 1 << 22
@@ -54,31 +55,30 @@ def _files(root: str) -> list[str]:
     return out
 
 
-def clear_checkpoint(root: str) -> list[str]:
+def clear_checkpoint(root: str) -> None:
     """Remove the checkpoint a directory holds before another is saved into it: the manifest
     first (an interrupted save then never passes ``verify_manifest``), then every file it
-    listed, then the folders they leave empty. Files it did not list are left alone (they are
-    not ours). A directory without a readable manifest is left as it is. Returns the removed
-    names. Without this, a file of the old checkpoint that the new one does not write (an
-    ``hf/`` export, another world size's partitions) would be listed as the new one's."""
+    listed, then the folders that held them once empty. Anything it did not list is left alone
+    (not ours); a directory without a readable manifest is left as it is. Without this, a file
+    of the old checkpoint that the new one does not write (an ``hf/`` export, another world
+    size's partitions) would be listed as the new one's."""
     path = os.path.join(root, MANIFEST)
     try:
         with open(path) as f:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return
     os.remove(path)
     real = os.path.realpath(root)
-    removed = []
-    for rel in sorted(files if isinstance(files, dict) else ()):
+    folders = set()
+    for rel in files if isinstance(files, dict) else ():
         full = os.path.realpath(os.path.join(root, rel))
         if os.path.commonpath([real, full]) == real and full != real and os.path.isfile(full):
             os.remove(full)
-            removed.append(rel)
-    for dirpath, _, _ in os.walk(root, topdown=False):  # children before their parents
-        if dirpath != root and not os.listdir(dirpath):
-            os.rmdir(dirpath)
-    return removed
+            folders.update(p for p in Path(full).parents if os.path.commonpath([real, p]) == real)
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):  # deepest first
+        if str(folder) != real and not os.listdir(folder):
+            os.rmdir(folder)
 
 
 def write_manifest(root: str) -> dict:

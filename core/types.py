@@ -260,6 +260,18 @@ class SamplingParams:
         return frozenset(self.stop_token_ids or ()) | (frozenset(eos_ids) if self.stops_at_eos else frozenset())
 
 
+def params_per_prompt(prompts: Sequence, params) -> list:
+    """One ``SamplingParams`` per prompt from ``params`` (one for all, or one per prompt);
+    ``ValueError`` on a count that differs from the prompts' or an entry of another type."""
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(plist) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+    for i, p in enumerate(plist):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return plist
+
+
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 

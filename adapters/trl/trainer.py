@@ -219,7 +219,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """``ValueError`` unless a prompt of ``prompt_len`` tokens leaves the sampler room for all
         ``max_completion_length`` tokens (it would end the completion early at its
         ``max_model_len``; TRL's own generation would not)."""
-        longest = self.sampler.backend.max_model_len
+        longest = self.sampler.max_model_len
         if prompt_len + self.max_completion_length > longest:
             raise ValueError(f"a prompt of {prompt_len} tokens plus max_completion_length="
                              f"{self.max_completion_length} exceeds the sampler's max_model_len="

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 from ..files import CheckpointError
 from ..sync import SyncError
-from ..types import RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats, as_token_array
+from ..types import (RolloutBatch, Sample, SamplingParams, TokenSeq, TokenStats, as_token_array,
+                     params_per_prompt)
 from .api import ClientLifecycle, EngineError, check_engine, check_logprob_model
 from .codec import decode_metrics, decode_stats, encode_batch, params_to_json, sample_from_json
 from .config import RLClientConfig
@@ -69,18 +70,6 @@ def _error(status: int, kind: str | None, text: str) -> Exception:
         base = EngineError
     cls = _KINDS.get(kind)
     return cls(text) if cls is not None and issubclass(cls, base) else base(text)
-
-
-def _params_list(prompts: Sequence, params) -> list[SamplingParams]:
-    """One ``SamplingParams`` per prompt, refused as the sampling engine refuses them (the
-    JSON body cannot carry anything else)."""
-    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    if len(plist) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-    for i, p in enumerate(plist):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-    return plist
 
 
 class _EmbeddedServer:
@@ -177,7 +166,7 @@ class HTTPClient(ClientLifecycle):
     # ------------------------------------------------------------------ requests
     @staticmethod
     def _generate_req(prompts, params) -> _Req:
-        plist = [params_to_json(p) for p in _params_list(prompts, params)]
+        plist = [params_to_json(p) for p in params_per_prompt(prompts, params)]
         body = {
             "prompts": [as_token_array(p, f"prompts[{i}]").tolist() for i, p in enumerate(prompts)],
             "params": params_to_json(params) if isinstance(params, SamplingParams) else plist,

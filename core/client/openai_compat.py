@@ -319,7 +319,7 @@ def add_openai_routes(app, client, tokenizer, generate, score=None) -> None:
     config = getattr(client, "config", None)
     model = getattr(config, "model_name", "polynya")
     samplers = list(getattr(client, "samplers", []))
-    max_len = int(getattr(getattr(samplers[0], "backend", None), "max_model_len", 0) or 0) if samplers else 0
+    max_len = int(getattr(samplers[0], "max_model_len", 0) or 0) if samplers else 0
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -17,18 +17,14 @@ import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 
-from ..types import SamplingParams, as_token_array
+from ..types import as_token_array, params_per_prompt
 
 Key = tuple[int, ...]
 
 
 def _groups(prompts: Sequence, params) -> tuple[dict[Key, list[int]], dict[Key, int]]:
     """Prompt indices by prompt, and each group's cost (prompt + sampled tokens)."""
-    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    if len(plist) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-    if not all(isinstance(p, SamplingParams) for p in plist):
-        raise ValueError("params must be one SamplingParams or one per prompt")
+    plist = params_per_prompt(prompts, params)
     groups: dict[Key, list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(tuple(as_token_array(p, f"prompts[{i}]").tolist()), []).append(i)

@@ -114,6 +114,11 @@ class SamplingEngine:
                 if not call.reserved:
                     del self._calls[request_id]
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) this engine serves."""
+        return self.backend.max_model_len
+
     def validate(self, prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams]
                  ) -> tuple[list[list[int]], list[SamplingParams]]:
         """The checks ``generate`` makes first, alone: ``ValueError`` naming the first bad

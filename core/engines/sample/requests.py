@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from polynya.types import Sample, SamplingParams, TokenSeq, as_token_array
+from polynya.types import Sample, SamplingParams, TokenSeq, as_token_array, params_per_prompt
 
 
 def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequence[SamplingParams],
@@ -31,10 +31,7 @@ def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequ
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of token-id lists")
-    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    if len(plist) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-    plist = private_copies(plist)
+    plist = private_copies(params_per_prompt(prompts, params))
     toks = []
     for i, (prompt, p) in enumerate(zip(prompts, plist)):
         arr = as_token_array(prompt, f"prompts[{i}]")
@@ -45,8 +42,6 @@ def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequ
         if arr.size >= max_model_len:
             raise ValueError(f"prompts[{i}] has {arr.size} tokens; the model window here is "
                              f"{max_model_len} (prompt + at least one new token)")
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
         if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
             raise ValueError(f"params[{i}].max_tokens must be >= 1, got {p.max_tokens!r}")
         if not isinstance(p.n, int) or p.n < 1 or (max_n is not None and p.n > max_n):
