@@ -262,7 +262,10 @@ class SamplingParams:
 
 def params_per_prompt(prompts: Sequence, params) -> list:
     """One ``SamplingParams`` per prompt from ``params`` (one for all, or one per prompt);
-    ``ValueError`` on a count that differs from the prompts' or an entry of another type."""
+    ``ValueError`` when ``prompts`` is no list, on a count that differs from the prompts' or
+    an entry of another type."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError("prompts must be a list of token-id lists")
     plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(plist) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")

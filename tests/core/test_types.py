@@ -96,3 +96,17 @@ def test_log_prob_temperature_has_the_samplers_floor(owner, temperature):
 
     with pytest.raises(ValueError, match=f"{owner}.temperature must be finite and >= 1e-05"):
         {"TrainConfig": TrainConfig, "LogProbConfig": LogProbConfig}[owner]("tiny:qwen3", temperature=temperature)
+
+
+def test_params_per_prompt_expands_one_and_refuses_what_does_not_fit():
+    """The one check the sampler, the replica router and the HTTP client share."""
+    from polynya.types import SamplingParams, params_per_prompt
+
+    p = SamplingParams(n=2)
+    assert params_per_prompt([[1], [2]], p) == [p, p]
+    assert params_per_prompt([], p) == []
+    for prompts, params, msg in [(5, p, "prompts must be a list"), ("ab", p, "prompts must be a list"),
+                                 ([[1]], [p, p], "1 prompts but 2 SamplingParams"),
+                                 ([[1]], [{"n": 2}], r"params\[0\] must be a SamplingParams, got dict")]:
+        with pytest.raises(ValueError, match=msg):
+            params_per_prompt(prompts, params)

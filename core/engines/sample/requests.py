@@ -29,8 +29,6 @@ def validate_requests(prompts: Sequence[TokenSeq], params: SamplingParams | Sequ
         ``(prompts as lists of ints, one SamplingParams per prompt)``: the params are private
         copies (one per distinct object passed), the values as of this call.
     """
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ValueError("prompts must be a list of token-id lists")
     plist = private_copies(params_per_prompt(prompts, params))
     toks = []
     for i, (prompt, p) in enumerate(zip(prompts, plist)):
