@@ -117,6 +117,10 @@ def _worker(out: str) -> None:
         got["logprobs_reordered"] = "refused"
     if rank == 0:
         torch.save(got, out)
+    import torch.distributed as dist
+
+    dist.barrier()  # leave together: a rank exiting while the other's gloo threads run aborted once
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
