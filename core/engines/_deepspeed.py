@@ -14,12 +14,14 @@
 - ``weights_checksum``: ``polynya.checksum`` of a module's full weights.
 - ``load_checkpoint``: DeepSpeed's load, after every pickle is read weights-only and the
   checkpoint is checked against the engine (ZeRO stage, dtype, world size, parameter names and
-  shapes, optimizer settings): a mismatch is refused before anything changes.
+  shapes, the model's configuration, optimizer settings): a mismatch is refused before anything
+  changes. ``MODEL_CONFIG`` / ``model_config_json``: the configuration a checkpoint records.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -312,6 +314,56 @@ def _check_same_parameters(engine, state: dict, path: str) -> None:
                               "into an engine of the model it was saved from")
 
 
+MODEL_CONFIG = "polynya_model_config"  # checkpoint client state: the model's configuration (JSON)
+# Fields of a transformers config that say how it was loaded or what a forward returns, not
+# what the model computes (keys starting with "_" are skipped too).
+_LOADING_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "use_cache", "return_dict",
+                           "output_attentions", "output_hidden_states", "name_or_path",
+                           "architectures"})
+
+
+def _computation_fields(value):
+    if isinstance(value, dict):
+        return {k: _computation_fields(v) for k, v in value.items()
+                if not str(k).startswith("_") and k not in _LOADING_KEYS}
+    return value
+
+
+def model_config_json(module) -> str | None:
+    """The module's transformers configuration as sorted JSON, without the loading-only fields
+    (``None`` for a module without one): what a checkpoint records so that a model of the same
+    parameter shapes but another configuration (RoPE base or scaling, norm epsilon, sliding
+    window, activation, ...) is not resumed as if it were the same."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    return json.dumps(_computation_fields(config.to_dict()), sort_keys=True, default=str)
+
+
+def _config_differences(there, here, prefix: str = "") -> list[str]:
+    if isinstance(there, dict) and isinstance(here, dict):
+        return [d for k in sorted(there.keys() | here.keys(), key=str)
+                for d in _config_differences(there.get(k, "(unset)"), here.get(k, "(unset)"),
+                                             f"{prefix}{k}.")]
+    return [] if there == here else [f"{prefix[:-1]}: {there!r} there, {here!r} here"]
+
+
+def _check_same_config(engine, state: dict, path: str) -> None:
+    """``CheckpointError`` unless the checkpoint was saved from a model of this engine's
+    configuration (checkpoints written before it was recorded are not checked)."""
+    from ..files import CheckpointError
+
+    saved, here = state.get(MODEL_CONFIG), model_config_json(engine.module)
+    if not isinstance(saved, str) or here is None or saved == here:
+        return
+    diffs = _config_differences(json.loads(saved), json.loads(here))
+    if diffs:
+        raise CheckpointError(f"{path!r} was saved from a model of another configuration ("
+                              + "; ".join(diffs[:5]) + (" ..." if len(diffs) > 5 else "")
+                              + "): the same parameter shapes would load and compute something "
+                              "else. Load it into an engine of the model it was saved from")
+
+
 def _saved_param_groups(state, depth: int = 3) -> list | None:
     """The torch optimizer's ``param_groups`` inside a DeepSpeed optimizer state (each ZeRO
     wrapper nests it under its own key)."""
@@ -368,8 +420,8 @@ def load_checkpoint(engine, path: str, tag: str, began=None) -> dict:
 
     Each file of the tag is unpickled (weights-only) once before DeepSpeed loads any of them,
     and the checkpoint is checked against the engine: the same ZeRO stage, dtype and world size
-    (``_check_saved_by_same_kind``), the same parameters (``_check_same_parameters``) and the
-    same optimizer settings (``_optimizer_differences``: DeepSpeed would restore the
+    (``_check_saved_by_same_kind``), the same parameters (``_check_same_parameters``), the same
+    model configuration (``_check_same_config``) and the same optimizer settings (``_optimizer_differences``: DeepSpeed would restore the
     checkpoint's over the engine's config). A file holding anything else, or a checkpoint that
     fails a check, raises ``CheckpointError`` before the engine changes; ``began()`` is called
     just before DeepSpeed starts changing it.
@@ -401,6 +453,7 @@ def load_checkpoint(engine, path: str, tag: str, began=None) -> dict:
             _check_saved_by_same_kind(engine, state, path)
         for state in model_states:
             _check_same_parameters(engine, state, path)
+            _check_same_config(engine, state, path)
             differences.update(_optimizer_differences(engine, state))
         if differences:
             raise CheckpointError(

@@ -375,7 +375,8 @@ class TrainingEngine:
         dsu.barrier()
         # the steps skipped here (plain fp32 ZeRO-0) are not in DeepSpeed's own count
         self.engine.save_checkpoint(path, tag="polynya",
-                                    client_state={OWN_SKIPPED: self._own_skipped})
+                                    client_state={OWN_SKIPPED: self._own_skipped,
+                                                  dsu.MODEL_CONFIG: dsu.model_config_json(self.module)})
         if self.config.export_hf:
             self.save_pretrained(os.path.join(path, HF_EXPORT))
         dsu.barrier()

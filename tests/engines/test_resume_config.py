@@ -5,7 +5,9 @@ rates and position, and (ZeRO-1/2) its clipping over the loading engine's config
 built with another lr, betas, eps, weight decay, schedule or clip used to load and then train
 with the checkpoint's values while reporting its own config. A checkpoint of another model
 used to be copied in part before DeepSpeed failed (the engine half loaded). Both are refused
-first, the engine unchanged; a tied-embedding model's checkpoint still resumes exactly.
+first, the engine unchanged; a tied-embedding model's checkpoint still resumes exactly. So is a
+model of the same parameter shapes and another configuration (RoPE base, norm epsilon), which
+used to load silently.
 """
 from __future__ import annotations
 
@@ -102,3 +104,43 @@ def test_a_tied_models_checkpoint_resumes_exactly(tied_dir, stage, tmp_path):
         assert (b.forward_backward(make_batch(seed))["loss"], b.step()) == (
             a.forward_backward(make_batch(seed))["loss"], a.step())
     assert b.weight_checksum() == a.weight_checksum()
+
+
+@pytest.fixture(scope="module")
+def other_rope_dir(tmp_path_factory):
+    """tiny:qwen3 with another RoPE base: every parameter has the same name and shape."""
+    from polynya.models import load_model, tiny_tokenizer
+
+    d = str(tmp_path_factory.mktemp("rope"))
+    model = load_model("tiny:qwen3")
+    model.config.rope_parameters["rope_theta"] = 40000.0
+    model.config.rms_norm_eps = 1e-3
+    model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_another_configurations_checkpoint_is_refused_untouched(saved, other_rope_dir, stage):
+    """Same parameter shapes, another RoPE base and norm epsilon: it used to load and compute
+    other log-probs from the checkpoint's weights."""
+    engine = TrainingEngine(dataclasses.replace(config(stage), model=other_rope_dir))
+    _refused_untouched(engine, saved[stage, "float32"],
+                       r"saved from a model of another configuration \(.*rms_norm_eps: 1e-06 there, "
+                       r"0.001 here.*rope_theta")
+
+
+def test_the_same_configuration_from_a_saved_copy_resumes(saved, tmp_path):
+    """The loading-only fields (dtype, transformers version, name) are not the configuration: the
+    checkpoint of ``tiny:qwen3`` resumes in an engine of a saved copy of it."""
+    from polynya.models import load_model, tiny_tokenizer
+
+    model = load_model("tiny:qwen3")
+    model.save_pretrained(str(tmp_path))
+    tiny_tokenizer().save_pretrained(str(tmp_path))
+    copy, same = (TrainingEngine(dataclasses.replace(config(2), model=m))
+                  for m in (str(tmp_path), "tiny:qwen3"))
+    for engine in (copy, same):
+        engine.load(saved[2, "float32"])
+    assert copy.weight_checksum() == same.weight_checksum()
+    assert copy.forward_backward(make_batch(3))["loss"] == same.forward_backward(make_batch(3))["loss"]
