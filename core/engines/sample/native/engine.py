@@ -115,6 +115,9 @@ class NativeEngine(LaunchAhead):
                         "early_steps": 0, "ahead_rows_dropped": 0, "early_steps_dropped": 0,
                         "peak_decode_rows": 0}
         self._times = {"prefill_time_s": 0.0, "decode_time_s": 0.0}
+        # requests aborted by ``on_submit`` before they were queued: counted under _intake_lock,
+        # apart from ``_counts`` (under _lock), so that no count is lost to the two locks
+        self._unqueued_aborts = 0
         self._st_cache: tuple[list[SamplingParams], SamplingTensors] | None = None
         self._st_min_tokens = 0  # the largest min_tokens of the cached settings' rows
         self.async_scheduling = config.async_scheduling
@@ -197,7 +200,7 @@ class NativeEngine(LaunchAhead):
             entries = [self._new_request(t, p) for t, p in zip(toks, plist)]
             rids = [rid for rid, _, _ in entries]
             if on_submit is not None and on_submit(list(rids)):
-                self._counts["aborted_requests"] += len(rids)
+                self._unqueued_aborts += len(rids)
                 return [[unstarted_sample(p) for _ in range(p.n)] for p in plist]
             self._intake.extend(entries)
         return self.wait(rids)
@@ -564,7 +567,10 @@ class NativeEngine(LaunchAhead):
         with self._steps.plain(), self._lock:
             captures, capture_s = self.runner.graph_stats()
             hit_blocks = self._counts["cache_hit_tokens"] // self.block_manager.block_size
-            return dict(self._counts, **self._times, cache_hit_blocks=hit_blocks,
+            with self._intake_lock:  # ("requests" is counted under it too)
+                counts = dict(self._counts)
+                counts["aborted_requests"] += self._unqueued_aborts
+            return dict(counts, **self._times, cache_hit_blocks=hit_blocks,
                         graph_captures=captures, graph_capture_s=capture_s,
                         **self.runner.compile_stats(),
                         blocks_in_use=self.block_manager.num_used, num_blocks=self.block_manager.num_blocks,
