@@ -14,15 +14,33 @@ call ``forward_backward_batch`` below. That method only translates:
    micro-batch], "metrics": {...}}``.
 
 Offload moves weights and optimizer state together (``TrainingEngine.offload``).
+
+Checkpoints (``save_checkpoint`` / ``load_checkpoint``, what verl's trainer calls with
+``<default_local_dir>/global_step_N/actor``): ``TrainingEngine.save`` / ``load`` of weights,
+AdamW state, LR schedule and step count together, so ``checkpoint.save_contents`` and
+``load_contents`` must hold all of ``model``, ``optimizer`` and ``extra`` (``check_checkpoint``
+refuses anything else when the engine is built). ``hf_model`` in ``save_contents`` adds a Hugging
+Face export (``TrainingEngine.save_pretrained``: config, safetensors in the engine's dtype,
+tokenizer) in ``<local_path>/huggingface``, where verl's FSDP engine writes it, listed in the
+checkpoint's manifest (``TrainingEngine.save(hf_export=...)``). ``max_ckpt_to_keep``
+(``trainer.max_actor_ckpt_to_keep``) keeps the newest N checkpoints this engine saved, as verl's
+checkpoint managers do, but removes older ones only once the new one is complete (verl's make room
+first); ``None`` or 0 keeps all, and only the files a retired checkpoint's manifest lists are
+removed (then its folders, once empty). ``hdfs_path`` is refused; ``del_local_after_load`` has
+nothing to do (verl deletes only local copies of remote files, and polynya loads local paths
+only). With ``param_offload`` the states come back for a save or load and go out again after.
 """
 from __future__ import annotations
 
 from . import _module_done
 
-from contextlib import nullcontext
+import os
+import warnings
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+from polynya.files import clear_checkpoint
 from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
@@ -31,6 +49,7 @@ from .batch import jagged_logprobs, read_batch
 from .settings import check_checkpoint, check_loss_function, train_config
 
 BUCKET_BYTES = 1 << 28
+HF_MODEL_DIR = "huggingface"  # where verl's FSDP checkpoint manager writes save_contents' hf_model
 
 
 class DeepSpeedLMEngine(BaseEngine):
@@ -42,8 +61,9 @@ class DeepSpeedLMEngine(BaseEngine):
         self.optimizer_config = None if engine_config.forward_only else optimizer_config
         self.checkpoint_config = checkpoint_config
         self.config = train_config(model_config, engine_config, self.optimizer_config)  # ValueError early
-        if not engine_config.forward_only and checkpoint_config is not None:
-            check_checkpoint(checkpoint_config)
+        save = () if engine_config.forward_only else check_checkpoint(checkpoint_config)
+        self._save_hf = "hf_model" in save
+        self._saved: list[str] = []  # checkpoints this engine saved, oldest first (max_ckpt_to_keep)
         if engine_config.param_offload and self.config.zero_stage == 0:
             raise ValueError("param_offload needs deepspeed.zero_stage >= 1 (DeepSpeed's offload_states)")
         self.mode = None
@@ -155,13 +175,66 @@ class DeepSpeedLMEngine(BaseEngine):
 
     def save_checkpoint(self, local_path: str, hdfs_path=None, global_step: int = 0,
                         max_ckpt_to_keep=None, **kwargs) -> None:
+        """``TrainingEngine.save(local_path)``, the ``huggingface`` export with ``hf_model``, then
+        the retirement of this engine's checkpoints beyond ``max_ckpt_to_keep`` (module docstring).
+        Bad arguments are a ``ValueError`` before anything is written."""
         if hdfs_path is not None:
             raise ValueError("polynya's deepspeed engine saves to local_path only (hdfs_path unsupported)")
-        self.trainer.save(local_path)
+        keep = _keep(max_ckpt_to_keep)
+        with self._resident():
+            self.trainer.save(local_path, hf_export=HF_MODEL_DIR if self._save_hf else None)
+        self._retire_beyond(os.path.realpath(local_path), keep)
 
     def load_checkpoint(self, local_path: str, hdfs_path=None, del_local_after_load: bool = True,
                         **kwargs) -> None:
-        self.trainer.load(local_path)
+        """``TrainingEngine.load(local_path)``: manifest verified, then weights, optimizer state,
+        LR schedule and step count. ``del_local_after_load``: nothing to delete (module docstring)."""
+        if hdfs_path is not None:
+            raise ValueError("polynya's deepspeed engine loads from local_path only (hdfs_path unsupported)")
+        with self._resident():
+            self.trainer.load(local_path)
+
+    @contextmanager
+    def _resident(self):
+        """With ``param_offload``: the states on the device for a save or load, offloaded after
+        (verl's FSDP engine does the same around its checkpoints)."""
+        if not self.is_param_offload_enabled:
+            yield
+            return
+        self.trainer.onload()
+        try:
+            yield
+        finally:
+            self.trainer.offload()
+
+    def _retire_beyond(self, path: str, keep: int) -> None:
+        """Record ``path`` as this engine's newest checkpoint; with ``keep`` > 0 rank 0 removes the
+        older ones beyond the newest ``keep`` (verl's ``register_checkpoint``; a path saved again
+        counts once, as its newest save)."""
+        self._saved = [p for p in self._saved if p != path] + [path]
+        if not keep or len(self._saved) <= keep:
+            return
+        old, self._saved = self._saved[:-keep], self._saved[-keep:]
+        if dist.get_rank() != 0:
+            return
+        for folder in old:
+            try:
+                clear_checkpoint(folder)  # the files its manifest lists, and the folders they empty
+                if os.path.isdir(folder) and not os.listdir(folder):
+                    os.rmdir(folder)
+            except OSError as exc:  # verl ignores a failed removal too: the new checkpoint is complete
+                warnings.warn(f"could not remove the old checkpoint {folder!r} (max_ckpt_to_keep): {exc}",
+                              stacklevel=2)
+
+
+def _keep(value) -> int:
+    """verl's ``max_ckpt_to_keep``: ``None`` or 0 keeps every checkpoint, N > 0 the newest N."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_ckpt_to_keep (trainer.max_actor_ckpt_to_keep) must be None, 0 (keep every "
+                         f"checkpoint) or a positive int, got {value!r}")
+    return value
 
 
 def _model_output(parts, rows, entropy: bool) -> dict[str, torch.Tensor]:

@@ -19,9 +19,11 @@ backend's strategy name, so polynya's DeepSpeed backend brings its own:
 model path, dtype, seed, optimizer (verl's ``FSDPOptimizerConfig``: AdamW, constant rate)
 and token budget become one ``TrainConfig``. Settings polynya cannot honour (another optimizer,
 a warm-up or cosine schedule, ``clip_grad <= 0``, fp16, LoRA, fixed-size micro-batches) raise
-``ValueError`` naming the verl key to change; so does a ``checkpoint.load_contents`` without
-all of ``model``, ``optimizer`` and ``extra`` (``check_checkpoint``: polynya's engine restores
-them together).
+``ValueError`` naming the verl key to change; so does a ``checkpoint.save_contents`` or
+``load_contents`` without all of ``model``, ``optimizer`` and ``extra`` or with a name verl does
+not know (``check_checkpoint``: polynya's engine saves and restores them together; ``hf_model``
+may be added). ``TrainConfig.export_hf`` is off: ``hf_model`` is the switch verl users have, and
+the engine writes that export where verl does (``engine``).
 
 The model config: verl builds its engines from ``actor_rollout_ref.model.hf_config_path``'s
 config with ``model.override_config`` applied; polynya's engines (actor and reference alike)
@@ -173,24 +175,38 @@ def check_loss_function(loss_function) -> None:
                          "estimator loss_mode (k1, k3, low_var_kl, ...)")
 
 
-# what polynya's TrainingEngine.load restores, all together: weights, AdamW state, LR schedule and
-# step count (verl's "model", "optimizer", "extra")
+# what polynya's TrainingEngine.save writes and load restores, all together: weights, AdamW state,
+# LR schedule and step count (verl's "model", "optimizer", "extra")
 _CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+_HF_MODEL = "hf_model"  # save_contents only: a Hugging Face export beside the checkpoint
 
 
-def check_checkpoint(checkpoint) -> None:
-    """Refuse a ``checkpoint.load_contents`` that leaves out part of what polynya's engine restores
-    on resume: verl's own engines would resume with, e.g., a fresh optimizer, polynya's with the
-    saved one. ``ValueError`` naming the key."""
-    load = _field(checkpoint, "load_contents", None)
-    if load is None:  # verl's checkpoint managers read None as all three
-        return
-    missing = [c for c in _CHECKPOINT_CONTENTS if c not in load]
-    if missing:
-        raise ValueError(f"actor_rollout_ref.actor.checkpoint.load_contents={list(load)!r} leaves out {missing}: "
-                         "polynya's deepspeed engine restores weights, optimizer state and LR schedule together "
-                         "on resume, where verl's engines would restore only those listed. Include "
-                         f"{list(_CHECKPOINT_CONTENTS)} (load_contents follows save_contents unless set)")
+def check_checkpoint(checkpoint) -> tuple[str, ...]:
+    """Refuse ``checkpoint.save_contents`` / ``load_contents`` polynya's engine cannot honour and
+    return the save contents. Both must hold all of ``model``, ``optimizer`` and ``extra``: polynya
+    saves and restores them together, where verl's engines would write or resume only those listed
+    (e.g. resume with a fresh optimizer); ``hf_model`` may be added (saved as verl does; on load
+    the checkpoint's own weights are the same ones); other names are refused (verl would ignore a
+    misspelt one). ``None`` (or no checkpoint config) means the three, as verl's checkpoint
+    managers read it. ``ValueError`` naming the key."""
+    key = "actor_rollout_ref.actor.checkpoint"
+    known = _CHECKPOINT_CONTENTS + (_HF_MODEL,)
+    for name, what in (("load_contents", ("restores weights, optimizer state and LR schedule together on resume, "
+                                          "where verl's engines would restore only those listed")),
+                       ("save_contents", ("writes weights, optimizer state and LR schedule together, where "
+                                          "verl's engines would write only those listed"))):
+        listed = _field(checkpoint, name, None)
+        if listed is None:
+            continue
+        unknown = [c for c in listed if c not in known]
+        if unknown:
+            raise ValueError(f"{key}.{name}={list(listed)!r}: {unknown} unknown (verl's contents are {list(known)})")
+        missing = [c for c in _CHECKPOINT_CONTENTS if c not in listed]
+        if missing:
+            raise ValueError(f"{key}.{name}={list(listed)!r} leaves out {missing}: polynya's deepspeed engine {what}. "
+                             f"Include {list(_CHECKPOINT_CONTENTS)} (load_contents follows save_contents unless set)")
+    save = _field(checkpoint, "save_contents", None)
+    return _CHECKPOINT_CONTENTS if save is None else tuple(save)
 
 
 def _optim(opt) -> tuple[float, OptimConfig]:
@@ -286,7 +302,7 @@ def train_config(model_config, engine_config: DeepSpeedEngineConfig, optimizer_c
         raise ValueError("polynya's deepspeed engine needs use_dynamic_bsz=true and a token budget "
                          "(actor.ppo_max_token_len_per_gpu / rollout.log_prob_max_token_len_per_gpu)")
     lr, optim = (0.0, OptimConfig()) if optimizer_config is None else _optim(optimizer_config)
-    return TrainConfig(str(path), lr=lr, optim=optim, micro_batch_tokens=int(budget),
+    return TrainConfig(str(path), lr=lr, optim=optim, micro_batch_tokens=int(budget), export_hf=False,
                        gradient_checkpointing=bool(getattr(model_config, "enable_gradient_checkpointing",
                                                            False)),
                        **engine_config.polynya_fields())

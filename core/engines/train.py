@@ -356,16 +356,20 @@ class TrainingEngine:
                                 temperature=self.config.temperature if temperature is None else temperature)
 
     # ------------------------------------------------------------------ state
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, hf_export: str | None = None) -> None:
         """Checkpoint weights, optimizer, LR schedule and step count to directory ``path``
         (every rank calls it; ZeRO partitions are saved per rank), with ``config.export_hf`` a
-        Hugging Face export of the weights beside it in ``<path>/hf`` (``save_pretrained``),
-        then a manifest with the sha256 of every file (``polynya.files``; rank 0 writes it once
+        Hugging Face export of the weights beside it in ``<path>/hf`` (``save_pretrained``;
+        ``hf_export`` names another sub-directory for it and exports whatever ``export_hf``
+        says, e.g. verl's ``huggingface``), then a manifest with the sha256 of every file (``polynya.files``; rank 0 writes it once
         every rank is done). A checkpoint already in ``path`` is removed first (the files its
         manifest lists; ``clear_checkpoint``). ``RuntimeError`` with gradients pending: the
         checkpoint would hold the state before them, and a resume would lose them."""
         self._check_onloaded()
         self._check_loaded()
+        if hf_export is not None and (not isinstance(hf_export, str) or not hf_export
+                                      or os.path.isabs(hf_export) or ".." in hf_export.split(os.sep)):
+            raise ValueError(f"hf_export must name a sub-directory of the checkpoint, got {hf_export!r}")
         if self._pending:
             raise RuntimeError(f"save() with the gradients of {self._pending} forward_backward call(s) "
                                "pending: the checkpoint would hold the state before them and a resume "
@@ -377,8 +381,8 @@ class TrainingEngine:
         self.engine.save_checkpoint(path, tag="polynya",
                                     client_state={OWN_SKIPPED: self._own_skipped,
                                                   dsu.MODEL_CONFIG: dsu.model_config_json(self.module)})
-        if self.config.export_hf:
-            self.save_pretrained(os.path.join(path, HF_EXPORT))
+        if hf_export is not None or self.config.export_hf:
+            self.save_pretrained(os.path.join(path, hf_export or HF_EXPORT))
         dsu.barrier()
         if self.rank == 0:
             write_manifest(path)

@@ -19,7 +19,7 @@ from polynya.config.sampler import SamplerConfig
 from polynya.engines.logprob import LogProbEngine
 from polynya.engines.sample import SamplingEngine
 from polynya.engines.train import TrainingEngine
-from polynya.files import CheckpointError, write_manifest
+from polynya.files import CheckpointError, verify_manifest, write_manifest
 
 from .common import CUDA, MODEL, assert_same_tensors, full_weights, make_batch, optimizer_state, train_config
 
@@ -351,6 +351,29 @@ def test_a_save_over_an_older_checkpoint_leaves_none_of_its_files(tmp_path):
     fresh = TrainingEngine(train_config(2))
     fresh.load(path)
     assert fresh.weight_checksum() == engine.weight_checksum()
+
+
+def test_the_hugging_face_export_goes_where_save_is_told_and_is_verified(tmp_path):
+    """``save(hf_export=...)`` (verl's ``huggingface`` folder) writes the export there whatever
+    ``export_hf`` says, lists it in the manifest (a later load verifies it: a changed export
+    file is refused), and a name outside the checkpoint is refused before anything is written."""
+    path = str(tmp_path / "ckpt")
+    engine = TrainingEngine(train_config(2, export_hf=False))
+    for bad in ("/abs", "../out", "", 3):
+        with pytest.raises(ValueError, match="hf_export must name a sub-directory"):
+            engine.save(path, hf_export=bad)
+        assert not os.path.exists(path)
+    engine.save(path, hf_export="huggingface")
+    assert not os.path.exists(os.path.join(path, "hf"))
+    listed = verify_manifest(path)["files"]
+    assert any(name.startswith("huggingface/") and name.endswith(".safetensors") for name in listed)
+    fresh = TrainingEngine(train_config(2))
+    fresh.load(path)
+    assert fresh.weight_checksum() == engine.weight_checksum()
+    with open(os.path.join(path, "huggingface", "config.json"), "a") as f:
+        f.write(" ")
+    with pytest.raises(CheckpointError, match="config.json"):
+        fresh.load(path)
 
 
 def test_a_save_with_gradients_pending_is_refused(tmp_path):
