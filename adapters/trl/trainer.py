@@ -12,9 +12,15 @@ accelerate/DeepSpeed set-up). Three of its hooks are translated to polynya:
 - ``_generate_single_turn``: TRL's prompts (each repeated ``num_generations`` times in a row) go
   to polynya's native sampler in-process as one request per prompt with ``n`` = its repeats
   (prefilled once, ``n`` forks share its KV blocks), sampled as transformers' ``generate`` would
-  with TRL's ``generation_config`` completed by the policy's (``translate.sampling_params``: a
-  ``min_p`` inherited from the checkpoint's ``generation_config.json`` is applied, as there);
-  completions come back in TRL's row order
+  with TRL's ``generation_config`` (``GRPOConfig``'s settings with ``generation_kwargs`` merged
+  over them, as TRL does) completed by the policy's (``translate.sampling_params``: a ``min_p``
+  inherited from the checkpoint's ``generation_config.json`` is applied, as there). Of
+  ``generation_kwargs``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``do_sample``
+  (``False``: greedy, the first argmax), ``max_new_tokens`` and ``min_new_tokens`` are
+  translated; accepted as they leave the tokens unchanged: ``eos_token_id`` equal to TRL's EOS
+  ids, the off values of the refused settings below, ``use_cache``, ``pad_token_id``,
+  ``bos_token_id``, ``output_scores``, ``output_logits``, ``renormalize_logits``. Log-probs keep
+  ``GRPOConfig.temperature``, as TRL's own do. Completions come back in TRL's row order
   and, as from TRL's own non-vLLM generation, without sampling log-probs (TRL would read them
   as vLLM's: its off-policy sequence mask, ``off_policy_mask_threshold``, would compare against
   the sampler instead of the old policy). Before generating, the sampler gets the trainer's
@@ -31,14 +37,17 @@ accelerate/DeepSpeed set-up). Three of its hooks are translated to polynya:
   own row shuffle (``micro_batches_follow_trl``), so every micro-batch is one TRL would form.
 
 Not supported (refused at construction with the reason): vLLM (``use_vllm``), PEFT, vision-
-language models, MoE router aux loss, ``cast_lm_head_to_fp32``, ``repetition_penalty != 1``,
-``generation_kwargs``, generation settings the sampler cannot reproduce (``min_p`` with
-``top_p < 1``, or a logits processor such as ``no_repeat_ngram_size`` inherited from the model's
-``generation_config``), a sampler checkpoint configured unlike the policy (e.g. a
+language models, MoE router aux loss, ``cast_lm_head_to_fp32``, ``repetition_penalty != 1``
+(``GRPOConfig``'s unless ``generation_kwargs`` overrides it), every other ``generation_kwargs``
+key (each named with why: unknown keys such as vLLM's ``min_tokens``, ``max_length``, and
+``translate._NO_COUNTERPART``'s when on), generation settings the sampler cannot reproduce
+(``min_p`` with ``top_p < 1``, other EOS ids than TRL's, a logits processor such as
+``no_repeat_ngram_size`` inherited from the model's ``generation_config``, ``temperature=0``
+while sampling), a sampler checkpoint configured unlike the policy (e.g. a
 ``rope_parameters`` given in ``model_init_kwargs``), a sampler whose ``max_model_len`` cannot hold
-``max_completion_length``,
+``max_completion_length`` (or a larger ``generation_kwargs`` ``max_new_tokens``),
 multi-process DDP/FSDP (DeepSpeed is the data-parallel path). A prompt that leaves the sampler less
-than ``max_completion_length`` tokens is refused when it is tokenized (``ValueError``, nothing
+than that many tokens is refused when it is tokenized (``ValueError``, nothing
 generated).
 """
 from __future__ import annotations
@@ -69,6 +78,7 @@ from ...types import SamplingParams
 from .translate import (
     check_groups,
     config_differences,
+    generation_kwargs_problems,
     group_chunks,
     group_permutation,
     permute_rows,
@@ -133,8 +143,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.zorro = zorro
         self._check_trainer()
-        self._sampling = sampling_params(self._generation_in_effect(), self.max_completion_length,
-                                         self.eos_token_ids)
+        self._sampling = sampling_params(self._generation_in_effect(), self.eos_token_ids)
         config = self._sampler_config(sampler_config, args, kwargs)
         self._check_same_model(config.model)
         models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
@@ -217,15 +226,19 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _check_room(self, prompt_len: int) -> None:
         """``ValueError`` unless a prompt of ``prompt_len`` tokens leaves the sampler room for all
-        ``max_completion_length`` tokens (it would end the completion early at its
-        ``max_model_len``; TRL's own generation would not)."""
+        the tokens TRL's own generation would keep (it would end a completion early at its
+        ``max_model_len``; TRL's would not): ``max_completion_length``, or ``generation_kwargs``'
+        ``max_new_tokens`` where larger (a turn generates that many; a tool-calling rollout's
+        completion keeps up to ``max_completion_length`` over its turns)."""
         longest = self.sampler.max_model_len
-        if prompt_len + self.max_completion_length > longest:
-            raise ValueError(f"a prompt of {prompt_len} tokens plus max_completion_length="
-                             f"{self.max_completion_length} exceeds the sampler's max_model_len="
-                             f"{longest}: its completions would be cut short; raise "
-                             "SamplerConfig.max_model_len / kv_cache_memory_gb or lower "
-                             "max_completion_length")
+        budget = max(self._sampling.max_tokens, self.max_completion_length)
+        name = ("max_completion_length" if budget == self.max_completion_length
+                else "generation_kwargs max_new_tokens")
+        if prompt_len + budget > longest:
+            raise ValueError(f"a prompt of {prompt_len} tokens plus {name}={budget} exceeds the "
+                             f"sampler's max_model_len={longest}: its completions would be cut "
+                             "short; raise SamplerConfig.max_model_len / kv_cache_memory_gb or "
+                             f"lower {name}")
 
     def _sampler_config(self, config: SamplerConfig | None, args, kwargs) -> SamplerConfig:
         policy = self.accelerator.unwrap_model(self.model)
@@ -267,8 +280,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _tokenize_prompts(self, prompts: list):
         """TRL's tokenization, then ``ValueError`` (nothing generated) for a prompt that leaves the
-        sampler less than ``max_completion_length`` tokens. Only the first turn's prompts are
-        checked: later turns of a tool-calling rollout keep at most what is left of
+        sampler less room than ``_check_room`` asks. Only the first turn's prompts are checked:
+        later turns of a tool-calling rollout keep at most what is left of
         ``max_completion_length`` (TRL cuts the rest), which then always fits."""
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         self._check_room(max(map(len, prompt_ids), default=0))
@@ -364,10 +377,10 @@ def _check_args(args, kwargs: dict) -> None:
         problems.append("use_vllm=True (the adapter generates on polynya's sampler; set use_vllm=False)")
     if getattr(args, "use_transformers_continuous_batching", False):
         problems.append("use_transformers_continuous_batching=True")
-    if args.repetition_penalty != 1.0:
+    overridden = args.generation_kwargs or {}  # TRL's own generation lets them win
+    if args.repetition_penalty != 1.0 and "repetition_penalty" not in overridden:
         problems.append(f"repetition_penalty={args.repetition_penalty} (the native sampler has none)")
-    if args.generation_kwargs:
-        problems.append(f"generation_kwargs={args.generation_kwargs} (not translated)")
+    problems += [f"generation_kwargs {p}" for p in generation_kwargs_problems(args.generation_kwargs)]
     if args.cast_lm_head_to_fp32:
         problems.append("cast_lm_head_to_fp32=True")
     if problems:

@@ -87,7 +87,15 @@ def test_sampling_filters_equal_trl_generation(tmp_path_factory, tmp_path, name)
     params = trainer._sampling_params(G)
     assert params.n == G and params.max_tokens == MAX_LEN
     assert list(params.stop_token_ids) == list(trainer.eos_token_ids)
-    g = torch.Generator().manual_seed(len(name))
+    filtered = assert_filters_equal_trl(trainer, params, seed=len(name))
+    assert filtered == (name not in UNFILTERED)  # the other cases do filter
+
+
+def assert_filters_equal_trl(trainer, params: SamplingParams, seed: int) -> bool:
+    """The sampler's filter with ``params`` keeps the tokens transformers' logits processors for
+    the trainer's generation config keep, with the same probabilities, on fresh random logits;
+    returns whether any token was removed."""
+    g = torch.Generator().manual_seed(seed)
     vocab = trainer.model.config.vocab_size
     logits = torch.randn(6, vocab, generator=g) * 4  # peaked enough that every filter removes tokens
     input_ids = torch.randint(5, vocab, (6, 9), generator=g)
@@ -95,8 +103,8 @@ def test_sampling_filters_equal_trl_generation(tmp_path_factory, tmp_path, name)
     st = SamplingTensors.build([params] * 6, [0.5] * 6, vocab, "cpu")
     got = filter_logits(logits, st)
     assert torch.equal(torch.isfinite(got), torch.isfinite(want))
-    assert torch.isfinite(want).all() == (name in UNFILTERED)  # the other cases do filter
     torch.testing.assert_close(got.softmax(-1), want.softmax(-1), atol=1e-6, rtol=1e-5)
+    return not bool(torch.isfinite(want).all())
 
 
 def test_min_p_after_top_p_is_refused_and_would_differ(plain_dir, tmp_path):
@@ -114,8 +122,8 @@ def test_min_p_after_top_p_is_refused_and_would_differ(plain_dir, tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("no_repeat_ngram_size", 3), ("suppress_tokens", [7, 8]), ("typical_p", 0.9), ("min_new_tokens", 2),
-    ("bad_words_ids", [[9]]),
+    ("no_repeat_ngram_size", 3), ("suppress_tokens", [7, 8]), ("typical_p", 0.9),
+    ("bad_words_ids", [[9]]), ("num_return_sequences", 2),
 ])
 def test_refuses_processors_inherited_from_the_checkpoint(tmp_path_factory, tmp_path, field, value):
     """TRL leaves these unset; transformers then applies the checkpoint's value, which the native
