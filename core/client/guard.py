@@ -16,6 +16,9 @@
   files) — the engine then verifies the manifest and unpickles weights-only;
 - ``new_token``: the server generates one when it binds a non-loopback address without a token
   (``polynya.distributed.is_loopback`` decides).
+
+The wait for a request's line and headers comes before any ASGI app sees the request: its
+bound, ``HEADER_TIMEOUT_S`` by default, is kept by uvicorn's protocol (``uvicorn_server.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from pathlib import Path
 from ..files import MANIFEST
 
 PUBLIC_PATHS = ("/health",)
+# seconds for a request's line and headers: programs on the trainers' network send them in one
+# write; Apache's mod_reqtimeout documents header=10 (default 20-40), nginx waits 60
+HEADER_TIMEOUT_S = 10.0
 CHECKPOINT_TAG = "polynya"  # TrainingEngine.save's DeepSpeed tag: <dir>/polynya/*.pt
 
 

@@ -2,7 +2,8 @@
 
 With ``server_url`` it talks to that server; without, it starts one in this process (local
 engines behind uvicorn on ``127.0.0.1``, a free port, the config's body limit and run directory,
-the config's token or a random one) and stops it on ``shutdown``. Sync calls use ``httpx.Client``, async ones ``httpx.AsyncClient``; both share
+the config's token or a random one, the server's default body and header deadlines) and stops it
+on ``shutdown``. Sync calls use ``httpx.Client``, async ones ``httpx.AsyncClient``; both share
 one request description per call, so they behave the same. Errors map back to Python: 4xx →
 ``ValueError`` (401 / 403 → ``PermissionError``, 404 → ``FileNotFoundError``, 409 →
 ``RuntimeError``, 501 → ``NotImplementedError``), 5xx and network failures or timeouts →
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
-import time
 from typing import Any, Sequence
 
 from ..files import CheckpointError
@@ -76,13 +75,12 @@ class _EmbeddedServer:
     """uvicorn in a daemon thread, serving local engines."""
 
     def __init__(self, config: RLClientConfig):
-        import uvicorn
-
         from ..distributed import free_port
         from ..models import load_tokenizer
-        from .guard import new_token
+        from .guard import HEADER_TIMEOUT_S, new_token
         from .local import LocalClient
         from .server import create_app
+        from .uvicorn_server import server_config, start_in_thread
 
         self.client = LocalClient(config.replace(comm_protocol="local"))
         self.token = config.api_token or new_token()  # other local users cannot drive it
@@ -94,18 +92,9 @@ class _EmbeddedServer:
             run_dir=config.run_dir or os.getcwd(),
         )
         self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, name="polynya-http", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise EngineError("the embedded polynya server did not start")
-            time.sleep(0.02)
+        self.server, self.thread = start_in_thread(
+            server_config(app, "127.0.0.1", self.port, header_timeout_s=HEADER_TIMEOUT_S,
+                          lifespan="off"))
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:

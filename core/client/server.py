@@ -6,11 +6,13 @@ vLLM-speaking RL frameworks (TRL server mode, SkyRL's remote engine client) alre
 Binds ``127.0.0.1`` unless told otherwise; on another address without ``--token`` it generates
 one and prints it. With a token every route but ``/health`` needs ``Authorization: Bearer
 <token>`` (docs included); bodies over ``max_body_bytes`` get 413, a stalled body 408; file
-routes stay inside the run directory (``guard.py``). Malformed payloads get a 4xx with
-``{"error": ...}`` and never take the server down; a wait on something outside the server that
-runs past its bound (a weight-transfer group that does not form) gets 504. A generation whose
-client disconnects (or whose handler is cancelled) is aborted in the engine at its next step,
-pages freed (``cancel.py``); the other requests of the batch are unaffected.
+routes stay inside the run directory (``guard.py``); a request's line and headers have
+``--header-timeout`` seconds from the moment a connection opens or its previous response ends
+(``uvicorn_server.py``). Malformed payloads get a 4xx with ``{"error": ...}`` and never take the
+server down; a wait on something outside the server that runs past its bound (a weight-transfer
+group that does not form) gets 504. A generation whose client disconnects (or whose handler is
+cancelled) is aborted in the engine at its next step, pages freed (``cancel.py``); the other
+requests of the batch are unaffected.
 
 Client API (``HTTPClient`` speaks it): ``POST /rl/generate`` (JSON), ``/rl/compute_logprobs`` and
 ``/rl/forward_backward`` (a batch as safetensors bytes, ``polynya.client.codec``), ``/rl/step``,
@@ -35,7 +37,7 @@ from .codec import (
     read_json,
     sample_to_json,
 )
-from .guard import BodyGuard, RunDir, TokenGuard, new_token
+from .guard import HEADER_TIMEOUT_S, BodyGuard, RunDir, TokenGuard, new_token
 from .weight_transfer import INIT_TIMEOUT_S, MAX_INIT_TIMEOUT_S
 
 
@@ -297,6 +299,15 @@ def parser() -> argparse.ArgumentParser:
         "(0: no rate bound; default: %(default)s)",
     )
     ap.add_argument(
+        "--header-timeout",
+        type=_number(float, lambda v: 0 < v < math.inf, "> 0 seconds (finite)"),
+        default=HEADER_TIMEOUT_S,
+        help="seconds a client has for a request's line and headers, from the moment its "
+        "connection opens or its previous response ends; then 408 (part of a request came) "
+        "or the connection is closed (nothing came), so a client sending headers byte by byte "
+        "or not at all cannot hold a connection (default: %(default)s)",
+    )
+    ap.add_argument(
         "--no-weight-checksum",
         action="store_true",
         help="let /finish_weight_update apply weights without the trainer's checksum "
@@ -339,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..models import load_tokenizer
     from .config import RLClientConfig
     from .local import LocalClient
+    from .uvicorn_server import server_config
 
     ap = parser()
     a = ap.parse_args(argv)
@@ -367,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         require_weight_checksum=not a.no_weight_checksum,
         weight_transfer_timeout_s=a.weight_transfer_timeout,
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, a.host, a.port, header_timeout_s=a.header_timeout))
     startup = server.startup
 
     async def announce(sockets=None):  # print once uvicorn is listening

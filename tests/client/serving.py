@@ -1,16 +1,14 @@
-"""A polynya server app run by uvicorn in a thread on a free loopback port, for tests that need
+"""A polynya server app run by uvicorn in a thread on a free loopback port (the servers' own
+config: h11 with the header deadline, ``polynya.client.uvicorn_server``), for tests that need
 the server's own knobs (run directory, read timeout, token) or its raw sockets; plus the
 snapshot of everything a refused request must leave unchanged."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from pathlib import Path
 
-import uvicorn
-
+from polynya.client.uvicorn_server import server_config, start_in_thread
 from polynya.distributed import free_port
 
 
@@ -18,15 +16,7 @@ from polynya.distributed import free_port
 def served(app):
     """Yield the base URL of ``app`` served on ``127.0.0.1``; stop it on exit."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
+    server, thread = start_in_thread(server_config(app, "127.0.0.1", port, lifespan="off"))
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
