@@ -84,17 +84,21 @@ class _EmbeddedServer:
 
         self.client = LocalClient(config.replace(comm_protocol="local"))
         self.token = config.api_token or new_token()  # other local users cannot drive it
-        app = create_app(
-            self.client,
-            api_token=self.token,
-            max_body_bytes=config.max_body_bytes,
-            tokenizer=load_tokenizer(config.model_name),
-            run_dir=config.run_dir or os.getcwd(),
-        )
-        self.port = free_port()
-        self.server, self.thread = start_in_thread(
-            server_config(app, "127.0.0.1", self.port, header_timeout_s=HEADER_TIMEOUT_S,
-                          lifespan="off"))
+        try:
+            app = create_app(
+                self.client,
+                api_token=self.token,
+                max_body_bytes=config.max_body_bytes,
+                tokenizer=load_tokenizer(config.model_name),
+                run_dir=config.run_dir or os.getcwd(),
+            )
+            self.port = free_port()
+            self.server, self.thread = start_in_thread(
+                server_config(app, "127.0.0.1", self.port, header_timeout_s=HEADER_TIMEOUT_S,
+                              lifespan="off"))
+        except BaseException:  # the engines built above would outlive a server that never came up
+            self.client.shutdown()
+            raise
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:

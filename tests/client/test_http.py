@@ -422,3 +422,24 @@ def test_metrics_codec_round_trip():
     got = decode_metrics(json.loads(json.dumps(encode_metrics(m))))
     assert got["a"] == float("inf") and got["b"] == float("-inf") and math.isnan(got["c"])
     assert (got["d"], got["e"], got["f"]) == (1.5, 3, "x")
+
+
+def test_embedded_server_that_cannot_start_shuts_its_engines_down(monkeypatch):
+    """The in-process server's engines were built before uvicorn started; a server that never
+    came up left them (and their threads and memory) behind. Now the error comes through and the
+    local client is shut down."""
+    from polynya.client import local, uvicorn_server
+    from polynya.client.api import EngineError
+
+    shut = []
+    real_shutdown = local.LocalClient.shutdown
+    monkeypatch.setattr(local.LocalClient, "shutdown",
+                        lambda self: (shut.append(self), real_shutdown(self))[1])
+
+    def refuse(config, *args, **kwargs):
+        raise EngineError(f"the polynya server on {config.host}:{config.port} did not start")
+
+    monkeypatch.setattr(uvicorn_server, "start_in_thread", refuse)
+    with pytest.raises(EngineError, match="did not start"):
+        polynya.create_rl_client(tiny_config("http"))
+    assert len(shut) == 1
