@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 MANIFEST = "MANIFEST.json"
+CHECKPOINT_TAG = "polynya"  # TrainingEngine.save's DeepSpeed tag folder: <checkpoint>/polynya/*.pt
 _READ = 1 << 22
 
 

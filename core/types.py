@@ -266,7 +266,13 @@ def params_per_prompt(prompts: Sequence, params) -> list:
     an entry of another type."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of token-id lists")
-    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if isinstance(params, SamplingParams):
+        plist = [params] * len(prompts)
+    elif isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
+        plist = list(params)
+    else:
+        raise ValueError(f"params must be one SamplingParams or a list of them (one per prompt), "
+                         f"got {type(params).__name__}")
     if len(plist) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
     for i, p in enumerate(plist):

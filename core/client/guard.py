@@ -32,13 +32,12 @@ import os
 import secrets
 from pathlib import Path
 
-from ..files import MANIFEST
+from ..files import CHECKPOINT_TAG, MANIFEST
 
 PUBLIC_PATHS = ("/health",)
 # seconds for a request's line and headers: programs on the trainers' network send them in one
 # write; Apache's mod_reqtimeout documents header=10 (default 20-40), nginx waits 60
 HEADER_TIMEOUT_S = 10.0
-CHECKPOINT_TAG = "polynya"  # TrainingEngine.save's DeepSpeed tag: <dir>/polynya/*.pt
 
 
 def new_token() -> str:

@@ -159,10 +159,11 @@ class HTTPClient(ClientLifecycle):
     # ------------------------------------------------------------------ requests
     @staticmethod
     def _generate_req(prompts, params) -> _Req:
-        plist = [params_to_json(p) for p in params_per_prompt(prompts, params)]
+        plist = params_per_prompt(prompts, params)  # ValueError here, before any request
         body = {
             "prompts": [as_token_array(p, f"prompts[{i}]").tolist() for i, p in enumerate(prompts)],
-            "params": params_to_json(params) if isinstance(params, SamplingParams) else plist,
+            "params": (params_to_json(params) if isinstance(params, SamplingParams)
+                       else [params_to_json(p) for p in plist]),
         }
         decode = lambda r: [[sample_from_json(s) for s in g] for g in r.json()["samples"]]  # noqa: E731
         return _Req("POST", "/rl/generate", json=body, decode=decode)

@@ -101,7 +101,8 @@ class HeaderDeadline(H11Protocol):
 def header_deadline(timeout_s: float = HEADER_TIMEOUT_S) -> type[HeaderDeadline]:
     """``HeaderDeadline`` with ``timeout_s`` seconds for a request's line and headers (uvicorn
     builds the protocol itself, so the number travels as a class attribute)."""
-    if not 0 < timeout_s < math.inf:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not 0 < timeout_s < math.inf:
         raise ValueError(f"header_timeout_s must be > 0 seconds (finite), got {timeout_s!r}")
     return type("HeaderDeadline", (HeaderDeadline,), {"header_timeout_s": float(timeout_s)})
 
@@ -124,6 +125,7 @@ def start_in_thread(config: uvicorn.Config, name: str = "polynya-http",
     deadline = time.monotonic() + wait_s
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True  # one still starting stops once it is up
             raise EngineError(f"the polynya server on {config.host}:{config.port} did not start")
         time.sleep(0.02)
     return server, thread

@@ -41,7 +41,7 @@ from ..distributed import (
     check_same_on_all_ranks,
     local_device,
 )
-from ..files import clear_checkpoint, verify_manifest, write_manifest
+from ..files import CHECKPOINT_TAG, clear_checkpoint, verify_manifest, write_manifest
 from ..losses import Normalizer, policy_loss, resolve_loss
 from ..spans import cached_layout, span_layout
 from ..types import RolloutBatch, TokenStats
@@ -81,6 +81,15 @@ def check_train_batch(batch: object, *, needs_ref: bool) -> RolloutBatch:
     if needs_ref and batch.ref_logprobs is None:
         raise ValueError("loss_config.kl_coef > 0 needs batch.ref_logprobs")
     return batch
+
+
+def _export_folder(name) -> bool:
+    """Whether ``name`` is a folder inside a checkpoint that ``save`` may export to: relative,
+    below the checkpoint (not itself), outside DeepSpeed's tag folder."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        return False
+    parts = os.path.normpath(name).split(os.sep)
+    return parts[0] not in (".", "..", CHECKPOINT_TAG)
 
 
 class TrainingEngine:
@@ -367,9 +376,9 @@ class TrainingEngine:
         checkpoint would hold the state before them, and a resume would lose them."""
         self._check_onloaded()
         self._check_loaded()
-        if hf_export is not None and (not isinstance(hf_export, str) or not hf_export
-                                      or os.path.isabs(hf_export) or ".." in hf_export.split(os.sep)):
-            raise ValueError(f"hf_export must name a sub-directory of the checkpoint, got {hf_export!r}")
+        if hf_export is not None and not _export_folder(hf_export):
+            raise ValueError(f"hf_export must name a sub-directory of the checkpoint other than its "
+                             f"{CHECKPOINT_TAG!r} tag folder, got {hf_export!r}")
         if self._pending:
             raise RuntimeError(f"save() with the gradients of {self._pending} forward_backward call(s) "
                                "pending: the checkpoint would hold the state before them and a resume "
@@ -378,7 +387,7 @@ class TrainingEngine:
             clear_checkpoint(path)
         dsu.barrier()
         # the steps skipped here (plain fp32 ZeRO-0) are not in DeepSpeed's own count
-        self.engine.save_checkpoint(path, tag="polynya",
+        self.engine.save_checkpoint(path, tag=CHECKPOINT_TAG,
                                     client_state={OWN_SKIPPED: self._own_skipped,
                                                   dsu.MODEL_CONFIG: dsu.model_config_json(self.module)})
         if hf_export is not None or self.config.export_hf:
@@ -429,7 +438,7 @@ class TrainingEngine:
         self._drop_checksum()
         began: list[bool] = []
         try:
-            client = dsu.load_checkpoint(self.engine, path, tag="polynya",
+            client = dsu.load_checkpoint(self.engine, path, tag=CHECKPOINT_TAG,
                                          began=lambda: began.append(True))
         except BaseException as exc:
             if began:  # DeepSpeed had begun: part of the state may be the checkpoint's

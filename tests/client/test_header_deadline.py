@@ -209,7 +209,7 @@ def test_slow_header_connections_do_not_hold_other_clients(port):
     assert all(r == b"" for r in replies[1::2])
 
 
-@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "10", None])
 def test_bad_deadlines_refused(value):
     with pytest.raises(ValueError, match="header_timeout_s"):
         header_deadline(value)

@@ -107,6 +107,9 @@ def test_params_per_prompt_expands_one_and_refuses_what_does_not_fit():
     assert params_per_prompt([], p) == []
     for prompts, params, msg in [(5, p, "prompts must be a list"), ("ab", p, "prompts must be a list"),
                                  ([[1]], [p, p], "1 prompts but 2 SamplingParams"),
-                                 ([[1]], [{"n": 2}], r"params\[0\] must be a SamplingParams, got dict")]:
+                                 ([[1]], [{"n": 2}], r"params\[0\] must be a SamplingParams, got dict"),
+                                 ([[1]], None, r"params must be one SamplingParams or a list of them \(one per "
+                                  r"prompt\), got NoneType"),
+                                 ([[1]], {"n": 2}, "got dict")]:
         with pytest.raises(ValueError, match=msg):
             params_per_prompt(prompts, params)

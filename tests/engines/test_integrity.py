@@ -359,7 +359,7 @@ def test_the_hugging_face_export_goes_where_save_is_told_and_is_verified(tmp_pat
     file is refused), and a name outside the checkpoint is refused before anything is written."""
     path = str(tmp_path / "ckpt")
     engine = TrainingEngine(train_config(2, export_hf=False))
-    for bad in ("/abs", "../out", "", 3):
+    for bad in ("/abs", "../out", "", 3, ".", "a/../..", "polynya", "polynya/hf"):
         with pytest.raises(ValueError, match="hf_export must name a sub-directory"):
             engine.save(path, hf_export=bad)
         assert not os.path.exists(path)
